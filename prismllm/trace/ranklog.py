@@ -1,0 +1,74 @@
+"""RankLog: what one rank's producer (recorder, solo capture, slice timer) hands to the graph.
+
+Each rank writes one msgpack file ``rank-<rank:06d>.msgpack`` into a spool directory; the
+launcher assembles all of them into a PrismTrace directory (``prismllm.trace.assemble``).
+msgpack, never pickle: the files cross process and machine boundaries.
+
+A node row is a dict with the columns of ``schema.NODE_SCHEMA`` except ``node_id`` and
+``group``: a rank does not know graph-wide group ids, so it names its group by the
+torch.distributed group name in ``group_name`` ("" for compute). ``rank`` and ``index`` are
+filled by the producer. Missing optional columns take ``schema.NODE_DEFAULTS``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+RANKLOG_VERSION = 1
+
+
+@dataclasses.dataclass
+class GroupInfo:
+    name: str  # torch.distributed group name, identical on every member
+    desc: str  # group_desc
+    ranks: list[int]  # global ranks in group-rank order
+
+
+@dataclasses.dataclass
+class RankLog:
+    rank: int
+    world_size: int
+    device: str  # "cpu" or the GPU's name
+    clock: str  # "host" (wall clock) or "cuda" (CUDA events mapped to the host clock)
+    nodes: list[dict[str, Any]]
+    groups: list[GroupInfo]
+    iterations: list[dict[str, Any]]  # {"iteration", "start_ns", "end_ns", "label"}
+    peak_memory_bytes: int = -1  # torch.cuda.max_memory_allocated at exit, -1 on CPU
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["version"] = RANKLOG_VERSION
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RankLog":
+        version = d.get("version")
+        if version != RANKLOG_VERSION:
+            raise ValueError(f"rank log version {version!r}, expected {RANKLOG_VERSION}")
+        groups = [GroupInfo(**g) for g in d["groups"]]
+        fields = {f.name for f in dataclasses.fields(cls)} - {"groups"}
+        return cls(groups=groups, **{k: v for k, v in d.items() if k in fields})
+
+
+def ranklog_path(spool: str | os.PathLike, rank: int) -> Path:
+    return Path(spool) / f"rank-{rank:06d}.msgpack"
+
+
+def write_ranklog(spool: str | os.PathLike, log: RankLog) -> Path:
+    """Write atomically (temp file + rename) so a crash never leaves a half file behind."""
+    path = ranklog_path(spool, log.rank)
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(msgpack.packb(log.to_dict(), use_bin_type=True))
+    os.replace(tmp, path)
+    return path
+
+
+def read_ranklog(path: str | os.PathLike) -> RankLog:
+    with open(path, "rb") as f:
+        return RankLog.from_dict(msgpack.unpackb(f.read(), raw=False, strict_map_key=False))
