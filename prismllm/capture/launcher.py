@@ -1,0 +1,915 @@
+"""A torchrun-shaped process launcher, reused by every stage that runs rank processes
+(``prism record``, solo capture, slice timing, emulation).
+
+``launch(LaunchSpec(...))`` starts one process per rank, each running
+
+    <python> -m prismllm.comm.bootstrap SCRIPT ARGS...      (``runner=None``: <python> SCRIPT ARGS)
+
+with the environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, ... see
+``torchrun_env``), and supervises them:
+
+- Output: each rank's stdout and stderr are passed through line by line (never interleaved
+  inside a line), optionally prefixed with the rank, optionally also written to per-rank log
+  files (torchrun's ``--tee``), and the last lines of each are kept in a bounded buffer.
+- Failure: as soon as a rank exits non-zero or is killed by a signal, every other rank is
+  ended (SIGTERM to its process group, SIGKILL after ``grace_period``) and the result names the
+  *first* rank that failed, its exit code or signal, and the last lines of its stderr.
+- Timeout: ``timeout`` seconds after the start, all ranks still running are ended and named.
+- No process is left behind, however the launcher ends: children run in their own session
+  (so a terminal's Ctrl-C reaches only the launcher, which then ends them), every exit path of
+  ``launch`` goes through one clean-up, SIGTERM/SIGHUP/SIGINT to the launcher end the children
+  first, and on Linux each child has ``PR_SET_PDEATHSIG=SIGKILL`` so it dies even when the
+  launcher is SIGKILLed. (PDEATHSIG follows the *thread* that started the child: call
+  ``launch`` from a thread that outlives the run, e.g. the main thread; it blocks until the end.)
+
+Devices: ``"cpu"`` hides GPUs from the ranks (``CUDA_VISIBLE_DEVICES=""``; processes stand in
+for devices). A list of GPU indices gives rank ``local_rank`` the GPU ``devices[local_rank]``;
+as with torchrun, LOCAL_RANK selects the GPU: when the list is ``0..nproc-1`` the parent's
+``CUDA_VISIBLE_DEVICES`` is left alone, otherwise it is narrowed to the listed GPUs (indices
+into the parent's visible list) so that LOCAL_RANK still selects the right one.
+
+Every child always gets ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
+``NVSHMEM_DISABLE_NVLS=1`` (NVLink multicast stays off on the lent machines).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import queue
+import re
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from prismllm.errors import PrismError
+
+DEFAULT_RUNNER = "prismllm.comm.bootstrap"
+
+# Set in every child, after any override: multicast/NVLS must stay off on these machines.
+NVLS_OFF_ENV: dict[str, str] = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+
+# Variables the elastic agent of torchrun sets for each worker
+# (torch/distributed/elastic/agent/server/local_elastic_agent.py, _start_workers).
+TORCHRUN_ENV_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCHELASTIC_ERROR_FILE",
+)
+
+LineSink = Callable[[int, str, str], None]  # (rank, "stdout" | "stderr", line with its "\n")
+
+
+class LaunchError(PrismError):
+    """A launch that could not start, or whose ranks failed; ``result`` has the details."""
+
+    def __init__(self, message: str, result: "LaunchResult | None" = None):
+        super().__init__(message)
+        self.result = result
+
+
+class LaunchInterrupted(PrismError):
+    """The launcher received SIGTERM or SIGHUP; every rank has been ended."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"received {signal.Signals(signum).name}; all ranks were ended")
+
+
+@dataclasses.dataclass
+class LaunchSpec:
+    nproc: int  # processes to start on this host (LOCAL_WORLD_SIZE)
+    script: str  # the user's program
+    args: Sequence[str] = ()
+    # Environment overrides for every rank, applied over the torchrun set (None removes a
+    # variable); ``rank_env`` per global rank, applied after ``env``.
+    env: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    rank_env: Mapping[int, Mapping[str, str | None]] = dataclasses.field(default_factory=dict)
+    devices: str | Sequence[int] = "cpu"  # "cpu" or GPU indices, one per local rank
+    # Global ranks of the processes (default 0..nproc-1) and the world size they see
+    # (default nproc): a stage may run a few ranks of a larger logical world.
+    ranks: Sequence[int] | None = None
+    world_size: int | None = None
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port of master_addr
+    run_id: str | None = None  # TORCHELASTIC_RUN_ID; None: a fresh one
+    runner: str | None = DEFAULT_RUNNER  # module run as ``python -m runner SCRIPT``; None: SCRIPT
+    python: str = sys.executable
+    cwd: str | None = None
+    # Output.
+    passthrough: bool = True  # pass each rank's lines to the launcher's stdout/stderr
+    show_ranks: Sequence[int] | None = None  # pass through only these ranks (torchrun --local-ranks-filter)
+    line_prefix: str | None = None  # e.g. "[rank{rank}]: " ({rank}, {local_rank})
+    log_dir: str | os.PathLike | None = None  # per-rank log files (torchrun --tee)
+    sink: LineSink | None = None  # where passed-through lines go; None: sys.stdout / sys.stderr
+    tail_lines: int = 20  # lines of stdout and stderr kept per rank for the failure report
+    # Supervision.
+    timeout: float | None = None  # seconds; None: no limit
+    grace_period: float = 5.0  # between SIGTERM and SIGKILL when ending ranks
+    handle_signals: bool = True  # install SIGTERM/SIGHUP/SIGINT handlers (main thread only)
+    watchdog: bool = True  # a helper process that ends the ranks' process groups if the
+    #                        launcher itself is SIGKILLed (PDEATHSIG alone reaches only the ranks)
+
+
+@dataclasses.dataclass
+class RankFailure:
+    kind: str  # "exit" | "signal" | "timeout"
+    rank: int | None  # first failing rank (None for "timeout")
+    returncode: int | None  # exit code (> 0) or -signal number
+    running_ranks: list[int]  # for "timeout": ranks still running when the time ran out
+    stderr_tail: list[str]
+
+
+@dataclasses.dataclass
+class LaunchResult:
+    ok: bool
+    ranks: list[int]
+    returncodes: dict[int, int | None]  # per global rank; -N: killed by signal N
+    ended_by_launcher: list[int]  # ranks the launcher terminated (after a failure or timeout)
+    pids: dict[int, int]
+    wall_s: float
+    master_port: int
+    run_id: str
+    log_dir: Path | None
+    failure: RankFailure | None
+    message: str  # "" when ok; else one clear message (first line says what happened)
+    stdout_tail: dict[int, list[str]]
+    stderr_tail: dict[int, list[str]]
+
+    def raise_for_failure(self) -> None:
+        if not self.ok:
+            raise LaunchError(self.message, self)
+
+
+# ---------------------------------------------------------------------------------------------
+# Environment
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    """A TCP port free on ``addr`` now (as torchrun's standalone mode picks one)."""
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return s.getsockname()[1]
+
+
+def _resolve_ranks(spec: LaunchSpec) -> list[int]:
+    ranks = list(range(spec.nproc)) if spec.ranks is None else [int(r) for r in spec.ranks]
+    if len(ranks) != spec.nproc:
+        raise LaunchError(f"{len(ranks)} ranks given for nproc={spec.nproc}")
+    world = spec.world_size if spec.world_size is not None else spec.nproc
+    if len(set(ranks)) != len(ranks) or any(r < 0 or r >= world for r in ranks):
+        raise LaunchError(f"ranks {ranks} are not distinct ranks of a world of {world}")
+    return ranks
+
+
+def device_env(devices: str | Sequence[int], nproc: int, parent: Mapping[str, str]) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES for the children, or {} to leave the parent's as it is."""
+    if isinstance(devices, str):
+        if devices == "cpu":
+            return {"CUDA_VISIBLE_DEVICES": ""}
+        raise LaunchError(f"devices must be 'cpu' or a list of GPU indices, not {devices!r}")
+    gpus = [int(d) for d in devices]
+    if len(gpus) < nproc:
+        raise LaunchError(f"{nproc} ranks need {nproc} GPUs; {len(gpus)} given ({gpus})")
+    gpus = gpus[:nproc]
+    if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
+        raise LaunchError(f"GPU indices must be distinct and non-negative: {gpus}")
+    if gpus == list(range(nproc)):
+        return {}  # as torchrun: CUDA_VISIBLE_DEVICES left alone, LOCAL_RANK selects the GPU
+    visible = parent.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() != "":
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if max(gpus) >= len(ids):
+            raise LaunchError(f"GPU {max(gpus)} is not among CUDA_VISIBLE_DEVICES={visible}")
+        return {"CUDA_VISIBLE_DEVICES": ",".join(ids[g] for g in gpus)}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
+
+
+def torchrun_env(
+    *,
+    rank: int,
+    local_rank: int,
+    world_size: int,
+    local_world_size: int,
+    master_addr: str,
+    master_port: int,
+    run_id: str,
+) -> dict[str, str]:
+    """The variables torchrun's agent sets for one worker of a single-node job."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "WORLD_SIZE": str(world_size),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": run_id,
+        # No agent store here: rank 0's env:// rendezvous hosts the TCPStore itself.
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+    }
+
+
+def build_env(
+    spec: LaunchSpec,
+    *,
+    rank: int,
+    local_rank: int,
+    master_port: int,
+    run_id: str,
+    error_file: str | None = None,
+    parent: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The complete environment of one child. Order: the launcher's environment, device
+    selection, torchrun's set, spec.env, spec.rank_env[rank], then the NVLS-off variables."""
+    base = dict(os.environ if parent is None else parent)
+    env = dict(base)
+    env.update(device_env(spec.devices, spec.nproc, base))
+    env.update(
+        torchrun_env(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=spec.world_size if spec.world_size is not None else spec.nproc,
+            local_world_size=spec.nproc,
+            master_addr=spec.master_addr,
+            master_port=master_port,
+            run_id=run_id,
+        )
+    )
+    if error_file is not None:
+        env["TORCHELASTIC_ERROR_FILE"] = error_file
+    if "OMP_NUM_THREADS" not in base and spec.nproc > 1:
+        env["OMP_NUM_THREADS"] = "1"  # as torchrun, to keep N processes from oversubscribing
+    env["PYTHONUNBUFFERED"] = "1"  # output reaches the launcher as it is written
+    for overrides in (spec.env, spec.rank_env.get(rank, {})):
+        for k, v in overrides.items():
+            if v is None:
+                env.pop(k, None)
+            else:
+                env[k] = str(v)
+    env.update(NVLS_OFF_ENV)
+    return env
+
+
+def child_command(spec: LaunchSpec) -> list[str]:
+    if spec.runner:
+        return [spec.python, "-m", spec.runner, spec.script, *spec.args]
+    return [spec.python, spec.script, *spec.args]
+
+
+# ---------------------------------------------------------------------------------------------
+# Child start-up: own session, die with the launcher
+
+
+def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    PR_SET_PDEATHSIG = 1
+    sigkill = int(signal.SIGKILL)
+
+    def preexec() -> None:  # runs in the forked child: no imports, no allocation-heavy work
+        prctl(PR_SET_PDEATHSIG, sigkill, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+            os._exit(137)
+
+    return preexec
+
+
+# A tiny process, in its own session, that outlives a launcher killed with SIGKILL: it reads the
+# process groups of the ranks from a pipe and, if the pipe closes without "done" (the launcher
+# died without cleaning up), ends those groups, and with them what the ranks started (PDEATHSIG
+# only reaches the ranks themselves).
+_WATCHDOG_SRC = r"""
+import os, signal, sys, time
+groups, done = [], False
+for line in sys.stdin:
+    line = line.strip()
+    if line == "done":
+        done = True
+        break
+    if line.isdigit():
+        groups.append(int(line))
+if not done:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pg in groups:
+            try:
+                os.killpg(pg, sig)
+            except OSError:
+                pass
+        time.sleep(1.0)
+"""
+
+
+class _Watchdog:
+    def __init__(self, python: str):
+        self.proc = subprocess.Popen(
+            [python, "-I", "-S", "-c", _WATCHDOG_SRC],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+    def watch(self, pgid: int) -> None:
+        try:
+            self.proc.stdin.write(f"{pgid}\n".encode())
+            self.proc.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+    def release(self) -> None:
+        """Normal end: the launcher has ended everything itself."""
+        try:
+            self.proc.stdin.write(b"done\n")
+            self.proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+        try:
+            self.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def _killpg(pgid: int, sig: int) -> bool:
+    """Signal a child's process group (the child and anything it started). False if empty."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return False
+
+
+def _groups_alive(pgids: Sequence[int]) -> list[int]:
+    """The process groups among ``pgids`` that still have a live (non-zombie) member. Orphaned
+    zombies wait for init to reap them, which can take a while: they do not count."""
+    if not pgids:
+        return []
+    if not os.path.isdir("/proc/self"):
+        return [pg for pg in pgids if _killpg(pg, 0)]
+    wanted = set(pgids)
+    alive: set[int] = set()
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return [pg for pg in pgids if _killpg(pg, 0)]
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # fields: state, ppid, pgrp, ...
+        if len(fields) >= 3 and fields[0] not in (b"Z", b"X") and int(fields[2]) in wanted:
+            alive.add(int(fields[2]))
+    return [pg for pg in pgids if pg in alive]
+
+
+# ---------------------------------------------------------------------------------------------
+# Output pump: one thread reads every rank's pipes and passes whole lines on
+
+
+_write_lock = threading.Lock()
+
+
+def _default_sink(rank: int, stream: str, line: str) -> None:
+    f = sys.stdout if stream == "stdout" else sys.stderr
+    with _write_lock:
+        try:
+            f.write(line)
+            f.flush()
+        except (OSError, ValueError):  # closed or broken pipe: keep draining the children
+            pass
+
+
+@dataclasses.dataclass
+class _Stream:
+    rank: int
+    local_rank: int
+    name: str  # "stdout" | "stderr"
+    fd: int
+    tail: collections.deque
+    show: bool
+    prefix: str
+    log: object | None  # binary file
+    partial: bytearray = dataclasses.field(default_factory=bytearray)
+    eof: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+
+class _OutputPump:
+    MAX_LINE = 64 * 1024  # a "line" longer than this is passed on in pieces
+    TAIL_LINE_CHARS = 400
+
+    def __init__(self, streams: list[_Stream], sink: LineSink):
+        self.streams = streams
+        self.sink = sink
+        self.sel = selectors.DefaultSelector()
+        for s in streams:
+            os.set_blocking(s.fd, False)
+            self.sel.register(s.fd, selectors.EVENT_READ, s)
+        self.thread = threading.Thread(target=self._run, name="prism-launcher-output", daemon=True)
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def _emit(self, s: _Stream, data: bytes) -> None:
+        if s.log is not None:
+            try:
+                s.log.write(data)
+                s.log.flush()
+            except (OSError, ValueError):
+                pass
+        text = data.decode("utf-8", errors="replace")
+        stripped = text.rstrip("\r\n")
+        if stripped.strip():
+            if len(stripped) > self.TAIL_LINE_CHARS:
+                stripped = stripped[: self.TAIL_LINE_CHARS] + "…"
+            s.tail.append(stripped)
+        if s.show:
+            if not text.endswith("\n"):
+                text += "\n"
+            try:
+                self.sink(s.rank, s.name, s.prefix + text if s.prefix else text)
+            except Exception:  # a broken sink must not stop the draining of pipes
+                pass
+
+    def _read(self, s: _Stream) -> None:
+        try:
+            chunk = os.read(s.fd, 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            if s.partial:
+                self._emit(s, bytes(s.partial))
+                s.partial.clear()
+            self.sel.unregister(s.fd)
+            os.close(s.fd)
+            s.eof.set()
+            return
+        s.partial += chunk
+        while True:
+            i = s.partial.find(b"\n")
+            if i < 0:
+                break
+            line = bytes(s.partial[: i + 1])
+            del s.partial[: i + 1]
+            self._emit(s, line)
+        if len(s.partial) > self.MAX_LINE:
+            self._emit(s, bytes(s.partial))
+            s.partial.clear()
+
+    def _run(self) -> None:
+        while self.sel.get_map() and not self._stop.is_set():
+            for key, _ in self.sel.select(timeout=0.2):
+                self._read(key.data)
+        for s in self.streams:  # stopped early: release what is left
+            if not s.eof.is_set():
+                if s.partial:
+                    self._emit(s, bytes(s.partial))
+                    s.partial.clear()
+
+    def finish(self, timeout: float) -> None:
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self._stop.set()
+            self.thread.join(1.0)
+        if not self.thread.is_alive():
+            for key in list(self.sel.get_map().values()):
+                try:
+                    self.sel.unregister(key.fd)
+                    os.close(key.fd)
+                except (OSError, KeyError, ValueError):
+                    pass
+            self.sel.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Messages
+
+
+def format_ranks(ranks: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    rs = sorted(set(ranks))
+    out: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def describe_returncode(rc: int) -> str:
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        hint = " (out of memory?)" if -rc == signal.SIGKILL else ""
+        return f"was killed by {name} ({-rc}){hint}"
+    return f"exited with code {rc}"
+
+
+def _error_file_message(path: str | None) -> str | None:
+    """The message torch.distributed.elastic's @record wrote for a failed rank, if any."""
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        msg = data.get("message")
+        if isinstance(msg, dict):
+            msg = msg.get("message")
+        return str(msg).strip() if msg else None
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+
+
+def _failure_message(
+    failure: RankFailure,
+    *,
+    timeout: float | None = None,
+    stdout_tail: list[str],
+    error_file_msg: str | None,
+    ended: list[int],
+    log_dir: Path | None,
+    shown_lines: int = 6,
+) -> str:
+    lines: list[str] = []
+    if failure.kind == "timeout":
+        after = f" after {timeout:g} s" if timeout is not None else ""
+        lines.append(
+            f"timed out{after}; ranks still running: {format_ranks(failure.running_ranks)} "
+            f"(ended by the launcher)"
+        )
+    else:
+        rank = failure.rank
+        # torch prefixes a rank's traceback lines with "[rankN]:"; the message names the rank.
+        tail = [_RANK_PREFIX.sub("", ln, count=1) for ln in (failure.stderr_tail or stdout_tail)]
+        which = "stderr" if failure.stderr_tail else "output"
+        head = f"rank {rank} {describe_returncode(failure.returncode or 0)}"
+        last = tail[-1].strip() if tail else (error_file_msg.splitlines()[-1] if error_file_msg else "")
+        lines.append(f"{head}: {last}" if last else head)
+        if len(tail) > 1:
+            lines.append(f"  last lines of rank {rank}'s {which}:")
+            lines.extend("    " + ln for ln in tail[-shown_lines:])
+        if ended:
+            lines.append(f"  other ranks ended by the launcher: {format_ranks(ended)}")
+    if log_dir is not None:
+        lines.append(f"  per-rank logs: {log_dir}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# The launcher
+
+
+class _Signalled(BaseException):
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+@dataclasses.dataclass
+class _Child:
+    rank: int
+    local_rank: int
+    proc: subprocess.Popen
+    error_file: str | None
+    returncode: int | None = None
+    ended_by_launcher: bool = False
+
+
+class _Launcher:
+    def __init__(self, spec: LaunchSpec):
+        self.spec = spec
+        self.children: list[_Child] = []
+        self.exits: "queue.Queue[tuple[int, int, float]]" = queue.Queue()
+        self.pump: _OutputPump | None = None
+        self.watchdog: _Watchdog | None = None
+        self.cleaning = False
+        self.deferring = False
+        self.deferred = 0
+        self.escalate = threading.Event()
+        self.old_handlers: dict[int, object] = {}
+
+    # -- signals -----------------------------------------------------------------------------
+    def _on_signal(self, signum, frame) -> None:
+        if self.cleaning:
+            self.escalate.set()  # a second signal while ending the ranks: SIGKILL now
+            return
+        if self.deferring:  # inside Popen: raising there could lose a started child
+            self.deferred = self.deferred or signum
+            return
+        raise _Signalled(signum)
+
+    def _raise_deferred(self) -> None:
+        if self.deferred:
+            signum, self.deferred = self.deferred, 0
+            raise _Signalled(signum)
+
+    def _install_signals(self) -> None:
+        if not self.spec.handle_signals or threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            try:
+                self.old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except (ValueError, OSError):
+                pass
+
+    def _restore_signals(self) -> None:
+        for sig, h in self.old_handlers.items():
+            try:
+                signal.signal(sig, h)
+            except (ValueError, OSError, TypeError):
+                pass
+        self.old_handlers.clear()
+
+    # -- processes ---------------------------------------------------------------------------
+    def _waiter(self, child: _Child) -> None:
+        rc = child.proc.wait()
+        self.exits.put((child.rank, rc, time.monotonic()))
+
+    def _alive(self) -> list[_Child]:
+        # proc.returncode is set by the waiter thread's wait() even if its event was lost.
+        return [c for c in self.children if c.returncode is None and c.proc.returncode is None]
+
+    def _drain_exits(self, timeout: float) -> list[tuple[int, int, float]]:
+        """Collect exit events, blocking up to ``timeout`` for the first."""
+        out = []
+        try:
+            out.append(self.exits.get(timeout=timeout) if timeout > 0 else self.exits.get_nowait())
+            while True:
+                out.append(self.exits.get_nowait())
+        except queue.Empty:
+            pass
+        by_rank = {c.rank: c for c in self.children}
+        for rank, rc, _ in out:
+            by_rank[rank].returncode = rc
+        return out
+
+    def _end_all(self) -> None:
+        """SIGTERM every live child's process group, SIGKILL after the grace period, and end
+        whatever the children left in their groups."""
+        alive = self._alive()
+        for c in alive:
+            c.ended_by_launcher = True
+            _killpg(c.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + max(0.0, self.spec.grace_period)
+        while self._alive() and time.monotonic() < deadline and not self.escalate.is_set():
+            self._drain_exits(0.05)
+        for c in self._alive():
+            _killpg(c.proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10.0
+        while self._alive() and time.monotonic() < deadline:
+            self._drain_exits(0.05)
+        # Grandchildren (e.g. data-loader workers) that outlive their rank.
+        leftover = _groups_alive([c.proc.pid for c in self.children])
+        for pg in leftover:
+            _killpg(pg, signal.SIGTERM)
+        deadline = time.monotonic() + min(max(0.0, self.spec.grace_period), 2.0)
+        while leftover and time.monotonic() < deadline and not self.escalate.is_set():
+            time.sleep(0.02)
+            leftover = _groups_alive(leftover)
+        for pg in leftover:
+            _killpg(pg, signal.SIGKILL)
+
+    # -- run ---------------------------------------------------------------------------------
+    def run(self) -> LaunchResult:
+        spec = self.spec
+        if spec.nproc < 1:
+            raise LaunchError(f"nproc must be at least 1, not {spec.nproc}")
+        if not os.path.isfile(spec.script):
+            raise LaunchError(f"script not found: {spec.script}")
+        ranks = _resolve_ranks(spec)
+        device_env(spec.devices, spec.nproc, os.environ)  # validate before starting anything
+        port = spec.master_port if spec.master_port is not None else free_port(spec.master_addr)
+        run_id = spec.run_id or uuid.uuid4().hex[:12]
+        log_dir = Path(spec.log_dir) if spec.log_dir is not None else None
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+        err_dir = tempfile.mkdtemp(prefix="prism-launch-")
+        try:
+            return self._run(ranks, port, run_id, log_dir, err_dir)
+        finally:
+            shutil.rmtree(err_dir, ignore_errors=True)
+
+    def _spawn(self, ranks: list[int], port: int, run_id: str, log_dir: Path | None,
+               err_dir: str, streams: list[_Stream], logs: list) -> None:
+        spec = self.spec
+        show = None if spec.show_ranks is None else {int(r) for r in spec.show_ranks}
+        cmd = child_command(spec)
+        preexec = _pdeathsig_preexec(os.getpid())
+        if spec.watchdog:
+            try:
+                self.watchdog = _Watchdog(spec.python)
+            except OSError:
+                self.watchdog = None  # a bad spec.python: reported when starting rank 0
+        for local_rank, rank in enumerate(ranks):
+            error_file = os.path.join(err_dir, f"error-{rank}.json")
+            env = build_env(spec, rank=rank, local_rank=local_rank, master_port=port,
+                            run_id=run_id, error_file=error_file)
+            self.deferring = True
+            try:
+                proc = subprocess.Popen(
+                    cmd,
+                    env=env,
+                    cwd=spec.cwd,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                    preexec_fn=preexec,
+                    close_fds=True,
+                )
+            except OSError as e:
+                raise LaunchError(f"could not start rank {rank} ({cmd[0]}): {e}") from e
+            finally:
+                self.deferring = False
+            child = _Child(rank, local_rank, proc, error_file)
+            self.children.append(child)
+            if self.watchdog is not None:
+                self.watchdog.watch(proc.pid)  # start_new_session: pgid == pid
+            prefix = (spec.line_prefix or "").format(rank=rank, local_rank=local_rank)
+            visible = spec.passthrough and (show is None or rank in show)
+            for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
+                fd = os.dup(pipe.fileno())  # owned by the pump from here on
+                pipe.close()
+                log = None
+                if log_dir is not None:
+                    log = open(log_dir / f"rank-{rank:06d}.{name}.log", "wb")
+                    logs.append(log)
+                tail = collections.deque(maxlen=max(1, spec.tail_lines))
+                streams.append(_Stream(rank, local_rank, name, fd, tail, visible, prefix, log))
+            threading.Thread(target=self._waiter, args=(child,), daemon=True,
+                             name=f"prism-launcher-wait-{rank}").start()
+            self._raise_deferred()
+
+    def _supervise(self, t0: float) -> RankFailure | None:
+        spec = self.spec
+        deadline = None if spec.timeout is None else t0 + spec.timeout
+        while self._alive():
+            wait = 0.25 if deadline is None else min(0.25, max(0.0, deadline - time.monotonic()))
+            events = self._drain_exits(wait)
+            failed = [e for e in events if e[1] != 0]
+            if failed:
+                rank, rc, _ = min(failed, key=lambda e: e[2])  # the earliest exit is the cause
+                return RankFailure("exit" if rc > 0 else "signal", rank, rc, [], [])
+            if deadline is not None and time.monotonic() >= deadline and self._alive():
+                running = sorted(c.rank for c in self._alive())
+                return RankFailure("timeout", None, None, running, [])
+        # Everything exited; a failure may still sit in the queue or only in proc.returncode.
+        self._drain_exits(0)
+        failed = [c for c in self.children if (c.returncode or c.proc.returncode or 0) != 0]
+        if failed:
+            c = failed[0]
+            rc = c.returncode if c.returncode is not None else c.proc.returncode
+            return RankFailure("exit" if rc > 0 else "signal", c.rank, rc, [], [])
+        return None
+
+    def _run(self, ranks: list[int], port: int, run_id: str, log_dir: Path | None,
+             err_dir: str) -> LaunchResult:
+        spec = self.spec
+        streams: list[_Stream] = []
+        logs: list = []
+        t0 = time.monotonic()
+        failure: RankFailure | None = None
+        interrupted: int | None = None
+        self._install_signals()
+        try:
+            try:
+                self._spawn(ranks, port, run_id, log_dir, err_dir, streams, logs)
+                self.pump = _OutputPump(streams, spec.sink or _default_sink)
+                self.pump.start()
+                failure = self._supervise(t0)
+            except _Signalled as s:
+                interrupted = s.signum
+        finally:
+            self.cleaning = True
+            try:
+                self._end_all()
+                if self.pump is not None:
+                    self.pump.finish(timeout=5.0)
+                else:
+                    for s in streams:
+                        try:
+                            os.close(s.fd)
+                        except OSError:
+                            pass
+            finally:
+                if self.watchdog is not None:
+                    self.watchdog.release()
+                for log in logs:
+                    try:
+                        log.close()
+                    except OSError:
+                        pass
+                self._restore_signals()
+        if interrupted is not None:
+            if interrupted == signal.SIGINT:
+                raise KeyboardInterrupt
+            raise LaunchInterrupted(interrupted)
+
+        wall = time.monotonic() - t0
+        for c in self.children:
+            if c.returncode is None:
+                c.returncode = c.proc.returncode
+        stderr_tail = {s.rank: list(s.tail) for s in streams if s.name == "stderr"}
+        stdout_tail = {s.rank: list(s.tail) for s in streams if s.name == "stdout"}
+        ended = sorted(c.rank for c in self.children if c.ended_by_launcher)
+        message = ""
+        if failure is not None:
+            efm = None
+            if failure.rank is not None:
+                failure.stderr_tail = stderr_tail.get(failure.rank, [])
+                child = next(c for c in self.children if c.rank == failure.rank)
+                efm = _error_file_message(child.error_file)
+            message = _failure_message(
+                failure,
+                timeout=spec.timeout,
+                stdout_tail=stdout_tail.get(failure.rank, []) if failure.rank is not None else [],
+                error_file_msg=efm,
+                ended=[r for r in ended if r != failure.rank],
+                log_dir=log_dir,
+            )
+        return LaunchResult(
+            ok=failure is None,
+            ranks=ranks,
+            returncodes={c.rank: c.returncode for c in self.children},
+            ended_by_launcher=ended,
+            pids={c.rank: c.proc.pid for c in self.children},
+            wall_s=wall,
+            master_port=port,
+            run_id=run_id,
+            log_dir=log_dir,
+            failure=failure,
+            message=message,
+            stdout_tail=stdout_tail,
+            stderr_tail=stderr_tail,
+        )
+
+
+def launch(spec: LaunchSpec) -> LaunchResult:
+    """Run ``spec.nproc`` rank processes to completion (see the module docstring).
+
+    Returns a LaunchResult (``ok`` False with ``message`` on a rank failure or timeout; call
+    ``raise_for_failure()`` to turn that into a LaunchError). Raises LaunchError if the job
+    cannot start, LaunchInterrupted on SIGTERM/SIGHUP and KeyboardInterrupt on SIGINT, in every
+    case after all children have been ended.
+    """
+    return _Launcher(spec).run()
