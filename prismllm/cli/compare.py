@@ -1,0 +1,97 @@
+"""`prism compare A B [--json] [--timing-only | --structure-only]`: compare two graphs.
+
+Structure: per rank, the communication events in program order (op, group by its ranks,
+bytes, dtype, reduce op, peer, splits); prints "equal" or the first difference. Timing: the
+steady iteration time of each graph (median over all iterations but the first, of the slowest
+rank), the relative error (B - A) / A overall and per rank, compute time per rank.
+
+Exit status: 0 when the structure is equal (or not compared: --timing-only), 1 when it
+differs, 2 on an error (a graph that cannot be loaded or is invalid).
+With --json one object is printed: {"structure": {"equal", "first_difference"} | null,
+"timing": {"iteration_time_a_ns", "iteration_time_b_ns", "rel_error", "per_rank",
+"iterations", "compute_ns"} | null}; see prismllm.trace.compare for the fields.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from prismllm.trace.compare import compare_traces
+from prismllm.trace.graph import PrismTrace
+from prismllm.trace.summary import fmt_ns
+from prismllm.trace.validate import validate
+
+WORST = 10
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("compare", help="compare two graphs (structure and timing)", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("a", metavar="A", help="reference graph directory")
+    p.add_argument("b", metavar="B", help="graph directory to judge against A")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    only = p.add_mutually_exclusive_group()
+    only.add_argument("--timing-only", action="store_true", help="compare timing only (exit 0)")
+    only.add_argument("--structure-only", action="store_true", help="compare structure only")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    a = PrismTrace.load(args.a)
+    validate(a)
+    b = PrismTrace.load(args.b)
+    validate(b)
+    res = compare_traces(a, b, structure=not args.timing_only, timing=not args.structure_only)
+    if args.json:
+        json.dump(res.to_dict(), sys.stdout)
+        sys.stdout.write("\n")
+    else:
+        render(res, Console(), args.a, args.b)
+    return 1 if res.structure_equal is False else 0
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.2f}%"
+
+
+def render(res, console: Console, path_a: str, path_b: str) -> None:
+    console.print(f"A: {path_a}\nB: {path_b}")
+    if res.structure_equal is not None:
+        if res.structure_equal:
+            console.print("structure: [green]equal[/green]")
+        else:
+            console.print(f"structure: [red]different[/red]: {res.first_difference['message']}", highlight=False)
+    if not res.timing_checked:
+        return
+    t = Table(title="timing", title_justify="left", show_header=False)
+    t.add_column(style="bold")
+    t.add_column(justify="right")
+    t.add_row("steady iteration time A", fmt_ns(res.iteration_time_a_ns))
+    t.add_row("steady iteration time B", fmt_ns(res.iteration_time_b_ns))
+    t.add_row("relative error (B-A)/A", _pct(res.rel_error))
+    errs = [(r, e) for r, e in res.per_rank.items() if e is not None]
+    if errs:
+        absmax = max(errs, key=lambda x: abs(x[1]))
+        t.add_row("per rank: mean |error|", f"{100 * sum(abs(e) for _, e in errs) / len(errs):.2f}%")
+        t.add_row("per rank: worst", f"rank {absmax[0]}: {_pct(absmax[1])}")
+    console.print(t)
+    if res.iterations:
+        it = Table(title="per iteration (slowest rank)", title_justify="left")
+        for col in ("iteration", "A", "B", "(B-A)/A"):
+            it.add_column(col, justify="right")
+        for x in res.iterations[:40]:
+            it.add_row(str(x["iteration"]), fmt_ns(x["a_ns"]), fmt_ns(x["b_ns"]), _pct(x["rel_error"]))
+        console.print(it)
+    if errs and len(errs) > 1:
+        w = Table(title=f"ranks with the largest iteration-time error (of {len(errs)})", title_justify="left")
+        for col in ("rank", "(B-A)/A", "compute A", "compute B"):
+            w.add_column(col, justify="right")
+        for r, e in sorted(errs, key=lambda x: -abs(x[1]))[:WORST]:
+            c = res.compute_ns.get(r, {})
+            w.add_row(str(r), _pct(e), fmt_ns(c.get("a_ns")), fmt_ns(c.get("b_ns")))
+        console.print(w)

@@ -1,0 +1,321 @@
+"""PrismTrace: the execution graph in memory, and its directory on disk.
+
+A graph is four Arrow tables (``nodes``, ``edges``, ``groups``, ``iterations``; schemas in
+:mod:`prismllm.trace.schema`) plus a JSON manifest. Everything is columnar: loading never
+builds a Python object per row, so an 8192-rank graph loads in seconds.
+
+    trace = PrismTrace.load("out/graph")      # TraceError (a PrismError) on any problem
+    trace.world_size, trace.ranks()           # manifest / node columns
+    trace.nodes_of(3)                         # the rank's nodes, a zero-copy table slice
+    trace.column("in_bytes")                  # a node column as numpy
+    trace.save("out/graph2")                  # atomic: temp directory + rename
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from prismllm.errors import PrismError
+from prismllm.trace.schema import (
+    EDGE_SCHEMA,
+    FILES,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    GROUP_SCHEMA,
+    ITERATION_SCHEMA,
+    MANIFEST_FILE,
+    NODE_DEFAULTS,
+    NODE_SCHEMA,
+)
+
+
+class TraceError(PrismError):
+    """A graph that cannot be built, read or trusted; the message says what and where."""
+
+
+_SCHEMAS = {name: schema for name, (_, schema) in FILES.items()}
+
+
+def empty_table(schema: pa.Schema) -> pa.Table:
+    return schema.empty_table()
+
+
+@dataclasses.dataclass
+class PrismTrace:
+    manifest: dict[str, Any]
+    nodes: pa.Table
+    edges: pa.Table
+    groups: pa.Table
+    iterations: pa.Table
+
+    def __post_init__(self) -> None:
+        self._cache: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ accessors
+    @property
+    def world_size(self) -> int:
+        ws = self.manifest.get("world_size")
+        if ws is None:
+            r = self.column("rank")
+            ws = int(r.max()) + 1 if len(r) else 0
+        return int(ws)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.nodes.num_rows
+
+    def column(self, name: str) -> np.ndarray:
+        """A node column as a numpy array (cached; strings come back as object arrays)."""
+        key = "col:" + name
+        if key not in self._cache:
+            col = self.nodes.column(name)
+            if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+                arr = col.to_numpy(zero_copy_only=False)
+            elif pa.types.is_list(col.type):
+                raise TypeError(f"{name} is a list column; use trace.nodes.column({name!r})")
+            else:
+                arr = col.to_numpy()
+            self._cache[key] = arr
+        return self._cache[key]
+
+    def ranks(self) -> np.ndarray:
+        """The ranks that have nodes, ascending."""
+        return np.unique(self.column("rank"))
+
+    def _rank_bounds(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(ranks, starts) when nodes are sorted by rank (as assemble writes them), else None."""
+        if "bounds" not in self._cache:
+            r = self.column("rank")
+            if len(r) and bool(np.all(r[1:] >= r[:-1])):
+                starts = np.flatnonzero(np.r_[True, r[1:] != r[:-1]])
+                self._cache["bounds"] = (r[starts], np.r_[starts, len(r)])
+            else:
+                self._cache["bounds"] = None
+        return self._cache["bounds"]
+
+    def nodes_of(self, rank: int) -> pa.Table:
+        """The nodes of one rank in program order (a zero-copy slice for an assembled graph)."""
+        b = self._rank_bounds()
+        if b is not None:
+            ranks, bounds = b
+            i = int(np.searchsorted(ranks, rank))
+            if i < len(ranks) and ranks[i] == rank:
+                return self.nodes.slice(bounds[i], bounds[i + 1] - bounds[i])
+            return self.nodes.slice(0, 0)
+        mask = self.column("rank") == rank
+        t = self.nodes.filter(pa.array(mask))
+        return t.take(pa.array(np.argsort(t.column("index").to_numpy(), kind="stable")))
+
+    def group_info(self) -> dict[int, dict[str, Any]]:
+        """group id -> {"name", "desc", "ranks"} (the groups table is small)."""
+        if "groups" not in self._cache:
+            g = self.groups.to_pydict()
+            self._cache["groups"] = {
+                int(gid): {"name": n, "desc": d, "ranks": list(r)}
+                for gid, n, d, r in zip(g["group_id"], g["name"], g["desc"], g["ranks"])
+            }
+        return self._cache["groups"]
+
+    def group_label(self, gid: int) -> str:
+        """A short human name for a group: ``"1 ('tp', ranks 0-1)"``."""
+        if gid < 0:
+            return "none"
+        info = self.group_info().get(int(gid))
+        if info is None:
+            return f"{gid} (unknown)"
+        desc = group_desc(info)
+        if not desc:
+            return f"{gid} ({_ranks_text(info['ranks'])})"
+        return f"{gid} ('{desc}', {_ranks_text(info['ranks'])})"
+
+    def has_times(self) -> bool:
+        return bool(len(self.column("end_ns"))) and bool(np.any(self.column("end_ns") >= 0))
+
+    # ------------------------------------------------------------------ equality
+    def equals(self, other: "PrismTrace") -> bool:
+        return (
+            self.manifest == other.manifest
+            and self.nodes.equals(other.nodes)
+            and self.edges.equals(other.edges)
+            and self.groups.equals(other.groups)
+            and self.iterations.equals(other.iterations)
+        )
+
+    # ------------------------------------------------------------------ disk
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the graph directory atomically: a temp directory beside it, then a rename.
+
+        An existing graph at ``path`` is replaced; any other non-empty directory is refused.
+        """
+        path = Path(path)
+        if path.exists():
+            if not path.is_dir():
+                raise TraceError(f"cannot write graph to {path}: a file is in the way")
+            if any(path.iterdir()) and not (path / MANIFEST_FILE).exists():
+                raise TraceError(
+                    f"cannot write graph to {path}: the directory is not empty and holds no "
+                    f"graph; choose another path or remove it"
+                )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        try:
+            for name, (fname, schema) in FILES.items():
+                table = _conform(getattr(self, name), schema, name)
+                pq.write_table(table, tmp / fname, compression="zstd", row_group_size=1 << 20)
+            manifest = dict(self.manifest)
+            manifest.setdefault("format", FORMAT_NAME)
+            manifest.setdefault("format_version", FORMAT_VERSION)
+            with open(tmp / MANIFEST_FILE, "w") as f:
+                json.dump(manifest, f, indent=2, sort_keys=True, default=_json_default)
+                f.write("\n")
+            old = None
+            if path.exists():
+                old = path.parent / f".{path.name}.old-{os.getpid()}"
+                if old.exists():
+                    shutil.rmtree(old)
+                os.replace(path, old)
+            os.replace(tmp, path)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "PrismTrace":
+        path = Path(path)
+        if not path.exists():
+            raise TraceError(f"graph {path} does not exist")
+        if not path.is_dir():
+            raise TraceError(f"graph {path} is not a directory (a graph is a directory with {MANIFEST_FILE})")
+        mpath = path / MANIFEST_FILE
+        if not mpath.is_file():
+            raise TraceError(f"graph {path} has no {MANIFEST_FILE}: not a PrismTrace graph, or an incomplete one; re-record it")
+        try:
+            with open(mpath) as f:
+                manifest = json.load(f)
+        except (OSError, ValueError) as e:
+            raise TraceError(f"graph {path}: {MANIFEST_FILE} is unreadable ({_short(e)}); re-record the graph") from None
+        if not isinstance(manifest, dict):
+            raise TraceError(f"graph {path}: {MANIFEST_FILE} is not a JSON object; re-record the graph")
+        fmt = manifest.get("format")
+        if fmt != FORMAT_NAME:
+            raise TraceError(f"graph {path}: {MANIFEST_FILE} has format {fmt!r}, expected {FORMAT_NAME!r}")
+        version = manifest.get("format_version")
+        if not isinstance(version, int):
+            raise TraceError(f"graph {path}: {MANIFEST_FILE} has no integer format_version")
+        if version > FORMAT_VERSION:
+            raise TraceError(
+                f"graph {path} has format version {version}, newer than this prismllm reads "
+                f"({FORMAT_VERSION}): upgrade prismllm"
+            )
+        tables: dict[str, pa.Table] = {}
+        for name, (fname, schema) in FILES.items():
+            fpath = path / fname
+            if not fpath.is_file():
+                raise TraceError(f"graph {path} is missing {fname}; the graph is incomplete, re-record it")
+            try:
+                table = pq.read_table(fpath, memory_map=True)
+            except (pa.ArrowException, OSError, ValueError) as e:
+                raise TraceError(
+                    f"graph {path}: {fname} is unreadable, truncated or corrupt ({_short(e)}); "
+                    f"re-record the graph"
+                ) from None
+            tables[name] = _conform(table, schema, name, where=f"graph {path}: {fname}")
+        return cls(manifest=manifest, **tables)
+
+
+# ---------------------------------------------------------------------- helpers
+_TABLE_DEFAULTS: dict[str, dict[str, object]] = {"nodes": NODE_DEFAULTS}
+
+
+def _conform(table: pa.Table, schema: pa.Schema, name: str, where: str | None = None) -> pa.Table:
+    """Schema columns first, in schema order and type; columns added by a later prismllm of the
+    same format version are kept after them; a missing column with a default is filled."""
+    where = where or f"{name} table"
+    if table.schema.equals(schema):
+        return table
+    defaults = _TABLE_DEFAULTS.get(name, {})
+    cols, fields = [], []
+    for field in schema:
+        if field.name in table.column_names:
+            col = table.column(field.name)
+            if not col.type.equals(field.type):
+                try:
+                    col = col.cast(field.type)
+                except (pa.ArrowException, ValueError):
+                    raise TraceError(
+                        f"{where}: column {field.name!r} has type {col.type}, expected "
+                        f"{field.type}; re-record the graph"
+                    ) from None
+        elif field.name in defaults:
+            col = pa.repeat(pa.scalar(defaults[field.name], type=field.type), table.num_rows)
+        else:
+            missing = [f.name for f in schema if f.name not in table.column_names and f.name not in defaults]
+            raise TraceError(f"{where} lacks column(s) {', '.join(missing)}; re-record the graph")
+        cols.append(col)
+        fields.append(field)
+    for cname in table.column_names:
+        if cname not in schema.names:
+            cols.append(table.column(cname))
+            fields.append(table.schema.field(cname))
+    return pa.Table.from_arrays(cols, schema=pa.schema(fields))
+
+
+def _short(e: BaseException) -> str:
+    s = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return s if len(s) <= 160 else s[:157] + "..."
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.integer):
+        return int(o)
+    if isinstance(o, np.floating):
+        return float(o)
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def group_desc(info: dict[str, Any]) -> str:
+    """A group's description if it has a meaningful one (torch's default is "undefined")."""
+    d = info.get("desc") or ""
+    return "" if d in ("undefined", "None") else d
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    """Compact rank list: "ranks 0-3", "ranks 0,2,4,6", "ranks 0-7 (step 2)"."""
+    n = len(ranks)
+    if n == 0:
+        return "no ranks"
+    if n == 1:
+        return f"rank {ranks[0]}"
+    step = ranks[1] - ranks[0]
+    if step > 0 and all(ranks[i + 1] - ranks[i] == step for i in range(n - 1)):
+        if step == 1:
+            return f"ranks {ranks[0]}-{ranks[-1]}"
+        if n > 4:
+            return f"ranks {ranks[0]}-{ranks[-1]} step {step}"
+    if n <= 8:
+        return "ranks " + ",".join(map(str, ranks))
+    return "ranks " + ",".join(map(str, ranks[:4])) + f",...({n})"
+
+
+ranks_text = _ranks_text
+
+__all__ = ["PrismTrace", "TraceError", "empty_table", "group_desc", "ranks_text", "NODE_SCHEMA", "EDGE_SCHEMA", "GROUP_SCHEMA", "ITERATION_SCHEMA"]
