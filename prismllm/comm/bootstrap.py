@@ -1,0 +1,94 @@
+"""Run a training program under the interception: ``python -m prismllm.comm.bootstrap SCRIPT
+ARGS...`` behaves like ``python SCRIPT ARGS...``.
+
+The launcher starts one of these per rank with torchrun's environment plus ``PRISM_MODE``
+and ``PRISM_SPOOL``. With ``PRISM_MODE`` unset nothing is installed: the script just runs.
+At exit (normal end, ``sys.exit(n)``, or an exception) the rank's RankLog is written to
+``$PRISM_SPOOL`` -- once, from the process that started (never from forked workers) -- and
+the program's own exit status and traceback are kept.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import runpy
+import sys
+import traceback
+
+USAGE = "usage: python -m prismllm.comm.bootstrap SCRIPT [ARGS...]"
+
+
+class _Flusher:
+    def __init__(self, rec, spool: str | None):
+        self.rec = rec
+        self.spool = spool
+        self.pid = os.getpid()
+        self.done = False
+
+    def __call__(self) -> None:
+        if self.done or self.rec is None or os.getpid() != self.pid:
+            return
+        self.done = True
+        try:
+            from prismllm.comm.install import collect
+            from prismllm.trace.ranklog import write_ranklog
+
+            self.rec.finish()
+            log = collect(self.rec)
+            if self.spool:
+                os.makedirs(self.spool, exist_ok=True)
+                write_ranklog(self.spool, log)
+        except Exception:  # never mask the program's own outcome
+            print("prism: could not write the rank log:", file=sys.stderr)
+            traceback.print_exc()
+
+
+def _program_traceback(tb, script: str):
+    """Drop the bootstrap/runpy frames so the traceback starts in the program."""
+    target = os.path.abspath(script)
+    t = tb
+    while t is not None:
+        if os.path.abspath(t.tb_frame.f_code.co_filename) == target:
+            return t
+        t = t.tb_next
+    return tb
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE, file=sys.stderr)
+        raise SystemExit(2)
+    script, args = argv[0], argv[1:]
+    if not os.path.exists(script):
+        print(f"python: can't open file {script!r}: No such file or directory", file=sys.stderr)
+        raise SystemExit(2)
+
+    rec = None
+    if os.environ.get("PRISM_MODE"):
+        from prismllm.comm.install import install
+
+        rec = install(os.environ["PRISM_MODE"])
+    flush = _Flusher(rec, os.environ.get("PRISM_SPOOL"))
+    atexit.register(flush)
+
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(os.path.abspath(script))
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except (SystemExit, KeyboardInterrupt):
+        flush()
+        raise
+    except BaseException as e:  # the program's own error: same report, same exit status
+        flush()
+        tb = _program_traceback(e.__traceback__, script)
+        e.__traceback__ = tb
+        sys.excepthook(type(e), e, tb)
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+    flush()
+
+
+if __name__ == "__main__":
+    main()

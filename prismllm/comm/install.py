@@ -1,0 +1,383 @@
+"""Make the program's own ``init_process_group`` / ``new_group`` use the recording backend.
+
+``install("record")`` (called by ``prismllm.comm.bootstrap`` before the program runs):
+
+* registers the c10d backend "prism" once (``Backend.register_backend``, extended API, for
+  cpu and cuda; it does not change torch's default backend for either device);
+* wraps ``distributed_c10d._new_process_group_helper``, through which every group creation
+  passes (``init_process_group``, ``new_group``, ``new_subgroups``,
+  ``new_subgroups_by_enumeration``, ``init_device_mesh``/DeviceMesh via ``new_group``): it
+  remembers the backend the program asked for ("nccl", "gloo", None/"undefined",
+  "cpu:gloo,cuda:nccl", ...), creates the group with backend "prism", and afterwards
+  records the program's backend string in torch's group map, so ``dist.get_backend()``
+  answers what it would without prism (programs and torch branch on it: monitored_barrier,
+  object collectives, DeviceMesh). ``device_id=`` is taken out of the call and applied by
+  the creator (bound device, eager NCCL connect, NCCL comm split for later groups), since a
+  Python ProcessGroup cannot take it through torch's path;
+* ``split_group`` (DeviceMesh with a bound device) reaches
+  ``RecordingProcessGroup.split_group``, which splits the real group and wraps the result;
+* wraps ``batch_isend_irecv`` (torch only coalesces when ``type(group) is ProcessGroup``, so
+  without this a Python group would silently lose NCCL's grouped P2P) and
+  ``_coalescing_manager`` (so all ops of one batch share a coalesced id);
+* adds global optimizer step pre/post hooks: a boundary after each outermost optimizer step.
+
+The creator builds, for each device in the program's backend config, the real backend
+exactly as ``_new_process_group_helper`` would (same prefix store "<group>/<device>/",
+rank, size, timeout, NCCL options incl. split_from), registers them on a plain C++
+``ProcessGroup`` (``_inner``) and on the RecordingProcessGroup it returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from prismllm.comm import recorder as _recorder_mod
+from prismllm.comm.recorder import Recorder
+from prismllm.comm.recording import RecordingProcessGroup
+
+BACKEND_NAME = "prism"
+SUPPORTED_MODES = ("record",)
+
+_C = torch._C._distributed_c10d
+_ORIG: dict[str, Any] = {}
+_PENDING: list[dict[str, Any]] = []  # creation context of the helper call in flight
+_REC: Recorder | None = None
+
+
+def installed() -> bool:
+    return bool(_ORIG)
+
+
+def install(mode: str | None = None) -> Recorder | None:
+    """Install the interception for ``mode`` (default: $PRISM_MODE). No-op without a mode."""
+    global _REC
+    mode = mode if mode is not None else os.environ.get("PRISM_MODE", "")
+    if not mode:
+        return None
+    if mode not in SUPPORTED_MODES:
+        raise ValueError(f"PRISM_MODE={mode!r}: this interception supports {SUPPORTED_MODES}")
+    if _ORIG:
+        return _REC
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    _REC = Recorder(rank, world)
+    _recorder_mod.set_current(_REC)
+
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(
+            BACKEND_NAME, _create_pg, extended_api=True, devices=["cpu", "cuda"]
+        )
+
+    _ORIG["helper"] = c10d._new_process_group_helper
+    _ORIG["helper_sig"] = inspect.signature(c10d._new_process_group_helper)
+    c10d._new_process_group_helper = _helper
+
+    _ORIG["batch_isend_irecv"] = c10d.batch_isend_irecv
+    c10d.batch_isend_irecv = _batch_isend_irecv
+    dist.batch_isend_irecv = _batch_isend_irecv
+
+    _ORIG["_coalescing_manager"] = c10d._coalescing_manager
+    c10d._coalescing_manager = _coalescing_manager
+
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    rec = _REC
+    _ORIG["opt_pre"] = register_optimizer_step_pre_hook(lambda *a: rec.optimizer_pre())
+    _ORIG["opt_post"] = register_optimizer_step_post_hook(lambda *a: rec.optimizer_post())
+    return _REC
+
+
+# ---- group creation -------------------------------------------------------------------------
+def _real_device_map(backend: str) -> dict[str, str]:
+    return {d: str(b) for d, b in c10d.BackendConfig(backend).get_device_backend_map().items()}
+
+
+def _helper(*args, **kwargs):
+    orig = _ORIG["helper"]
+    bound = _ORIG["helper_sig"].bind(*args, **kwargs)
+    a = bound.arguments
+    backend = str(a.get("backend"))
+    if backend.lower() == BACKEND_NAME:
+        return orig(*args, **kwargs)
+    try:
+        devmap = _real_device_map(backend)
+    except Exception:
+        return orig(*args, **kwargs)
+    if not devmap or not set(devmap.values()) <= {"gloo", "nccl"}:
+        warnings.warn(
+            f"prism: backend {backend!r} is not recorded (only gloo and nccl are)", stacklevel=3
+        )
+        return orig(*args, **kwargs)
+    device_id = a.get("device_id")
+    _PENDING.append(
+        {
+            "backend": backend,
+            "devmap": devmap,
+            "device_id": device_id,
+            "backend_options": a.get("backend_options"),
+        }
+    )
+    a["backend"] = dist.Backend(BACKEND_NAME)
+    if "device_id" in a:
+        a["device_id"] = None
+    try:
+        pg, store = orig(*bound.args, **bound.kwargs)
+    finally:
+        _PENDING.pop()
+    if isinstance(pg, RecordingProcessGroup):
+        # What the program's backend string would have registered.
+        c10d._world.pg_map[pg] = (dist.Backend(backend), store)
+        c10d._world.pg_backend_config[pg] = str(c10d.BackendConfig(dist.Backend(backend)))
+        if not a.get("global_ranks_in_group"):
+            rec = pg._rec
+            rec.rank, rec.world_size = pg.rank(), pg.size()
+            rec.start()
+    return pg, store
+
+
+_BTYPE = {
+    "gloo": _C.ProcessGroup.BackendType.GLOO,
+    "nccl": _C.ProcessGroup.BackendType.NCCL,
+}
+
+
+def _make_backend(name, store, rank, size, timeout, group_name, granks, options, device_id):
+    if name == "gloo":
+        be = _C.ProcessGroupGloo(store, rank, size, timeout=timeout)
+        be.options.global_ranks_in_group = granks
+        be.options.group_name = group_name
+        be._set_sequence_number_for_group()
+        return be
+    nccl = getattr(c10d, "ProcessGroupNCCL", None)
+    if nccl is None or not dist.is_nccl_available():
+        raise RuntimeError("Distributed package doesn't have NCCL built in")
+    if options is None:
+        options = nccl.Options()
+        options.is_high_priority_stream = False
+    options._timeout = timeout
+    if c10d.is_initialized() and c10d._get_default_group().bound_device_id:
+        split_source = getattr(c10d, "_get_split_source", None)
+        split_from = split_source(c10d._get_default_group()) if split_source else None
+        if split_from:
+            options.split_from = split_from
+            options.split_color = c10d._process_group_color(granks)
+    options.global_ranks_in_group = granks
+    options.group_name = group_name
+    be = nccl(store, rank, size, options)
+    be._set_sequence_number_for_group()
+    return be
+
+
+def _debug_wrap(be, group_name, store, rank, size, timeout):
+    if c10d.get_debug_level() == c10d.DebugLevel.DETAIL and c10d._GLOO_AVAILABLE:
+        return c10d._create_process_group_wrapper(
+            wrapped_pg=be, store_prefix=group_name, store=store, rank=rank,
+            world_size=size, timeout=timeout,
+        )  # fmt: skip
+    return be
+
+
+def _create_pg(dist_opts, backend_options):
+    """The "prism" backend's creator (extended API)."""
+    rec = _REC
+    if _PENDING:
+        ctx = _PENDING[-1]
+    else:  # the program named backend "prism" itself
+        ctx = {"backend": "undefined", "devmap": _real_device_map("undefined"),
+               "device_id": None, "backend_options": backend_options}  # fmt: skip
+    devmap: dict[str, str] = ctx["devmap"]
+    prefix_store = dist_opts.store.underlying_store  # creator gets "<group>/cpu/"
+    rank, size = dist_opts.group_rank, dist_opts.group_size
+    timeout = dist_opts.timeout
+    group_name = dist_opts.group_id
+    granks = list(dist_opts.global_ranks_in_group)
+    options = ctx["backend_options"]
+
+    created: list[tuple[str, str, Any]] = []  # (device, backend name, backend object)
+    names = list(devmap.values())
+    if len(set(names)) == 1:
+        dev0 = next(iter(devmap))
+        st = _C.PrefixStore(f"{dev0}/", prefix_store)
+        be = _make_backend(names[0], st, rank, size, timeout, group_name, granks, options, None)
+        be = _debug_wrap(be, group_name, st, rank, size, timeout)
+        created = [(d, names[0], be) for d in devmap]
+    else:
+        for dev, name in devmap.items():
+            st = _C.PrefixStore(f"{dev}/", prefix_store)
+            be = _make_backend(
+                name, st, rank, size, timeout, group_name, granks,
+                options if name == "nccl" else None, None,
+            )  # fmt: skip
+            be = _debug_wrap(be, group_name, st, rank, size, timeout)
+            created.append((dev, name, be))
+
+    backend = ctx["backend"]
+    if "," not in backend and ":" not in backend and backend != "undefined":
+        default_type = c10d.Backend.backend_type_map[dist.Backend(backend)]
+    else:
+        default_type = _BTYPE["nccl"] if "nccl" in names else _BTYPE["gloo"]
+
+    inner = _C.ProcessGroup(prefix_store, rank, size)
+    global_ranks = granks if granks else list(range(size))
+    pg = RecordingProcessGroup(
+        prefix_store, rank, size, inner, group_name, global_ranks, backend, rec
+    )
+    for g in (inner, pg):
+        g._set_default_backend(default_type)
+        for dev, name, be in created:
+            g._register_backend(torch.device(dev), _BTYPE[name], be)
+    inner._set_group_name(group_name)
+    if "nccl" in names and torch.cuda.is_available():
+        rec.cuda = True
+    device_id = ctx["device_id"]
+    if device_id is not None:
+        pg.bound_device_id = device_id
+        inner.bound_device_id = device_id
+        be = pg._get_backend(device_id)
+        if be.supports_splitting:
+            be.eager_connect_single_device(device_id)
+    rec.add_group(pg)
+    return pg
+
+
+def wrap_split(parent: RecordingProcessGroup, inner, granks, group_name, group_desc):
+    """Wrap a real group split from ``parent._inner`` (see RecordingProcessGroup.split_group)."""
+    try:
+        store = inner.get_group_store()
+    except Exception:
+        store = None
+    name = group_name or inner.group_name
+    if store is not None:
+        pg = RecordingProcessGroup(
+            store, inner.rank(), inner.size(), inner, name, granks, parent._real_backend,
+            parent._rec,
+        )  # fmt: skip
+    else:  # pragma: no cover - older torch without get_group_store
+        pg = RecordingProcessGroup.__new__(RecordingProcessGroup)
+        dist.ProcessGroup.__init__(pg, inner.rank(), inner.size())
+        pg.__dict__.update(
+            _inner=inner, _prism_group_name=name, _global_ranks=granks,
+            _real_backend=parent._real_backend, _rec=parent._rec, _seq=0, _p2p={},
+        )  # fmt: skip
+    default = None
+    for dev in inner._device_types:
+        be = inner._get_backend(dev)
+        btype = _BTYPE.get(be.name().lower(), _C.ProcessGroup.BackendType.CUSTOM)
+        pg._register_backend(dev, btype, be)
+        if default is None or dev.type != "cpu":
+            default = btype
+    if default is not None:
+        pg._set_default_backend(default)
+    pg._set_group_name(name)
+    if group_desc:
+        pg._set_group_desc(group_desc)
+    if parent.bound_device_id is not None:
+        pg.bound_device_id = parent.bound_device_id
+    parent._rec.add_group(pg)
+    return pg
+
+
+# ---- batching -------------------------------------------------------------------------------
+def _batch_isend_irecv(p2p_op_list):
+    """``dist.batch_isend_irecv`` with torch's own logic, except that a RecordingProcessGroup
+    takes the coalescing path whenever its real backend supports coalescing (NCCL)."""
+    c10d._check_p2p_op_list(p2p_op_list)
+    group = p2p_op_list[0].group
+    if group is None:
+        group = c10d._get_default_group()
+    if not isinstance(group, RecordingProcessGroup):
+        return _ORIG["batch_isend_irecv"](p2p_op_list)
+    device = p2p_op_list[0].tensor.device
+    rec = group._rec
+    rec.begin_coalesce()
+    try:
+        if group._get_backend(device).supports_coalescing:
+            with _coalescing_manager(group, device, async_ops=True) as cm:
+                for op in p2p_op_list:
+                    op.op(op.tensor, op.peer, op.group, op.tag)
+            return cm.works
+        reqs = []
+        for op in p2p_op_list:
+            work = op.op(op.tensor, op.peer, op.group, op.tag)
+            if work:
+                reqs.append(work)
+        return reqs
+    finally:
+        rec.end_coalesce()
+
+
+@contextlib.contextmanager
+def _coalescing_manager(group=None, device=None, async_ops: bool = False):
+    """torch's ``_coalescing_manager``; on a RecordingProcessGroup all ops issued inside share
+    one coalesced id, and the batch Work is sync or async as ``async_ops`` says."""
+    orig = _ORIG["_coalescing_manager"]
+    g = group or c10d._get_default_group()
+    if not isinstance(g, RecordingProcessGroup):
+        with orig(group, device, async_ops) as cm:
+            yield cm
+        return
+    rec = g._rec
+    rec.begin_coalesce()
+    prev = rec.coal_async
+    rec.coal_async = async_ops
+    try:
+        with orig(group, device, async_ops) as cm:
+            yield cm
+    finally:
+        rec.coal_async = prev
+        rec.end_coalesce()
+
+
+# ---- exit -----------------------------------------------------------------------------------
+def collect(rec: Recorder):
+    """The RankLog of this process (after ``rec.finish()``)."""
+    from prismllm.trace.ranklog import GroupInfo, RankLog
+
+    groups = []
+    seen = set()
+    for pg in rec.groups:
+        name = pg.group_name
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            desc = pg.group_desc
+        except Exception:
+            desc = ""
+        groups.append(GroupInfo(name=name, desc=desc or "", ranks=list(pg._global_ranks)))
+    device = "cpu"
+    peak = -1
+    if rec.cuda and torch.cuda.is_initialized():
+        try:
+            device = torch.cuda.get_device_name()
+            peak = int(torch.cuda.max_memory_allocated())
+        except Exception:
+            pass
+    return RankLog(
+        rank=rec.rank,
+        world_size=rec.world_size,
+        device=device,
+        clock="cuda" if rec.cuda else "host",
+        nodes=rec.node_dicts(),
+        groups=groups,
+        iterations=rec.iteration_dicts(),
+        peak_memory_bytes=peak,
+    )
+
+
+def current() -> Recorder | None:
+    return _REC
+
+
+__all__ = ["install", "installed", "collect", "current", "BACKEND_NAME"]

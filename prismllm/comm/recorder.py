@@ -1,0 +1,725 @@
+"""Per-process recorder: turns the program's communication calls into RankLog node rows.
+
+Node model (see ``prismllm.trace.schema``): the rank's program order is a sequence of
+*points* -- the issue of a communication call, the wait on an asynchronous one, an
+iteration boundary -- and between two consecutive points the device runs compute. So every
+point closes the current compute span (one "compute" node) and opens the next.
+
+* A call the program waits on before anything else happens (the public synchronous APIs:
+  ``dist.all_reduce(t)`` issues, then waits at once) is a *sync* call: one issue point, and
+  the next compute span starts when the wait returns. ``async_op`` False, ``wait_index`` -1.
+* Any other call is *async*: its wait is a separate point with a "before wait" and an
+  "after wait" time, so the stall between them is not counted as compute; ``wait_index`` is
+  the index of the compute node that starts after the wait.
+* Waits the Python layer cannot see (a Work consumed only through its Future, e.g. DDP's
+  reducer, which waits inside the autograd engine) are *settled*: at the end of the backward
+  pass that issued them (an autograd final callback queued after the ones DDP/FSDP queue),
+  else at the next iteration boundary. A later explicit wait overrides a settled one.
+
+Timing. CPU ("host" clock): every point is ``time.time_ns()``. A sync call ends when its wait
+returns (the host blocks in gloo). An async call ends when its Future completes: a done
+callback stamps the time on gloo's worker thread as soon as the algorithm finishes, which
+is exact to thread wake-up, whereas the wait's return would add the time the program spent
+elsewhere before waiting; where a Work has no Future the wait's return is used (an upper
+bound). GPU ("cuda" clock): every point also records a CUDA event on the current stream
+(pooled); events are mapped onto the host clock through one anchor per device (host time
+taken right after synchronising, then ``anchor.elapsed_time(ev)``) and resolved lazily: at
+iteration boundary k the points of iteration k-1, and everything at exit, so nothing
+synchronises the device in the hot path. An async communication's duration is NCCL's own
+(``work._get_duration()``, needs TORCH_NCCL_ENABLE_TIMING=1), read once the Work reports
+completion (polled at points, never blocking, so the Work -- and its tensors -- is held
+only until the next point after it completes); its start is the device time of its issue
+point, or the end of the previous operation on the same group's stream if later. A sync
+communication (and any op without an NCCL duration: torch 2.11 reports 0 for sync ops,
+which NCCL runs on the caller's stream) ends where the program's stream resumed after the
+wait (the "after wait" event).
+Storage. Everything is kept in columns (``array`` of ints, lists of shared strings and of
+tuples of ints), never as one Python object per row: a long run records millions of rows,
+and per-row objects would survive into the oldest GC generation and make every full
+collection walk them (measured: +20-50 µs a call after a few 10^4 calls). A point, a compute
+span and a communication row are integer ids into their columns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from array import array
+from collections import deque
+from typing import Any
+
+import torch
+
+_now = time.time_ns
+
+ST_PENDING, ST_WAITED, ST_SETTLED = 0, 1, 2
+DUR_PENDING = -2  # m_dur while NCCL's duration is awaited
+
+_DTYPE_NAMES: dict[torch.dtype, str] = {}
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    n = _DTYPE_NAMES.get(dt)
+    if n is None:
+        n = _DTYPE_NAMES[dt] = str(dt).replace("torch.", "")
+    return n
+
+
+_REDOP_NAMES: dict[Any, str] = {}
+
+
+def redop_name(op: Any) -> str:
+    """``ReduceOp`` (or its ``RedOpType``) -> "sum", "avg", "premul_sum", ..."""
+    if isinstance(op, str):
+        return op
+    key = getattr(op, "op", op)  # ReduceOp wraps a RedOpType in .op
+    n = _REDOP_NAMES.get(key)
+    if n is None:
+        name = getattr(key, "name", None) or str(key).rsplit(".", 1)[-1]
+        n = _REDOP_NAMES[key] = name.lower()
+    return n
+
+
+class _Cuda:
+    """CUDA entry points bound on first use (a CPU-only torch has none of them)."""
+
+    get_device = None
+    get_stream = None
+    record = None
+
+    @classmethod
+    def bind(cls) -> None:
+        cls.get_device = staticmethod(torch._C._cuda_getDevice)
+        cls.get_stream = staticmethod(torch._C._cuda_getCurrentStream)
+        cls.record = staticmethod(torch._C._CudaEventBase.record)
+
+
+_cuda = _Cuda
+
+_COMM_INT_COLS = ("m_index", "m_iter", "m_seq", "m_peer", "m_tag", "m_in", "m_out", "m_coal",
+                  "m_async", "m_wait", "m_p0", "m_p1", "m_done", "m_dur", "m_cuda", "m_state")
+_COMM_OBJ_COLS = ("m_op", "m_group", "m_red", "m_dtype", "m_shape", "m_insp", "m_outsp",
+                  "m_api", "m_label")  # fmt: skip
+
+
+class Recorder:
+    """Records one rank. All methods run on the program's thread (autograd's, during
+    backward) except the Future done-callbacks, which only store a timestamp."""
+
+    def __init__(self, rank: int, world_size: int):
+        self.rank = rank
+        self.world_size = world_size
+        self.cuda = False  # device-side timing (set when a group uses NCCL on CUDA)
+        self.cuda_live = False  # ... and CUDA is initialised: points record events
+        self.started = False
+        self.finished = False
+        self.groups: list[Any] = []  # RecordingProcessGroup objects, in creation order
+        # points: host time, resolved time on the host clock, device (-1: host point), event
+        self.p_host = array("q")
+        self.p_ns = array("q")
+        self.p_dev = array("i")
+        self.p_ev: list[Any] = []
+        # nodes in program order: kind (0 compute, 1 comm) and the id in that kind's columns
+        self.n_kind = array("b")
+        self.n_sub = array("q")
+        # compute spans
+        self.c_iter = array("i")
+        self.c_p0 = array("q")
+        self.c_p1 = array("q")
+        self.c_label: list[str] = []
+        # communication rows
+        for c in _COMM_INT_COLS:
+            setattr(self, c, array("q"))
+        for c in _COMM_OBJ_COLS:
+            setattr(self, c, [])
+        self.iterations: list[list] = []  # [iteration, start point, end point, label]
+        self.iteration = 0
+        self.iter_start = -1
+        self.span_start = -1
+        self.span_label = ""
+        self.label_pending = ""
+        self.comm_points = 0  # issue/wait points since the last boundary
+        self.explicit_steps = False
+        self.optim_depth = 0
+        self.coal_depth = 0
+        self.coal_id = -1
+        self.next_coal = 0
+        self.coal_rows: list[int] = []
+        self.coal_starts: list[int] = []
+        self.coal_async = True  # the open _coalescing_manager's async_ops
+        self.pending_sync: Any = None  # RecordingWork issued sync, not yet waited
+        self.outstanding: dict[int, Any] = {}  # id -> RecordingWork not yet waited/settled
+        self.bwd_cb_queued = False
+        self.bwd_works: list[Any] = []
+        self.in_bwd = getattr(torch._C, "_current_graph_task_id", None)
+        # CPU async completion: "callback" (exact, ~5-40 µs a call for the GIL hand-off from
+        # gloo's thread) or "wait" (the wait's return: an upper bound, no extra cost)
+        self.host_callbacks = os.environ.get("PRISM_HOST_COMPLETION", "callback") != "wait"
+        # GPU state
+        self.anchors: dict[int, tuple[Any, int]] = {}  # device -> (anchor event, host ns)
+        self.ev_pool: dict[int, list[Any]] = {}
+        self.streams: dict[tuple, Any] = {}
+        self.unresolved: deque[int] = deque()  # point ids with a pending event
+        self.dur_works: deque[tuple[int, Any]] = deque()  # (comm row, real Work)
+        self.durations_ok = True
+        self.boundary_points: list[int] = []
+        self.pid = os.getpid()
+
+    # ---- points -------------------------------------------------------------------------
+    def _host_point(self, t: int) -> int:
+        pid = len(self.p_host)
+        self.p_host.append(t)
+        self.p_ns.append(t)
+        self.p_dev.append(-1)
+        self.p_ev.append(None)
+        return pid
+
+    def point(self) -> int:
+        t = _now()
+        if not self.cuda_live:
+            if not self.cuda or not torch.cuda.is_initialized():
+                return self._host_point(t)
+            _cuda.bind()
+            self.cuda_live = True
+        return self._cuda_point(t)
+
+    def _cuda_point(self, t: int) -> int:
+        dev = _cuda.get_device()
+        if dev not in self.anchors:
+            self._make_anchor(dev)
+        pool = self.ev_pool[dev]
+        ev = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
+        sd = _cuda.get_stream(dev)
+        st = self.streams.get(sd)
+        if st is None:
+            st = self.streams[sd] = torch.cuda.Stream(
+                stream_id=sd[0], device_index=sd[1], device_type=sd[2]
+            )
+        _cuda.record(ev, st)
+        pid = len(self.p_host)
+        self.p_host.append(t)
+        self.p_ns.append(-1)
+        self.p_dev.append(dev)
+        self.p_ev.append(ev)
+        self.unresolved.append(pid)
+        if self.dur_works:
+            self._poll_durations(1)
+        return pid
+
+    def _make_anchor(self, dev: int) -> None:
+        if _cuda.record is None:
+            _cuda.bind()
+        with torch.cuda.device(dev):
+            torch.cuda.synchronize()
+            anchor = torch.cuda.Event(enable_timing=True)
+            anchor.record()
+            anchor.synchronize()
+            self.anchors[dev] = (anchor, _now())
+        self.ev_pool.setdefault(dev, [])
+
+    def _resolve(self, upto: int, block: bool = False) -> None:
+        """Resolve the pending points with id < ``upto`` (oldest first); stop at the first
+        event not yet complete unless ``block``."""
+        q = self.unresolved
+        while q and q[0] < upto:
+            pid = q[0]
+            ev = self.p_ev[pid]
+            if not ev.query():
+                if not block:
+                    return
+                ev.synchronize()
+            dev = self.p_dev[pid]
+            anchor, host0 = self.anchors[dev]
+            self.p_ns[pid] = host0 + int(round(anchor.elapsed_time(ev) * 1e6))
+            self.p_ev[pid] = None
+            self.ev_pool[dev].append(ev)
+            q.popleft()
+
+    def _poll_durations(self, limit: int) -> None:
+        q = self.dur_works
+        n = 0
+        while q and n < limit:
+            j, work = q[0]
+            try:
+                if not work.is_completed():
+                    return
+                d = work._get_duration()
+                self.m_dur[j] = int(round(d * 1e6)) if d > 0 else -1
+            except Exception:  # timing not enabled, or no _get_duration in this torch
+                self.durations_ok = False
+                for jj, _w in q:
+                    self.m_dur[jj] = -1
+                q.clear()
+                return
+            q.popleft()
+            n += 1
+
+    # ---- spans --------------------------------------------------------------------------
+    def _close_span(self, p: int) -> None:
+        """Emit the compute node from the current span start to point ``p``."""
+        c = len(self.c_p0)
+        self.c_iter.append(self.iteration)
+        self.c_p0.append(self.span_start)
+        self.c_p1.append(p)
+        self.c_label.append(self.span_label)
+        self.span_label = ""
+        self.n_kind.append(0)
+        self.n_sub.append(c)
+
+    def _open_span(self, p: int) -> None:
+        self.span_start = p
+        if self.label_pending:
+            self.span_label = self.label_pending
+            self.label_pending = ""
+
+    @property
+    def next_index(self) -> int:
+        return len(self.n_kind)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Iteration 0 starts now (the default group's creation returned)."""
+        if self.started:
+            return
+        self.started = True
+        p = self.point()
+        self.span_start = p
+        self.iter_start = p
+
+    def add_group(self, pg: Any) -> None:
+        self.groups.append(pg)
+
+    # ---- issue --------------------------------------------------------------------------
+    def issue(self, op, api, group, seq, peer, tag, red, dt, shape, inb, outb, insp, outsp,
+              cuda, same=-1) -> int:  # fmt: skip
+        """A communication call is being issued; returns its row id (not yet waited).
+
+        ``same``: a row issued by the same call (the tensors of one *_coalesced call): the
+        new row shares its issue point and no compute span is closed between them."""
+        if same < 0:
+            if self.pending_sync is not None:
+                self._demote_sync()
+            p = self.point()
+            self._close_span(p)
+            self.comm_points += 1
+            if self.in_bwd is not None and not self.bwd_cb_queued and self.in_bwd() != -1:
+                self._queue_bwd_callback()
+        else:
+            p = self.m_p0[same]
+        label = self.label_pending
+        if label:
+            self.label_pending = ""
+        coal = self.coal_id if self.coal_depth else -1
+        j = len(self.m_op)
+        self.m_index.append(len(self.n_kind))
+        self.n_kind.append(1)
+        self.n_sub.append(j)
+        self.m_iter.append(self.iteration)
+        self.m_seq.append(seq)
+        self.m_peer.append(peer)
+        self.m_tag.append(tag)
+        self.m_in.append(inb)
+        self.m_out.append(outb)
+        self.m_coal.append(coal)
+        self.m_async.append(0)
+        self.m_wait.append(-1)
+        self.m_p0.append(p)
+        self.m_p1.append(-1)
+        self.m_done.append(-1)
+        self.m_dur.append(-1)
+        self.m_cuda.append(1 if cuda else 0)
+        self.m_state.append(ST_PENDING)
+        self.m_op.append(op)
+        self.m_group.append(group)
+        self.m_red.append(red)
+        self.m_dtype.append(dt)
+        self.m_shape.append(tuple(shape))
+        self.m_insp.append(tuple(insp))
+        self.m_outsp.append(tuple(outsp))
+        self.m_api.append(api)
+        self.m_label.append(label)
+        if coal >= 0:
+            self.coal_rows.append(j)
+        return j
+
+    def issued(self, work: Any, rows: tuple, sync: bool) -> None:
+        """The backend call returned ``work`` (a RecordingWork, or None)."""
+        if self.cuda_live:
+            # The device does not wait for the issue: the next compute span starts, on the
+            # device, where the previous one ended (the issue point's event).
+            p = self.m_p0[rows[0]]
+        else:
+            p = self._host_point(_now())
+        self._open_span(p)
+        if work is None:
+            if self.coal_depth:  # rows complete with the batch's Work
+                return
+            # No Work (e.g. monitored_barrier): the call returned when it completed.
+            for j in rows:
+                self.m_async[j] = 0
+                self.m_p1[j] = p if not self.cuda else self.point()
+                self.m_state[j] = ST_WAITED
+            return
+        if sync:
+            self.pending_sync = work
+        else:
+            for j in rows:
+                self.m_async[j] = 1
+        self.outstanding[id(work)] = work
+        if self.bwd_cb_queued:
+            self.bwd_works.append(work)
+        inner = work._inner
+        if self.cuda:
+            if self.durations_ok and self.m_cuda[rows[0]] and not self.coal_depth and not sync:
+                for j in rows:
+                    self.m_dur[j] = DUR_PENDING
+                    self.dur_works.append((j, inner))
+        elif not sync and self.host_callbacks:
+            try:
+                fut = inner.get_future()
+            except Exception:
+                return
+            m_done = self.m_done
+
+            def _done(_f, rows=rows):  # runs on gloo's worker thread: store a time only
+                t = _now()
+                for j in rows:
+                    if m_done[j] < 0:
+                        m_done[j] = t
+
+            try:
+                fut.add_done_callback(_done)
+            except Exception:
+                pass
+
+    def bind_batch(self, work: Any, rows: list[int]) -> None:
+        """``work`` (from _end_coalescing) completes the rows of its coalescing scope."""
+        if not rows:
+            return
+        if self.coal_async:
+            for j in rows:
+                self.m_async[j] = 1
+        else:  # _coalescing_manager(async_ops=False) waits on it at once
+            if self.pending_sync is not None:
+                self._demote_sync()
+            self.pending_sync = work
+        self.outstanding[id(work)] = work
+        if self.cuda and self.durations_ok and self.m_cuda[rows[0]]:
+            for j in rows:
+                self.m_dur[j] = DUR_PENDING
+                self.dur_works.append((j, work._inner))
+
+    def complete_rows(self, rows) -> None:
+        """Rows whose batch ended without a Work (nothing to wait on): done now, sync."""
+        p = -1
+        for j in rows:
+            if self.m_state[j] == ST_PENDING:
+                if p < 0:
+                    p = self.point()
+                self.m_async[j] = 0
+                self.m_p1[j] = p
+                self.m_state[j] = ST_WAITED
+
+    def cancel(self, rows: tuple) -> None:
+        """The backend refused the call just issued (it raised): forget its rows, and the
+        compute span closed at its issue point continues as if no call had happened."""
+        n = len(rows)
+        p0 = self.m_p0[rows[0]]
+        label = self.m_label[rows[0]]
+        for _ in range(n):
+            for c in _COMM_INT_COLS + _COMM_OBJ_COLS:
+                getattr(self, c).pop()
+            self.n_kind.pop()
+            self.n_sub.pop()
+        if self.coal_rows:
+            gone = set(rows)
+            self.coal_rows = [j for j in self.coal_rows if j not in gone]
+        if self.n_kind and self.n_kind[-1] == 0 and self.c_p1[-1] == p0:
+            self.span_start = self.c_p0.pop()
+            self.c_p1.pop()
+            self.c_iter.pop()
+            self.span_label = self.c_label.pop()
+            self.n_kind.pop()
+            self.n_sub.pop()
+            self.comm_points = max(0, self.comm_points - 1)
+        if label:
+            self.label_pending = label
+
+    def _demote_sync(self) -> None:
+        """The last sync-issued call was not waited on at once: it is async after all."""
+        w = self.pending_sync
+        self.pending_sync = None
+        for j in w._rows:
+            self.m_async[j] = 1
+
+    # ---- waits --------------------------------------------------------------------------
+    def wait(self, work: Any, fn, args) -> Any:
+        """The program waits on ``work``; ``fn(*args)`` performs the backend's wait."""
+        if work._state == ST_WAITED:
+            return fn(*args)
+        immediate = self.pending_sync is work
+        if not immediate:
+            if self.pending_sync is not None:
+                self._demote_sync()
+            self._close_span(self.point())
+        try:
+            return fn(*args)
+        finally:
+            pa = self.point()
+            work._state = ST_WAITED
+            self.outstanding.pop(id(work), None)
+            m_state = self.m_state
+            if immediate:
+                self.pending_sync = None
+                for j in work._rows:
+                    self.m_async[j] = 0
+                    self.m_wait[j] = -1
+                    self.m_p1[j] = pa
+                    m_state[j] = ST_WAITED
+            else:
+                idx = len(self.n_kind)
+                for j in work._rows:
+                    if m_state[j] != ST_WAITED:
+                        self.m_async[j] = 1
+                        self.m_wait[j] = idx
+                        self.m_p1[j] = pa
+                        m_state[j] = ST_WAITED
+                self.comm_points += 1
+            self._open_span(pa)
+            if work._anysource:
+                self._fix_anysource(work)
+
+    def _fix_anysource(self, work: Any) -> None:
+        try:
+            src = work._inner._source_rank()
+        except Exception:
+            return
+        pg = work._pg
+        g = pg._global_ranks[src] if 0 <= src < len(pg._global_ranks) else -1
+        for j in work._rows:
+            self.m_peer[j] = g
+            self.m_seq[j] = pg._p2p_seq(g, "recv")
+
+    def _settle(self, works, p: int = -1) -> None:
+        """Place the unobserved wait of ``works`` at a point (provisional): a new point, or
+        ``p`` when the caller has just closed the span there (an iteration boundary)."""
+        m_state = self.m_state
+        rows = []
+        for w in works:
+            if w._state == ST_PENDING:
+                w._state = ST_SETTLED
+                self.outstanding.pop(id(w), None)
+                rows.extend(j for j in w._rows if m_state[j] == ST_PENDING)
+        if not rows:
+            return
+        if p < 0:
+            if self.pending_sync is not None:
+                self._demote_sync()
+            p = self.point()
+            self._close_span(p)
+            self._open_span(p)
+        idx = len(self.n_kind)
+        for j in rows:
+            if m_state[j] == ST_PENDING:
+                self.m_async[j] = 1
+                self.m_wait[j] = idx
+                self.m_p1[j] = p
+                m_state[j] = ST_SETTLED
+
+    def _queue_bwd_callback(self) -> None:
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        except Exception:
+            return
+        self.bwd_cb_queued = True
+
+    def _on_backward_end(self) -> None:
+        self.bwd_cb_queued = False
+        works, self.bwd_works = self.bwd_works, []
+        self._settle(works)
+
+    # ---- coalescing ---------------------------------------------------------------------
+    def begin_coalesce(self) -> None:
+        """Enter a coalescing scope. Nested scopes (batch_isend_irecv > _coalescing_manager >
+        _start_coalescing) share the outermost scope's id."""
+        if self.coal_depth == 0:
+            self.coal_id = self.next_coal
+            self.next_coal += 1
+            self.coal_rows = []
+        self.coal_starts.append(len(self.coal_rows))
+        self.coal_depth += 1
+
+    def end_coalesce(self) -> list[int]:
+        """Leave a scope; returns the rows issued since the matching begin_coalesce."""
+        self.coal_depth -= 1
+        rows = self.coal_rows[self.coal_starts.pop():]
+        if self.coal_depth == 0:
+            if not self.coal_rows:  # nothing was issued: give the id back
+                self.next_coal -= 1
+            self.coal_rows = []
+            self.coal_id = -1
+        return rows
+
+    # ---- user API -----------------------------------------------------------------------
+    def mark(self, label: str) -> None:
+        self.label_pending = str(label)
+
+    def boundary(self, explicit: bool) -> None:
+        """End of an iteration: an optimizer step finished, or the program called step()."""
+        if not self.started or self.finished:
+            return
+        if explicit:
+            self.explicit_steps = True
+        elif self.explicit_steps:
+            return
+        if self.pending_sync is not None:
+            self._demote_sync()
+        p = self.point()
+        if self.comm_points == 0 and self.iterations:
+            # Nothing communicated since the last boundary (a second optimizer, or step()
+            # right after an optimizer step): extend the previous iteration instead.
+            self.iteration -= 1
+            self._close_span(p)
+            self.iterations[-1][2] = p
+            self.iteration += 1
+        else:
+            self._close_span(p)
+            self.iterations.append([self.iteration, self.iter_start, p, ""])
+            self.iteration += 1
+        self.iter_start = p
+        self.comm_points = 0
+        self._open_span(p)
+        if self.outstanding:
+            self._settle(list(self.outstanding.values()), p)
+        if self.cuda:
+            # Resolve the previous iteration's points (done on the device long ago).
+            self.boundary_points.append(p)
+            if len(self.boundary_points) >= 2:
+                self._resolve(self.boundary_points[-2])
+            self._poll_durations(1 << 30)
+
+    def optimizer_pre(self) -> None:
+        self.optim_depth += 1
+
+    def optimizer_post(self) -> None:
+        self.optim_depth = max(0, self.optim_depth - 1)
+        if self.optim_depth == 0:
+            self.boundary(explicit=False)
+
+    # ---- exit ---------------------------------------------------------------------------
+    def finish(self) -> None:
+        """Close the last span; resolve every time (synchronising the device once)."""
+        if self.finished:
+            return
+        self.finished = True
+        if not self.started:
+            return
+        if self.pending_sync is not None:
+            self._demote_sync()
+        self._close_span(self.point())
+        if self.cuda:
+            try:
+                torch.cuda.synchronize()
+            except Exception:
+                pass
+            self._resolve(len(self.p_host), block=True)
+            q = self.dur_works
+            while q:
+                j, work = q.popleft()
+                self.m_dur[j] = -1
+                if self.durations_ok:
+                    try:
+                        d = work._get_duration()
+                        self.m_dur[j] = int(round(d * 1e6)) if d > 0 else -1
+                    except Exception:
+                        self.durations_ok = False
+
+    def node_dicts(self) -> list[dict[str, Any]]:
+        """Every node as a RankLog row (after ``finish``)."""
+        rank = self.rank
+        p_host, p_ns = self.p_host, self.p_ns
+        out = []
+        stream_end: dict[str, int] = {}
+        for idx, (kind, k) in enumerate(zip(self.n_kind, self.n_sub)):
+            if kind == 0:
+                p0, p1 = self.c_p0[k], self.c_p1[k]
+                start = p_ns[p0] if p0 >= 0 else -1
+                end = p_ns[p1] if p1 >= 0 else -1
+                if 0 <= end < start:  # its two points were on different streams
+                    end = start
+                out.append({
+                    "rank": rank, "index": idx, "iteration": self.c_iter[k], "kind": "compute",
+                    "op": "compute", "group_name": "", "seq": -1, "peer": -1, "tag": 0,
+                    "reduce_op": "", "dtype": "", "shape": [], "in_bytes": 0, "out_bytes": 0,
+                    "in_splits": [], "out_splits": [], "coalesced": -1, "async_op": False,
+                    "api": "", "stream": "compute", "wait_index": -1,
+                    "issue_ns": p_host[p0] if p0 >= 0 else -1, "start_ns": start,
+                    "end_ns": end, "duration_ns": end - start if start >= 0 <= end else -1,
+                    "label": self.c_label[k],
+                })  # fmt: skip
+                continue
+            grp = self.m_group[k]
+            stream = "comm:" + grp
+            start, end, dur = self._comm_times(k, stream_end, stream)
+            p0 = self.m_p0[k]
+            out.append({
+                "rank": rank, "index": idx, "iteration": self.m_iter[k], "kind": "comm",
+                "op": self.m_op[k], "group_name": grp, "seq": self.m_seq[k],
+                "peer": self.m_peer[k], "tag": self.m_tag[k],
+                "reduce_op": redop_name(self.m_red[k]), "dtype": self.m_dtype[k],
+                "shape": list(self.m_shape[k]), "in_bytes": self.m_in[k],
+                "out_bytes": self.m_out[k], "in_splits": list(self.m_insp[k]),
+                "out_splits": list(self.m_outsp[k]), "coalesced": self.m_coal[k],
+                "async_op": bool(self.m_async[k]), "api": self.m_api[k], "stream": stream,
+                "wait_index": self.m_wait[k], "issue_ns": p_host[p0] if p0 >= 0 else -1,
+                "start_ns": start, "end_ns": end, "duration_ns": dur, "label": self.m_label[k],
+            })  # fmt: skip
+        return out
+
+    def _comm_times(self, k: int, stream_end: dict[str, int], stream: str):
+        """(start, end, duration) of communication row ``k`` on the host clock."""
+        p0, p1 = self.m_p0[k], self.m_p1[k]
+        dur = self.m_dur[k]
+        ns = self.p_ns
+        if self.m_cuda[k] and p0 >= 0 and self.p_dev[p0] >= 0:
+            # Device clock: it starts when the stream reached the issue point, or when the
+            # previous op on this group's stream ended; it ends after NCCL's own duration if
+            # known, else where the program's stream resumed after the wait.
+            start = max(ns[p0], stream_end.get(stream, -1))
+            if dur >= 0:
+                end = start + dur
+            elif p1 >= 0 and ns[p1] >= 0:
+                end = max(ns[p1], start)
+            else:
+                end = -1
+            if end >= 0:
+                stream_end[stream] = end
+            return start, end, (end - start if end >= 0 else -1)
+        # Host clock: from the call to its completion (Future callback) or the wait's return.
+        start = self.p_host[p0] if p0 >= 0 else -1
+        end = self.p_host[p1] if p1 >= 0 else -1
+        done = self.m_done[k]
+        if done >= 0 and (end < 0 or done < end):
+            end = done
+        if 0 <= end < start:
+            end = start
+        return start, end, (end - start if end >= 0 and start >= 0 else -1)
+
+    def iteration_dicts(self) -> list[dict[str, Any]]:
+        ns = self.p_ns
+        return [
+            {"iteration": i, "start_ns": ns[s], "end_ns": ns[e], "label": lab}
+            for i, s, e, lab in self.iterations
+        ]
+
+
+_RECORDER: Recorder | None = None
+
+
+def current() -> Recorder | None:
+    return _RECORDER
+
+
+def set_current(rec: Recorder | None) -> None:
+    global _RECORDER
+    _RECORDER = rec

@@ -1,0 +1,82 @@
+"""The recording backend on GPUs (NCCL, device-side timing). Run on the device machine:
+``pytest -m gpu tests/test_recording_gpu.py`` (needs 2+ GPUs; torch 2.11 there)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_recording import PROGRAMS, Launch, check_structure, comm  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
+    ),
+]
+
+ENV = {"TORCH_NCCL_ENABLE_TIMING": "1"}
+
+
+def _summary(log):
+    lines = []
+    for nd in log.nodes:
+        if nd["kind"] == "compute":
+            continue
+        lines.append(
+            f'{nd["index"]:4d} it{nd["iteration"]} {nd["op"]:14s} {nd["api"]:28s} '
+            f'g={nd["group_name"]} seq={nd["seq"]} peer={nd["peer"]} in={nd["in_bytes"]} '
+            f'coal={nd["coalesced"]} async={nd["async_op"]} wait={nd["wait_index"]} '
+            f'start={nd["start_ns"] % 10**9 / 1e3:.1f}us dur={nd["duration_ns"] / 1e3:.1f}us'
+        )
+    return "\n".join(lines)
+
+
+@pytest.fixture(scope="module", params=["plain-init", "device-id"])
+def smoke(request, tmp_path_factory):
+    n = torch.cuda.device_count()
+    tmp = tmp_path_factory.mktemp(request.param)
+    args = ["--device-id"] if request.param == "device-id" else []
+    launch = Launch(PROGRAMS / "nccl_smoke.py", n, tmp / "spool", args, env=ENV)
+    launch.wait(timeout=150)
+    return launch
+
+
+def test_nccl_smoke_records(smoke):
+    res = smoke.ok()
+    logs = smoke.logs()
+    print("\n" + _summary(logs[0]))
+    for r, log in enumerate(logs):
+        assert f"NCCL OK {r}" in res[r][1]
+        check_structure(log, cuda=True)
+        # iteration 0 (collectives), 3 DDP steps, 2 FSDP2 steps
+        assert len(log.iterations) == 6
+        cs = comm(log)
+        assert all(c["start_ns"] >= 0 and c["end_ns"] >= c["start_ns"] for c in cs)
+        # NCCL's own durations (TORCH_NCCL_ENABLE_TIMING=1) for the device-side ops
+        timed = [c for c in cs if c["op"] != "barrier" and c["dtype"] != "uint8"]
+        assert sum(c["duration_ns"] > 0 for c in timed) >= 0.9 * len(timed)
+        # the async 4 MB all_reduce overlapped a matmul: the compute span between its issue
+        # and its wait is real device time
+        ar = cs[1]
+        assert ar["async_op"] and ar["in_bytes"] == 4 << 20
+        mm = log.nodes[ar["index"] + 1]
+        assert mm["kind"] == "compute" and mm["duration_ns"] > 0
+        # batch_isend_irecv went through NCCL's coalescing: one batch id, waited on
+        p2p = [c for c in cs if c["op"] in ("send", "recv") and c["coalesced"] >= 0]
+        assert len(p2p) == 2 and p2p[0]["coalesced"] == p2p[1]["coalesced"]
+        assert all(c["async_op"] and c["wait_index"] > c["index"] for c in p2p)
+        ddp = [c for c in cs if 1 <= c["iteration"] <= 3 and c["op"] == "all_reduce"]
+        assert {c["iteration"] for c in ddp} == {1, 2, 3}
+        fs = [c for c in cs if c["iteration"] >= 4]
+        assert {c["op"] for c in fs} >= {"all_gather", "reduce_scatter"}
+
+
+def test_iterations_device_times(smoke):
+    for log in smoke.logs():
+        its = log.iterations
+        for it in its:
+            assert 0 < it["start_ns"] < it["end_ns"]
+        # steady DDP/FSDP2 iterations take milliseconds, not seconds
+        assert all(it["end_ns"] - it["start_ns"] < 5e9 for it in its[2:])
