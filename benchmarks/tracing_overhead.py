@@ -84,7 +84,7 @@ def machine() -> dict:
 
 
 def run_layout(layout: str, nproc: int, extra: list[str], rounds: int, warmup: int,
-               workdir: Path) -> dict:
+               workdir: Path, keep_graphs: Path | None) -> dict:
     args = layout_flags(layout) + extra
     samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
     agreement: list[float] = []
@@ -109,7 +109,11 @@ def run_layout(layout: str, nproc: int, extra: list[str], rounds: int, warmup: i
                 recorded = graph_iteration_ms(graph)
                 for p, g in zip(steady(printed, warmup), steady(recorded, warmup)):
                     agreement.append(abs(g - p) / p)
-                shutil.rmtree(graph, ignore_errors=True)
+                if keep_graphs is not None and r == rounds - 1:
+                    keep_graphs.mkdir(parents=True, exist_ok=True)
+                    shutil.move(graph, keep_graphs / layout.replace(",", "_").replace("=", ""))
+                else:
+                    shutil.rmtree(graph, ignore_errors=True)
     medians = {v: statistics.median(s) for v, s in samples.items()}
     return {
         "layout": layout,
@@ -153,6 +157,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--md", help="write the markdown table here")
+    parser.add_argument("--keep-graphs", type=Path,
+                        help="keep the last recorded graph of each layout in this directory")
     parser.add_argument("gpt3d_args", nargs=argparse.REMAINDER,
                         help="after --: arguments for examples/gpt3d.py (sizes, --iters)")
     opts = parser.parse_args()
@@ -163,13 +169,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="prism-overhead-") as tmp:
         for layout in opts.layout:
             result["layouts"].append(
-                run_layout(layout, opts.nproc, extra, opts.rounds, opts.warmup, Path(tmp)))
-    table = markdown(result)
+                run_layout(layout, opts.nproc, extra, opts.rounds, opts.warmup, Path(tmp),
+                           opts.keep_graphs))
+            # Written after every layout, so a run cut short keeps what it measured.
+            table = markdown(result)
+            if opts.json:
+                Path(opts.json).write_text(json.dumps(result, indent=2) + "\n")
+            if opts.md:
+                Path(opts.md).write_text(table + "\n")
     print(table)
-    if opts.json:
-        Path(opts.json).write_text(json.dumps(result, indent=2) + "\n")
-    if opts.md:
-        Path(opts.md).write_text(table + "\n")
 
 
 if __name__ == "__main__":

@@ -382,7 +382,7 @@ def test_child_env_is_torchrun_set_plus_nvls_off(tmp_path, monkeypatch):
         assert {k: env[k] for k in NVLS_OFF} == NVLS_OFF
         assert env["GROUP_RANK"] == "0" and env["ROLE_RANK"] == str(r) and env["ROLE_NAME"] == "default"
         assert env["TORCHELASTIC_RUN_ID"] == res.run_id
-        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "False"  # rank 0 hosts the store
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the launcher hosts the store
         assert env["OMP_NUM_THREADS"] == "1" and env["PYTHONUNBUFFERED"] == "1"
         assert env["CUDA_VISIBLE_DEVICES"] == ""  # cpu: GPUs hidden
         assert env["EXTRA"] == "1" and "DROPPED" not in env
@@ -413,9 +413,9 @@ def test_same_variables_as_real_torchrun(tmp_path, monkeypatch):
     res = launch(LaunchSpec(nproc=2, script=str(script), runner=None))
     assert res.ok, res.message
     # Differ by design: port, run id, error-file path; torchrun --standalone hosts the store in
-    # its agent and names the host "localhost"; the agent's own signal list leaks to workers.
+    # its agent too but names the host "localhost"; the agent's own signal list leaks to workers.
     differ = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_ADDR",
-              "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+              "TORCHELASTIC_SIGNALS_TO_HANDLE"}
     for r in range(2):
         theirs = json.loads((tr_dir / f"env-{r}.json").read_text())
         ours = json.loads((ours_dir / f"env-{r}.json").read_text())

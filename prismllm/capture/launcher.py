@@ -43,7 +43,6 @@ import re
 import selectors
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -120,7 +119,10 @@ class LaunchSpec:
     ranks: Sequence[int] | None = None
     world_size: int | None = None
     master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port of master_addr
+    # None: the launcher hosts the rendezvous TCPStore itself on a port it keeps bound for
+    # the whole run (torchrun's agent store), so no other process can take the port between
+    # choosing it and rank 0 listening on it. A given port: rank 0 hosts the store there.
+    master_port: int | None = None
     run_id: str | None = None  # TORCHELASTIC_RUN_ID; None: a fresh one
     runner: str | None = DEFAULT_RUNNER  # module run as ``python -m runner SCRIPT``; None: SCRIPT
     python: str = sys.executable
@@ -174,12 +176,15 @@ class LaunchResult:
 # Environment
 
 
-def free_port(addr: str = "127.0.0.1") -> int:
-    """A TCP port free on ``addr`` now (as torchrun's standalone mode picks one)."""
-    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return s.getsockname()[1]
+def host_store(addr: str):
+    """The run's rendezvous TCPStore, hosted by the launcher on a port the kernel picks and
+    that stays bound until the store is dropped (torchrun's agent store)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    return TCPStore(addr, 0, is_master=True, wait_for_workers=False,
+                    timeout=timedelta(minutes=30))
 
 
 def _resolve_ranks(spec: LaunchSpec) -> list[int]:
@@ -224,6 +229,7 @@ def torchrun_env(
     master_addr: str,
     master_port: int,
     run_id: str,
+    agent_store: bool,
 ) -> dict[str, str]:
     """The variables torchrun's agent sets for one worker of a single-node job."""
     return {
@@ -241,8 +247,9 @@ def torchrun_env(
         "TORCHELASTIC_RESTART_COUNT": "0",
         "TORCHELASTIC_MAX_RESTARTS": "0",
         "TORCHELASTIC_RUN_ID": run_id,
-        # No agent store here: rank 0's env:// rendezvous hosts the TCPStore itself.
-        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        # True: the launcher hosts the TCPStore and rank 0 connects as a client (torchrun's
+        # default); False: rank 0's env:// rendezvous hosts it.
+        "TORCHELASTIC_USE_AGENT_STORE": str(agent_store),
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
     }
 
@@ -254,6 +261,7 @@ def build_env(
     local_rank: int,
     master_port: int,
     run_id: str,
+    agent_store: bool = False,
     error_file: str | None = None,
     parent: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
@@ -271,6 +279,7 @@ def build_env(
             master_addr=spec.master_addr,
             master_port=master_port,
             run_id=run_id,
+            agent_store=agent_store,
         )
     )
     if error_file is not None:
@@ -642,6 +651,7 @@ class _Launcher:
         self.exits: "queue.Queue[tuple[int, int, float]]" = queue.Queue()
         self.pump: _OutputPump | None = None
         self.watchdog: _Watchdog | None = None
+        self.store = None  # the rendezvous TCPStore when the launcher hosts it
         self.cleaning = False
         self.deferring = False
         self.deferred = 0
@@ -738,7 +748,11 @@ class _Launcher:
             raise LaunchError(f"script not found: {spec.script}")
         ranks = _resolve_ranks(spec)
         device_env(spec.devices, spec.nproc, os.environ)  # validate before starting anything
-        port = spec.master_port if spec.master_port is not None else free_port(spec.master_addr)
+        if spec.master_port is None:
+            self.store = host_store(spec.master_addr)  # kept bound until the run ends
+            port = self.store.port
+        else:
+            port = spec.master_port
         run_id = spec.run_id or uuid.uuid4().hex[:12]
         log_dir = Path(spec.log_dir) if spec.log_dir is not None else None
         if log_dir is not None:
@@ -763,7 +777,8 @@ class _Launcher:
         for local_rank, rank in enumerate(ranks):
             error_file = os.path.join(err_dir, f"error-{rank}.json")
             env = build_env(spec, rank=rank, local_rank=local_rank, master_port=port,
-                            run_id=run_id, error_file=error_file)
+                            run_id=run_id, agent_store=self.store is not None,
+                            error_file=error_file)
             self.deferring = True
             try:
                 proc = subprocess.Popen(
