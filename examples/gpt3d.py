@@ -744,8 +744,13 @@ class GradSync:
         return total
 
 
-class MegatronOptimizer:
+class MegatronOptimizer(torch.optim.Optimizer):
     """fp32 master weights updated by one torch.optim.AdamW (step() once per iteration).
+
+    A torch.optim.Optimizer itself, so that its whole step (AdamW's update, then the parameter
+    all-gather of --dist-opt) runs inside one optimizer step, as Megatron's DistributedOptimizer
+    .step() does; tools that find iterations with a global optimizer-step hook see the step end
+    after the all-gather.
 
     Without --dist-opt the masters are the parameters themselves (fp32) or fp32 copies (bf16).
     With --dist-opt every rank owns one shard of each bucket's flat buffer: the reduce-scattered
@@ -768,8 +773,9 @@ class MegatronOptimizer:
                     self.grads.append(p.main_grad)
         # Uniform weight decay keeps sharded and unsharded updates elementwise identical.
         self.opt = torch.optim.AdamW(self.masters, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+        super().__init__(self.masters, {})
 
-    def step(self) -> None:
+    def step(self, closure=None) -> None:
         for m, g in zip(self.masters, self.grads):
             m.grad = g
         self.opt.step()
@@ -1137,6 +1143,11 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         losses = pipeline.run(it)
+        if par.last_stage:  # inside the timed step, as Megatron averages losses over DP in its step
+            loss = torch.stack(losses).mean().float()
+            if par.dp > 1:
+                dist.all_reduce(loss, group=par.dp_group)
+                loss /= par.dp
         for s in syncs:
             s.finish()
         allreduce_sp_grads(syncs, par)
@@ -1147,11 +1158,6 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.cuda.synchronize()
         ms = (time.perf_counter() - t0) * 1e3
-        if par.last_stage:
-            loss = torch.stack(losses).mean().float()
-            if par.dp > 1:
-                dist.all_reduce(loss, group=par.dp_group)
-                loss /= par.dp
         if reporter:
             value = float(loss)
             mem = torch.cuda.max_memory_allocated() if cuda else None
