@@ -3,6 +3,9 @@ ARGS...`` behaves like ``python SCRIPT ARGS...``.
 
 The launcher starts one of these per rank with torchrun's environment plus ``PRISM_MODE``
 and ``PRISM_SPOOL``. With ``PRISM_MODE`` unset nothing is installed: the script just runs.
+A PrismError raised inside the program (solo mode's tensor generator: a bad rule, a
+collective nothing can answer) is printed as one line ``prism: error: ...`` to stderr and the
+exit status is 3, with no traceback.
 At exit (normal end, ``sys.exit(n)``, or an exception) the rank's RankLog is written to
 ``$PRISM_SPOOL`` -- once, from the process that started (never from forked workers) -- and
 the program's own exit status and traceback are kept.
@@ -34,6 +37,9 @@ class _Flusher:
             from prismllm.comm.install import collect
             from prismllm.trace.ranklog import write_ranklog
 
+            saving = sys.modules.get("prismllm.comm.saving")
+            if saving is not None:
+                saving.close()
             self.rec.finish()
             log = collect(self.rec)
             if self.spool:
@@ -55,6 +61,22 @@ def _program_traceback(tb, script: str):
     return tb
 
 
+def _prism_error(e: BaseException):
+    """The PrismError behind ``e`` (itself, its cause, or a generator error that a C++
+    caller turned into a RuntimeError), or None for the program's own errors."""
+    from prismllm.errors import PrismError
+
+    if isinstance(e, PrismError):
+        return e
+    if isinstance(e.__cause__, PrismError):
+        return e.__cause__
+    gen = sys.modules.get("prismllm.generate.errors")
+    last = gen.last_error() if gen is not None else None
+    if last is not None and str(last) in str(e):
+        return last
+    return None
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -68,8 +90,13 @@ def main(argv: list[str] | None = None) -> None:
     rec = None
     if os.environ.get("PRISM_MODE"):
         from prismllm.comm.install import install
+        from prismllm.errors import PrismError
 
-        rec = install(os.environ["PRISM_MODE"])
+        try:
+            rec = install(os.environ["PRISM_MODE"])
+        except (PrismError, ValueError) as e:
+            print(f"prism: error: {e}", file=sys.stderr)
+            raise SystemExit(3) from None
     flush = _Flusher(rec, os.environ.get("PRISM_SPOOL"))
     atexit.register(flush)
 
@@ -82,6 +109,11 @@ def main(argv: list[str] | None = None) -> None:
         raise
     except BaseException as e:  # the program's own error: same report, same exit status
         flush()
+        perr = _prism_error(e)
+        if perr is not None:  # prism's own error (e.g. the tensor generator): one line
+            print(f"prism: error: {perr}", file=sys.stderr)
+            sys.stderr.flush()
+            raise SystemExit(3) from None
         tb = _program_traceback(e.__traceback__, script)
         e.__traceback__ = tb
         sys.excepthook(type(e), e, tb)

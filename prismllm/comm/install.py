@@ -44,12 +44,13 @@ from prismllm.comm.recorder import Recorder
 from prismllm.comm.recording import RecordingProcessGroup
 
 BACKEND_NAME = "prism"
-SUPPORTED_MODES = ("record",)
+SUPPORTED_MODES = ("record", "solo")
 
 _C = torch._C._distributed_c10d
 _ORIG: dict[str, Any] = {}
 _PENDING: list[dict[str, Any]] = []  # creation context of the helper call in flight
 _REC: Recorder | None = None
+_MODE = ""
 
 
 def installed() -> bool:
@@ -58,7 +59,7 @@ def installed() -> bool:
 
 def install(mode: str | None = None) -> Recorder | None:
     """Install the interception for ``mode`` (default: $PRISM_MODE). No-op without a mode."""
-    global _REC
+    global _REC, _MODE
     mode = mode if mode is not None else os.environ.get("PRISM_MODE", "")
     if not mode:
         return None
@@ -70,6 +71,15 @@ def install(mode: str | None = None) -> Recorder | None:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _REC = Recorder(rank, world)
     _recorder_mod.set_current(_REC)
+    _MODE = mode
+    if mode == "solo":
+        from prismllm.comm import solo
+
+        solo.prepare(rank)
+    else:
+        from prismllm.comm import saving
+
+        saving.setup(rank)
 
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(
@@ -196,6 +206,10 @@ def _create_pg(dist_opts, backend_options):
     else:  # the program named backend "prism" itself
         ctx = {"backend": "undefined", "devmap": _real_device_map("undefined"),
                "device_id": None, "backend_options": backend_options}  # fmt: skip
+    if _MODE == "solo":
+        from prismllm.comm import solo
+
+        return solo.create_pg(dist_opts, ctx, rec, _BTYPE)
     devmap: dict[str, str] = ctx["devmap"]
     prefix_store = dist_opts.store.underlying_store  # creator gets "<group>/cpu/"
     rank, size = dist_opts.group_rank, dist_opts.group_size
@@ -247,8 +261,17 @@ def _create_pg(dist_opts, backend_options):
         be = pg._get_backend(device_id)
         if be.supports_splitting:
             be.eager_connect_single_device(device_id)
+    _maybe_saving(pg)
     rec.add_group(pg)
     return pg
+
+
+def _maybe_saving(pg: RecordingProcessGroup) -> None:
+    """Record mode with PRISM_SAVE_TENSORS: save selected outputs (prismllm.comm.saving)."""
+    from prismllm.comm import saving
+
+    if saving.saving_enabled():
+        pg._inner = saving.SavingInner(pg._inner, pg)
 
 
 def wrap_split(parent: RecordingProcessGroup, inner, granks, group_name, group_desc):
@@ -284,6 +307,7 @@ def wrap_split(parent: RecordingProcessGroup, inner, granks, group_name, group_d
         pg._set_group_desc(group_desc)
     if parent.bound_device_id is not None:
         pg.bound_device_id = parent.bound_device_id
+    _maybe_saving(pg)
     parent._rec.add_group(pg)
     return pg
 
@@ -302,7 +326,7 @@ def _batch_isend_irecv(p2p_op_list):
     rec = group._rec
     rec.begin_coalesce()
     try:
-        if group._get_backend(device).supports_coalescing:
+        if _supports_coalescing(group, device):
             with _coalescing_manager(group, device, async_ops=True) as cm:
                 for op in p2p_op_list:
                     op.op(op.tensor, op.peer, op.group, op.tag)
@@ -315,6 +339,12 @@ def _batch_isend_irecv(p2p_op_list):
         return reqs
     finally:
         rec.end_coalesce()
+
+
+def _supports_coalescing(group: RecordingProcessGroup, device) -> bool:
+    if _MODE == "solo":  # the registered backend is a stand-in: answer for the real one
+        return group._inner.supports_coalescing(device)
+    return group._get_backend(device).supports_coalescing
 
 
 @contextlib.contextmanager

@@ -488,6 +488,10 @@ class Recorder:
             self._open_span(pa)
             if work._anysource:
                 self._fix_anysource(work)
+            cb = work._on_wait
+            if cb is not None:
+                work._on_wait = None
+                cb()
 
     def _fix_anysource(self, work: Any) -> None:
         try:

@@ -56,6 +56,9 @@ from prismllm.comm.recorder import (
 _C = torch._C._distributed_c10d
 _getframe = sys._getframe
 _HAS_ASYNC_OP = hasattr(_C.AllreduceOptions(), "asyncOp")
+# Set by prismllm.comm.saving (record mode with PRISM_SAVE_TENSORS): real Work -> callback
+# to run when the program waits on it (None: nothing to do).
+ON_WAIT = None
 
 # Code objects used to tell the synchronous send/recv (isend + wait) from isend/irecv.
 _ISEND = c10d.isend.__code__
@@ -97,6 +100,7 @@ class RecordingWork(dist.Work):
         self._rows = rows
         self._state = ST_PENDING
         self._anysource = False
+        self._on_wait = ON_WAIT(inner) if ON_WAIT is not None else None
 
     # -- waits (points of program order) --
     def wait(self, timeout=None):
@@ -671,6 +675,10 @@ class RecordingProcessGroup(dist.ProcessGroup):
     ):
         """``dist.split_group`` (used by DeviceMesh when the default group has a bound device):
         split the real group, then wrap the split in a RecordingProcessGroup."""
+        if getattr(self._inner, "solo", False):
+            from prismllm.comm.solo import split_pg
+
+            return split_pg(self, ranks, group_name, group_desc)
         kwargs: dict[str, Any] = {"timeout": timeout, "opts": opts, "group_name": group_name,
                                   "group_desc": group_desc}  # fmt: skip
         if device_types is not None:

@@ -1,0 +1,155 @@
+"""Record mode with ``PRISM_SAVE_TENSORS=<selector>``: save selected collective outputs into
+the recorded-tensor store (``PRISM_TENSOR_STORE``, see ``prismllm.generate.store``).
+
+:class:`SavingInner` stands in for a RecordingProcessGroup's ``_inner``: it forwards every
+call to the real group, then -- when the row just issued is selected -- saves the call's
+outputs once the real Work completes (its Future's done callback: on gloo's worker thread,
+before ``wait`` returns; a call without a Work is saved at once). Anything else is forwarded
+unchanged (``__getattr__``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+from prismllm.generate.store import Selector, TensorStoreWriter
+
+# method -> (rows, outputs per row) from the call's arguments
+_OUTS: dict[str, Callable[..., list[list]]] = {
+    "allreduce": lambda ts, *a: [list(ts)],
+    "allreduce_coalesced": lambda ts, *a: [[t] for t in ts],
+    "allgather": lambda outs, ins, *a: [list(outs[0])],
+    "all_gather_single": lambda out, inp, *a: [[out]],
+    "_allgather_base": lambda out, inp, *a: [[out]],
+    "allgather_coalesced": lambda outs, ins, *a: [list(o) for o in outs],
+    "all_gather_single_coalesced": lambda outs, ins, *a: [[o] for o in outs],
+    "allgather_into_tensor_coalesced": lambda outs, ins, *a: [[o] for o in outs],
+    "reduce_scatter": lambda outs, ins, *a: [[outs[0]]],
+    "reduce_scatter_single": lambda out, inp, *a: [[out]],
+    "_reduce_scatter_base": lambda out, inp, *a: [[out]],
+    "reduce_scatter_single_coalesced": lambda outs, ins, *a: [[o] for o in outs],
+    "reduce_scatter_tensor_coalesced": lambda outs, ins, *a: [[o] for o in outs],
+    "alltoall": lambda outs, ins, *a: [list(outs)],
+    "all_to_all_single": lambda out, *a: [[out]],
+    "alltoall_base": lambda out, *a: [[out]],
+    "broadcast": lambda ts, *a: [list(ts)],
+    "reduce": lambda ts, *a: [list(ts)],
+    "gather": lambda outs, ins, *a: [list(outs[0]) if outs else []],
+    "scatter": lambda outs, ins, *a: [[outs[0]]],
+    "recv": lambda ts, *a: [list(ts)],
+}
+
+_WRITER: TensorStoreWriter | None = None
+_SELECTOR: Selector | None = None
+
+
+def saving_enabled() -> bool:
+    return _WRITER is not None
+
+
+def setup(rank: int) -> None:
+    """Open the store writer when PRISM_SAVE_TENSORS and PRISM_TENSOR_STORE are set."""
+    global _WRITER, _SELECTOR
+    spec = os.environ.get("PRISM_SAVE_TENSORS", "")
+    root = os.environ.get("PRISM_TENSOR_STORE", "")
+    if not spec:
+        return
+    if not root:
+        from prismllm.errors import PrismError
+
+        raise PrismError("PRISM_SAVE_TENSORS is set but PRISM_TENSOR_STORE (the directory) is not")
+    sel = Selector(spec)
+    if sel:
+        from prismllm.comm import recording
+
+        _SELECTOR = sel
+        _WRITER = TensorStoreWriter(root, rank)
+        recording.ON_WAIT = _on_wait
+
+
+class SavingInner:
+    def __init__(self, inner: Any, owner: Any):
+        self.__dict__["_real"] = inner
+        self.__dict__["_owner"] = owner
+
+    def __getattr__(self, name):
+        attr = getattr(self.__dict__["_real"], name)
+        outs_of = _OUTS.get(name)
+        if outs_of is None:
+            return attr
+        owner = self.__dict__["_owner"]
+
+        def call(*args, **kwargs):
+            work = attr(*args, **kwargs)
+            try:
+                _schedule(owner, outs_of(*args), work)
+            except Exception:  # saving must never break the recorded program
+                pass
+            return work
+
+        return call
+
+
+def _schedule(owner, outs: list[list], work) -> None:
+    rec = owner._rec
+    n = len(outs)
+    j0 = len(rec.m_op) - n
+    items = []
+    for k, ts in enumerate(outs):
+        j = j0 + k
+        op, label = rec.m_op[j], rec.m_label[j]
+        if not ts or not _SELECTOR(op, label):
+            continue
+        peer = rec.m_peer[j] if op in ("send", "recv") else -1
+        items.append((tuple(owner._global_ranks), op, rec.m_seq[j], peer, label, ts))
+    if not items:
+        return
+
+    def save(_f=None):
+        for g, op, idx, peer, label, ts in items:
+            _WRITER.save(g, op, idx, peer, label, ts)
+
+    fut = None
+    if work is not None:
+        try:
+            fut = work.get_future()
+        except Exception:
+            fut = None
+    if work is None:
+        save()
+    elif fut is None:
+        # No Future (some gloo Works, e.g. p2p and reduce_scatter_single): save when the
+        # program waits on the Work (RecordingWork -> Recorder.wait runs _on_wait), or at
+        # exit for a Work never waited on (then the buffer's value at exit is saved).
+        _PENDING[id(work)] = (work, save)
+    else:
+        fut.add_done_callback(save)
+
+
+_PENDING: dict[int, tuple] = {}
+
+
+def _on_wait(work):
+    entry = _PENDING.pop(id(work), None)
+    if entry is None:
+        return None
+
+    def run():
+        entry[1]()
+
+    return run
+
+
+def close() -> None:
+    if _WRITER is not None:
+        for _work, save in list(_PENDING.values()):
+            try:
+                save()
+            except Exception:
+                pass
+        _PENDING.clear()
+        _WRITER.close()
+
+
+__all__ = ["SavingInner", "setup", "saving_enabled"]

@@ -1,0 +1,616 @@
+"""Solo mode: one process that believes it is rank r of a world of N runs the program alone.
+
+``PRISM_MODE=solo`` (with torchrun's RANK/WORLD_SIZE/...): ``install("solo")`` makes the
+virtual world bootstrap without peers --
+
+* rendezvous: ``env://`` and ``tcp://`` build their store through
+  ``torch.distributed.rendezvous._create_c10d_store``, replaced by a local ``HashStore``
+  (nothing listens, nothing waits for absent ranks); ``dist.TCPStore`` is replaced by
+  :class:`SoloTCPStore` (a ``HashStore`` taking TCPStore's arguments) so programs that build
+  their own store and pass ``store=`` do not wait either; ``_store_based_barrier`` (used
+  when TORCH_DIST_INIT_BARRIER=1) is a no-op;
+* groups: every group this rank is a member of is a ``RecordingProcessGroup`` (exactly as in
+  record mode, so every call is recorded the same way) whose ``_inner`` is a
+  :class:`GeneratedBackend` instead of a real ProcessGroup. Groups this rank is not a member
+  of are never instantiated (torch returns NON_GROUP_MEMBER before the creator): creating
+  thousands of them costs only torch's own bookkeeping. ``split_group`` builds the split
+  directly (no communicator to split);
+* on the group itself (what torch's ``_get_backend(device)``/``_device_types`` see) a C++
+  ``FakeProcessGroup`` of the group's rank and size is registered per device, since a C++
+  ``Backend`` cannot be implemented in Python. It is only consulted for metadata; every
+  collective reaches the Python methods (directly, or through the trampoline for C++
+  callers). ``supports_coalescing`` is answered from the program's real backend (NCCL: yes,
+  gloo: no) so ``batch_isend_irecv`` takes the same path as in a real run;
+* object collectives (``broadcast_object_list``, ``all_gather_object``, ``gather_object``,
+  ``scatter_object_list``, ``recv_object_list``) are wrapped to let rules answer with
+  objects; by default the local object(s) are replicated (see prismllm.generate).
+
+The GeneratedBackend fills the program's own output tensors in place from the tensor
+generator and returns already-completed Works (``_create_work_from_future``, as torch's
+``multi_threaded_pg``). Sends complete at once; receives are filled by the generator.
+
+Memory (GPU; UNTESTED in this session: no GPU was available when this was written).
+ProcessGroupNCCL runs each collective on its own per-device stream (one per group): the
+stream first waits on the current stream, the kernel reads/writes the program's tensors, and
+(unless TORCH_NCCL_AVOID_RECORD_STREAMS=1, where tensors are stashed until wait instead)
+``recordStream`` marks the inputs/outputs as used on the NCCL stream, so the caching
+allocator does not hand their blocks out again until that stream has passed the collective.
+NCCL allocates nothing through the caching allocator (its buffers are its own). The
+GeneratedBackend does the same on CUDA tensors: a side stream per group and device waits on
+the current stream, the fill runs on it (in place: ``copy_``/``mul_``/``zero_`` on the
+program's tensors and on views, no temporaries except a rule's or the store's own returned
+tensor, which lives on the host unless the rule builds it on the device), the tensors are
+``record_stream``-ed on it, and the returned Work's Future is CUDA-aware (set on the side
+stream), so ``work.wait()`` makes the current stream wait like NCCL's Work does.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from prismllm.comm.recorder import redop_name
+from prismllm.generate.errors import GenerateError
+from prismllm.generate.generator import DEFAULT, Call, TensorGenerator
+
+_C = torch._C._distributed_c10d
+_ORIG: dict[str, Any] = {}
+_GEN: TensorGenerator | None = None
+
+
+class SoloTCPStore(dist.HashStore):
+    """``dist.TCPStore`` in solo mode: same arguments, a local store, no waiting."""
+
+    def __init__(self, host_name="127.0.0.1", port=0, world_size=None, is_master=False,
+                 timeout=None, wait_for_workers=True, multi_tenant=False,
+                 master_listen_fd=None, use_libuv=True):  # fmt: skip
+        super().__init__()
+        self._host, self._port = host_name, port
+
+    @property
+    def host(self):
+        return self._host
+
+    @property
+    def port(self):
+        return self._port
+
+    @property
+    def libuvBackend(self):
+        return True
+
+
+def generator() -> TensorGenerator | None:
+    return _GEN
+
+
+def prepare(rank: int) -> TensorGenerator:
+    """Patch torch for a world without peers; build the tensor generator."""
+    global _GEN
+    import importlib
+
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
+
+    _GEN = TensorGenerator.from_env(rank, os.environ)
+    if _ORIG:
+        return _GEN
+    _ORIG["create_store"] = rdzv._create_c10d_store
+    rdzv._create_c10d_store = lambda *a, **k: dist.HashStore()
+    _ORIG["TCPStore"] = dist.TCPStore
+    dist.TCPStore = SoloTCPStore
+    c10d.TCPStore = SoloTCPStore
+    _ORIG["barrier"] = c10d._store_based_barrier
+    c10d._store_based_barrier = lambda *a, **k: None
+    for name, fn in (("broadcast_object_list", _broadcast_object_list),
+                     ("all_gather_object", _all_gather_object),
+                     ("gather_object", _gather_object),
+                     ("scatter_object_list", _scatter_object_list),
+                     ("recv_object_list", _recv_object_list)):  # fmt: skip
+        _ORIG[name] = getattr(c10d, name)
+        setattr(c10d, name, fn)
+        setattr(dist, name, fn)
+    return _GEN
+
+
+# ---- group creation -------------------------------------------------------------------------
+def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
+    """The "prism" creator's solo branch: a RecordingProcessGroup over a GeneratedBackend."""
+    from prismllm.comm.recording import RecordingProcessGroup
+
+    devmap: dict[str, str] = ctx["devmap"]
+    prefix_store = dist_opts.store.underlying_store
+    rank, size = dist_opts.group_rank, dist_opts.group_size
+    group_name = dist_opts.group_id
+    granks = list(dist_opts.global_ranks_in_group)
+    global_ranks = granks if granks else list(range(size))
+    inner = GeneratedBackend(rank, size, global_ranks, devmap, group_name)
+    backend = ctx["backend"]
+    pg = RecordingProcessGroup(
+        prefix_store, rank, size, inner, group_name, global_ranks, backend, rec
+    )
+    _attach(pg, inner, devmap, btypes, ctx["device_id"])
+    rec.add_group(pg)
+    return pg
+
+
+def _fake(rank: int, size: int, group_name: str, granks: list[int]):
+    o = _C.FakeProcessGroup.Options()
+    try:
+        o.group_name = group_name
+        o.global_ranks_in_group = granks
+    except Exception:  # pragma: no cover - older torch
+        pass
+    return _C.FakeProcessGroup._create_internal(rank, size, o)
+
+
+def _attach(pg, inner: "GeneratedBackend", devmap, btypes, device_id) -> None:
+    inner.owner = pg
+    names = list(devmap.values())
+    if "," in pg._real_backend or ":" in pg._real_backend or pg._real_backend == "undefined":
+        default_type = btypes["nccl"] if "nccl" in names else btypes["gloo"]
+    else:
+        default_type = btypes[names[0]]
+    pg._set_default_backend(default_type)
+    fake = _fake(pg.rank(), pg.size(), inner.group_name, list(inner.global_ranks))
+    for dev, name in devmap.items():
+        pg._register_backend(torch.device(dev), btypes[name], fake)
+    pg._set_group_name(inner.group_name)
+    if device_id is not None and getattr(device_id, "index", None) is not None:
+        pg.bound_device_id = device_id
+    if "nccl" in names and torch.cuda.is_available():
+        pg._rec.cuda = True
+
+
+def split_pg(parent, ranks, group_name, group_desc):
+    """``RecordingProcessGroup.split_group`` in solo mode (group ranks of the parent)."""
+    from prismllm.comm.recording import RecordingProcessGroup
+
+    my = parent.rank()
+    ranks = sorted(int(r) for r in ranks)
+    if my not in ranks:
+        return None
+    granks = [parent._global_ranks[r] for r in ranks]
+    pinner: GeneratedBackend = parent._inner
+    name = group_name or c10d._process_group_name(ranks, use_hashed_name=True)
+    inner = GeneratedBackend(ranks.index(my), len(ranks), granks, pinner.devmap, name)
+    pg = RecordingProcessGroup(
+        parent._store, ranks.index(my), len(ranks), inner, name, granks, parent._real_backend,
+        parent._rec,
+    )  # fmt: skip
+    btypes = {"gloo": _C.ProcessGroup.BackendType.GLOO, "nccl": _C.ProcessGroup.BackendType.NCCL}
+    _attach(pg, inner, pinner.devmap, btypes, parent.bound_device_id)
+    if group_desc:
+        pg._set_group_desc(group_desc)
+    parent._rec.add_group(pg)
+    return pg
+
+
+# ---- the backend ------------------------------------------------------------------------------
+def _done_work(outs: list, device: torch.device | None = None, stream=None):
+    if device is not None and device.type == "cuda":
+        fut = torch.futures.Future(devices=[device])
+        with torch.cuda.stream(stream):
+            fut.set_result(outs)
+    else:
+        fut = torch.futures.Future()
+        fut.set_result(outs)
+    return _C._create_work_from_future(fut)
+
+
+def _flat(ts) -> list[torch.Tensor]:
+    out = []
+    for t in ts:
+        if isinstance(t, torch.Tensor):
+            out.append(t)
+        elif t is not None:
+            out.extend(_flat(t))
+    return out
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+class GeneratedBackend:
+    """Stands where the real ProcessGroup would be: same methods, outputs generated."""
+
+    solo = True
+
+    def __init__(self, rank: int, size: int, global_ranks: list[int], devmap: dict[str, str],
+                 group_name: str):  # fmt: skip
+        self._rank = rank
+        self._size = size
+        self.global_ranks = list(global_ranks)
+        self.devmap = dict(devmap)
+        self.group_name = group_name
+        self.owner = None  # the RecordingProcessGroup (set by _attach)
+        self._streams: dict[int, Any] = {}
+        self._coalescing: list[torch.Tensor] | None = None
+
+    # -- identity --
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def name(self) -> str:
+        names = set(self.devmap.values())
+        return "nccl" if "nccl" in names and len(names) == 1 else next(iter(names), "gloo")
+
+    def supports_coalescing(self, device) -> bool:
+        dev = torch.device(device).type if device is not None else "cpu"
+        return self.devmap.get(dev, "") == "nccl"
+
+    # -- the call's context --
+    def _call(self, op_rows: int, k: int, **kw) -> Call:
+        """A Call for row ``k`` of the ``op_rows`` rows the owner just issued."""
+        pg = self.owner
+        rec = pg._rec
+        j = len(rec.m_op) - op_rows + k
+        try:
+            desc = pg.group_desc
+        except Exception:
+            desc = ""
+        return Call(
+            rank=rec.rank, op=rec.m_op[j], api=rec.m_api[j], group_ranks=tuple(self.global_ranks),
+            group_desc=desc or "", group_name=self.group_name, group_rank=self._rank,
+            index=rec.m_seq[j], label=rec.m_label[j], reduce_op=redop_name(rec.m_red[j]),
+            **kw,
+        )  # fmt: skip
+
+    def _run(self, calls: list[Call], ins, outs):
+        """Fill every call's outputs (on a side stream for CUDA tensors) and return a
+        completed Work."""
+        gen = _GEN
+        ins_f, outs_f = _flat(ins), _flat(outs)
+        dev = next((t.device for t in outs_f + ins_f if t.is_cuda), None)
+        if dev is None:
+            for c in calls:
+                if c.output is not None:
+                    gen.fill(c)
+            if self._coalescing is not None:
+                self._coalescing.extend(outs_f)
+            return _done_work(outs_f)
+        # CUDA (untested here): mimic ProcessGroupNCCL's stream and allocator behaviour.
+        side = self._streams.get(dev.index)
+        if side is None:
+            side = self._streams[dev.index] = torch.cuda.Stream(device=dev)
+        cur = torch.cuda.current_stream(dev)
+        side.wait_stream(cur)
+        with torch.cuda.stream(side):
+            for c in calls:
+                if c.output is not None:
+                    gen.fill(c)
+        if os.environ.get("TORCH_NCCL_AVOID_RECORD_STREAMS", "0") != "1":
+            for t in ins_f + outs_f:
+                if t.is_cuda:
+                    t.record_stream(side)
+        if self._coalescing is not None:
+            self._coalescing.extend(outs_f)
+        return _done_work(outs_f, dev, side)
+
+    # -- all-reduce --
+    def allreduce(self, tensors, opts=None):
+        calls = [self._call(1, 0, input=tensors[0], output=list(tensors) if len(tensors) > 1
+                            else tensors[0])]  # fmt: skip
+        return self._run(calls, tensors, tensors)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        n = len(tensors)
+        calls = [self._call(n, i, input=t, output=t) for i, t in enumerate(tensors)]
+        return self._run(calls, tensors, tensors)
+
+    # -- all-gather --
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        out, inp = output_tensors[0], input_tensors[0]
+        _check(len(out) == self._size, f"allgather: {len(out)} outputs for a group of {self._size}")
+        for t in out:
+            _check(t.numel() == inp.numel() and t.dtype == inp.dtype,
+                   "allgather: output tensors must match the input's size and dtype")
+        calls = [self._call(1, 0, input=inp, output=list(out))]
+        return self._run(calls, input_tensors, output_tensors)
+
+    def _ag_one(self, n, i, out, inp):
+        _check(out.numel() == inp.numel() * self._size,
+               f"output tensor size must be equal to world_size times input tensor size "
+               f"({out.numel()} != {self._size} x {inp.numel()})")
+        _check(out.dtype == inp.dtype, "output tensor must have the same type as input tensor")
+        return self._call(n, i, input=inp, output=out)
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._run([self._ag_one(1, 0, output, input)], [input], [output])
+
+    _allgather_base = all_gather_single
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        n = len(input_list)
+        calls = [self._call(n, i, input=inp, output=list(out))
+                 for i, (out, inp) in enumerate(zip(output_lists, input_list))]  # fmt: skip
+        return self._run(calls, input_list, output_lists)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        n = len(inputs)
+        calls = [self._ag_one(n, i, o, x) for i, (o, x) in enumerate(zip(outputs, inputs))]
+        return self._run(calls, inputs, outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    # -- reduce-scatter --
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        out, inp = output_tensors[0], input_tensors[0]
+        _check(len(inp) == self._size, f"reduce_scatter: {len(inp)} inputs for a group of {self._size}")
+        calls = [self._call(1, 0, input=list(inp), output=out)]
+        return self._run(calls, input_tensors, output_tensors)
+
+    def _rs_one(self, n, i, out, inp):
+        _check(inp.numel() == out.numel() * self._size,
+               f"input tensor must be the same size as output size times world size "
+               f"({inp.numel()} != {self._size} x {out.numel()})")
+        _check(out.dtype == inp.dtype, "input tensor must be the same type as the output tensor")
+        return self._call(n, i, input=inp, output=out)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        return self._run([self._rs_one(1, 0, output, input)], [input], [output])
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        n = len(inputs)
+        calls = [self._rs_one(n, i, o, x) for i, (o, x) in enumerate(zip(outputs, inputs))]
+        return self._run(calls, inputs, outputs)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- all-to-all --
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        _check(len(output_tensors) == self._size == len(input_tensors),
+               "alltoall: one input and one output tensor per group member")
+        calls = [self._call(1, 0, input=list(input_tensors), output=list(output_tensors))]
+        return self._run(calls, input_tensors, output_tensors)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        n = self._size
+        osp, isp = list(output_split_sizes), list(input_split_sizes)
+        _check(output.dtype == input.dtype, "all_to_all: input and output dtypes differ")
+        for sp, t, what in ((osp, output, "output"), (isp, input, "input")):
+            if sp:
+                _check(len(sp) == n and all(s >= 0 for s in sp),
+                       f"all_to_all: {what} split sizes must be {n} non-negative numbers")
+                _check(t.dim() > 0 and sum(sp) == t.shape[0],
+                       f"all_to_all: {what} split sizes sum to {sum(sp)}, tensor has "
+                       f"{t.shape[0] if t.dim() else 0} rows")
+            else:
+                _check(t.numel() % n == 0, f"all_to_all: {what} size is not divisible by {n}")
+        calls = [self._call(1, 0, input=input, output=output, in_splits=tuple(isp),
+                            out_splits=tuple(osp))]  # fmt: skip
+        return self._run(calls, [input], [output])
+
+    alltoall_base = all_to_all_single
+
+    # -- rooted --
+    def _root(self, r: int) -> int:
+        _check(0 <= r < self._size, f"invalid root rank {r} for a group of {self._size}")
+        return self.global_ranks[r]
+
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank
+        g = self._root(root)
+        is_root = root == self._rank
+        calls = [self._call(1, 0, input=tensors[0] if is_root else None,
+                            output=None if is_root else (tensors[0] if len(tensors) == 1
+                                                        else list(tensors)),
+                            root=g, is_root=is_root)]  # fmt: skip
+        return self._run(calls, tensors if is_root else [], [] if is_root else tensors)
+
+    def reduce(self, tensors, opts=None):
+        root = opts.rootRank
+        g = self._root(root)
+        is_root = root == self._rank
+        calls = [self._call(1, 0, input=tensors[0], output=tensors[0] if is_root else None,
+                            root=g, is_root=is_root)]  # fmt: skip
+        return self._run(calls, tensors, tensors)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        root = opts.rootRank
+        g = self._root(root)
+        is_root = root == self._rank
+        out = list(output_tensors[0]) if is_root and output_tensors else None
+        if is_root:
+            _check(out is not None and len(out) == self._size, "gather: one output per member")
+        calls = [self._call(1, 0, input=input_tensors[0], output=out, root=g, is_root=is_root)]
+        return self._run(calls, input_tensors, output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        root = opts.rootRank
+        g = self._root(root)
+        is_root = root == self._rank
+        inp = list(input_tensors[0]) if is_root and input_tensors else None
+        if is_root:
+            _check(inp is not None and len(inp) == self._size, "scatter: one input per member")
+        calls = [self._call(1, 0, input=inp, output=output_tensors[0], root=g, is_root=is_root)]
+        return self._run(calls, input_tensors, output_tensors)
+
+    # -- barriers --
+    def barrier(self, opts=None):
+        return _done_work([])
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        return None
+
+    # -- point-to-point --
+    def _peer(self, r: int) -> int:
+        _check(0 <= r < self._size and r != self._rank,
+               f"invalid peer rank {r} (group of {self._size}, this rank {self._rank})")
+        return self.global_ranks[r]
+
+    def send(self, tensors, dstRank, tag=0):
+        g = self._peer(dstRank)
+        calls = [self._call(1, 0, input=tensors[0], output=None, peer=g)]
+        return self._run(calls, tensors, [])
+
+    def recv(self, tensors, srcRank, tag=0):
+        g = self._peer(srcRank)
+        calls = [self._call(1, 0, output=tensors[0] if len(tensors) == 1 else list(tensors),
+                            peer=g)]  # fmt: skip
+        return self._run(calls, [], tensors)
+
+    def recv_anysource(self, tensors, tag=0):
+        calls = [self._call(1, 0, output=tensors[0] if len(tensors) == 1 else list(tensors))]
+        return self._run(calls, [], tensors)
+
+    # -- coalescing --
+    def _start_coalescing(self, device):
+        self._coalescing = []
+
+    def _end_coalescing(self, device):
+        outs, self._coalescing = self._coalescing or [], None
+        dev = torch.device(device) if device is not None else None
+        if dev is not None and dev.type == "cuda":
+            side = self._streams.get(dev.index)
+            if side is not None:
+                return _done_work(outs, dev, side)
+        return _done_work(outs)
+
+    start_coalescing = _start_coalescing
+    end_coalescing = _end_coalescing
+
+    # -- lifecycle --
+    def shutdown(self):
+        return None
+
+    def abort(self):
+        return None
+
+    def split_group(self, *a, **k):  # reached only through RecordingProcessGroup.split_group
+        raise RuntimeError("split_group: use RecordingProcessGroup.split_group")
+
+
+# ---- object collectives -------------------------------------------------------------------------
+def _obj_call(op: str, group, objects, *, root: int = -1, peer: int = -1) -> Call | None:
+    pg = group or c10d._get_default_group()
+    if pg is None or c10d._rank_not_in_group(pg) or not hasattr(pg, "_global_ranks"):
+        return None
+    try:
+        desc = pg.group_desc
+    except Exception:
+        desc = ""
+    return Call(
+        rank=pg._rec.rank, op=op, api=op, group_ranks=tuple(pg._global_ranks),
+        group_desc=desc or "", group_name=pg.group_name, group_rank=pg.rank(), index=pg._seq,
+        label=pg._rec.label_pending, root=root, peer=peer, objects=objects,
+        is_root=root >= 0 and root == pg._global_ranks[pg.rank()],
+    )  # fmt: skip
+
+
+def _global_src(group, src, group_src) -> int:
+    pg = group or c10d._get_default_group()
+    if group_src is not None:
+        return pg._global_ranks[group_src]
+    return 0 if src is None else int(src)
+
+
+def _check_list(call: Call, val, n: int, what: str) -> list:
+    if not isinstance(val, (list, tuple)) or len(val) != n:
+        raise GenerateError(f"{call.where()}: the rule must return a list of {n} objects "
+                            f"({what}), got {val!r:.80}")  # fmt: skip
+    return list(val)
+
+
+def _broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+    orig = _ORIG["broadcast_object_list"]
+    g = _global_src(group, src, group_src)
+    call = _obj_call("broadcast_object_list", group, object_list, root=g)
+    if call is None or call.is_root:
+        return orig(object_list, src=src, group=group, device=device, group_src=group_src)
+    val = _GEN.objects(call)
+    objs = list(object_list) if val is DEFAULT else _check_list(call, val, len(object_list),
+                                                                "one per list entry")
+    _GEN.begin_payload(objs, per_slot=False)
+    try:
+        return orig(object_list, src=src, group=group, device=device, group_src=group_src)
+    finally:
+        _GEN.end_payload()
+
+
+def _all_gather_object(object_list, obj, group=None):
+    orig = _ORIG["all_gather_object"]
+    call = _obj_call("all_gather_object", group, obj)
+    if call is None:
+        return orig(object_list, obj, group=group)
+    val = _GEN.objects(call)
+    n = call.group_size
+    objs = [obj] * n if val is DEFAULT else _check_list(call, val, n, "one per group member")
+    objs[call.group_rank] = obj
+    _GEN.begin_payload(objs, per_slot=True)
+    try:
+        return orig(object_list, obj, group=group)
+    finally:
+        _GEN.end_payload()
+
+
+def _gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+    orig = _ORIG["gather_object"]
+    call = _obj_call("gather_object", group, obj, root=_global_src(group, dst, group_dst))
+    if call is None or not call.is_root:
+        return orig(obj, object_gather_list, dst=dst, group=group, group_dst=group_dst)
+    val = _GEN.objects(call)
+    n = call.group_size
+    objs = [obj] * n if val is DEFAULT else _check_list(call, val, n, "one per group member")
+    objs[call.group_rank] = obj
+    _GEN.begin_payload(objs, per_slot=True)
+    try:
+        return orig(obj, object_gather_list, dst=dst, group=group, group_dst=group_dst)
+    finally:
+        _GEN.end_payload()
+
+
+def _scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=None,
+                         group=None, group_src=None):  # fmt: skip
+    orig = _ORIG["scatter_object_list"]
+    call = _obj_call("scatter_object_list", group, scatter_object_input_list,
+                     root=_global_src(group, src, group_src))  # fmt: skip
+    if call is None or call.is_root:
+        return orig(scatter_object_output_list, scatter_object_input_list, src=src, group=group,
+                    group_src=group_src)  # fmt: skip
+    val = _GEN.objects(call)
+    if val is DEFAULT:
+        raise GenerateError(
+            f"{call.where()}: no rule answers scatter_object_list (the object this rank "
+            f"receives cannot be generated); add a rule with op='scatter_object_list' "
+            f"returning [object]"
+        )
+    _GEN.begin_payload(_check_list(call, val, 1, "the received object"), per_slot=False)
+    try:
+        return orig(scatter_object_output_list, scatter_object_input_list, src=src, group=group,
+                    group_src=group_src)  # fmt: skip
+    finally:
+        _GEN.end_payload()
+
+
+def _recv_object_list(object_list, src=None, group=None, device=None, group_src=None):
+    orig = _ORIG["recv_object_list"]
+    call = _obj_call("recv_object_list", group, object_list,
+                     peer=_global_src(group, src, group_src))  # fmt: skip
+    if call is None:
+        return orig(object_list, src=src, group=group, device=device, group_src=group_src)
+    val = _GEN.objects(call)
+    if val is DEFAULT:
+        raise GenerateError(
+            f"{call.where()}: no rule answers recv_object_list (the objects this rank "
+            f"receives cannot be generated); add a rule with op='recv_object_list'"
+        )
+    _GEN.begin_payload(_check_list(call, val, len(object_list), "one per list entry"),
+                       per_slot=False)  # fmt: skip
+    try:
+        return orig(object_list, src=src, group=group, device=device, group_src=group_src)
+    finally:
+        _GEN.end_payload()
+
+
+__all__ = ["GeneratedBackend", "SoloTCPStore", "prepare", "create_pg", "split_pg", "generator"]

@@ -1,0 +1,364 @@
+"""The tensor generator: what a solo rank receives from its (absent) peers.
+
+Order: the recorded-tensor store (``PRISM_TENSOR_STORE``), then user rules
+(``PRISM_RULES``), then the defaults below. Every answer is written *into the program's own
+output tensors* (never a new tensor handed back), so shapes, dtypes, devices and the
+caching allocator's view of memory are the program's.
+
+Default rules (chosen to keep programs on their normal path):
+
+==================  =========================================================================
+all_reduce          sum: input x group size; avg, max, min, band, bor, premul_sum (assumed
+                    factor 1/size), product: the input unchanged; bxor: zeros when the size
+                    is even; bool: unchanged (or of equal values)
+all_gather          every slot holds the local input (object sizes/bytes: see below)
+reduce_scatter      the local chunk (group rank's) x size for sum, the chunk otherwise
+all_to_all          output chunk j = the first rows of what this rank sends to j (zero rows
+                    beyond); even splits: an exact copy
+broadcast (non-src) floating point: the local buffer kept (a rank's own copy of replicated
+                    state), NaN/inf replaced by 0; integers/bool: zeros (valid token ids,
+                    indices, "not done" flags)
+reduce (dst)        as all_reduce
+gather (dst)        every slot holds the local input
+scatter (non-src)   zeros; src: its own chunk
+recv                zeros
+barrier             nothing
+==================  =========================================================================
+
+Consequence for MoE: an all_gather of routing counts in the EP group returns the local
+counts in every slot, so every split size a rank derives is consistent with the data it
+sends and receives (each peer is assumed to route like this rank: balanced).
+
+Object collectives (``all_gather_object``, ``broadcast_object_list``, ``gather_object``):
+default: replicate the local object(s) -- the size and byte tensors of torch's protocol are
+generated from the pickled local objects (exactly what torch would pickle), so unpickling on
+the receiving side yields them. ``scatter_object_list`` and ``recv_object_list`` on a
+receiving rank have nothing local to replicate: they need a rule (else GenerateError).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from prismllm.generate.errors import GenerateError
+from prismllm.generate.rules import Rule, load_rules
+from prismllm.generate.store import TensorStore
+
+DEFAULT = object()  # a rule returns this to fall through to the defaults
+
+
+@dataclasses.dataclass
+class Call:
+    """One collective (or receive) as the generator and rules see it."""
+
+    rank: int  # global rank of this process
+    op: str  # recorded op name (all_reduce, broadcast, ...) or an object-collective name
+    api: str  # the process-group method reached (allreduce, all_gather_single, ...)
+    group_ranks: tuple[int, ...]  # global ranks in group-rank order
+    group_desc: str
+    group_name: str
+    group_rank: int
+    index: int  # per-group call index (= recorded seq); send/recv: index among calls to peer
+    label: str = ""  # prismllm.mark label
+    reduce_op: str = ""
+    root: int = -1  # global src/dst of rooted ops
+    peer: int = -1  # global peer of send/recv
+    in_splits: tuple[int, ...] = ()
+    out_splits: tuple[int, ...] = ()
+    input: Any = None  # the local input tensor (list for list inputs), None where none
+    output: Any = None  # the tensor (or list of tensors) to fill
+    objects: Any = None  # object collectives: the local object / list
+    is_root: bool = False
+
+    @property
+    def group_size(self) -> int:
+        return len(self.group_ranks)
+
+    @property
+    def targets(self) -> list[torch.Tensor]:
+        o = self.output
+        if o is None:
+            return []
+        return [o] if isinstance(o, torch.Tensor) else list(o)
+
+    @property
+    def shape(self) -> tuple[int, ...] | None:
+        """The shape a rule must return: the output's, or (n, *slot) for n equal slots."""
+        o = self.output
+        if isinstance(o, torch.Tensor):
+            return tuple(o.shape)
+        ts = self.targets
+        if ts and all(t.shape == ts[0].shape for t in ts):
+            return (len(ts), *ts[0].shape)
+        return None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        ts = self.targets
+        return ts[0].dtype if ts else None
+
+    @property
+    def device(self) -> torch.device | None:
+        ts = self.targets
+        return ts[0].device if ts else None
+
+    def where(self) -> str:
+        desc = f" ({self.group_desc})" if self.group_desc else ""
+        lab = f" label {self.label!r}" if self.label else ""
+        peer = f" peer {self.peer}" if self.peer >= 0 else ""
+        return (f"rank {self.rank}: {self.op} on group {self.group_name} "
+                f"{_ranks_str(self.group_ranks)}{desc} call {self.index}{peer}{lab}")  # fmt: skip
+
+
+def _ranks_str(ranks) -> str:
+    r = list(ranks)
+    if len(r) > 8:
+        return f"[{', '.join(map(str, r[:4]))}, ..., {r[-1]}] ({len(r)} ranks)"
+    return str(r)
+
+
+def _desc(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
+
+
+class _Payload:
+    """Sizes then bytes of pickled objects, answering torch's object-collective protocol."""
+
+    def __init__(self, objects: list[Any], per_slot: bool):
+        import torch.distributed.distributed_c10d as c10d
+
+        self.tensors = [c10d._object_to_tensor(o, "cpu", None)[0] for o in objects]
+        self.sizes = [int(t.numel()) for t in self.tensors]
+        self.per_slot = per_slot  # all_gather_object: one object per slot
+        self.stage = 0  # 0: sizes next, 1: bytes next, 2: done
+
+    def fill(self, call: Call) -> bool:
+        ts = call.targets
+        if self.stage in (0, 2) and ts and ts[0].dtype == torch.long:
+            vals = torch.tensor(self.sizes, dtype=torch.long)
+            if self.per_slot:
+                if len(ts) != len(self.sizes):
+                    return False
+                for t, v in zip(ts, vals):
+                    t.copy_(v.expand_as(t))
+            else:
+                if ts[0].numel() != len(self.sizes):
+                    return False
+                ts[0].copy_(vals.view_as(ts[0]))
+            self.stage = 1
+            return True
+        if self.stage == 1 and ts and ts[0].dtype == torch.uint8:
+            if self.per_slot:
+                for t, b in zip(ts, self.tensors):
+                    t.zero_()
+                    t.view(-1)[: b.numel()].copy_(b)
+            else:
+                flat = torch.cat(self.tensors) if self.tensors else torch.empty(0, dtype=torch.uint8)
+                if flat.numel() != ts[0].numel():
+                    return False
+                ts[0].copy_(flat.view_as(ts[0]))
+            self.stage = 2
+            return True
+        return False
+
+
+class TensorGenerator:
+    def __init__(self, rank: int, rules: list[Rule] | None = None,
+                 store: TensorStore | None = None):  # fmt: skip
+        self.rank = rank
+        self.rules = list(rules or [])
+        self.store = store
+        self.payload: _Payload | None = None
+        self.answered = {"store": 0, "rule": 0, "default": 0}
+
+    @classmethod
+    def from_env(cls, rank: int, env) -> "TensorGenerator":
+        rules = load_rules(env["PRISM_RULES"]) if env.get("PRISM_RULES") else []
+        store = TensorStore(env["PRISM_TENSOR_STORE"], rank) if env.get("PRISM_TENSOR_STORE") else None
+        return cls(rank, rules, store)
+
+    # ---- tensors ------------------------------------------------------------------------
+    def fill(self, call: Call) -> None:
+        """Fill ``call.output`` (store, then rules, then defaults)."""
+        if self.store is not None:
+            saved = self.store.get(call.group_ranks, call.op, call.index,
+                                   call.peer if call.op in ("send", "recv") else -1)  # fmt: skip
+            if saved is not None:
+                self._copy_saved(call, saved)
+                self.answered["store"] += 1
+                return
+        for r in self.rules:
+            try:
+                hit = r.matches(call)
+            except Exception as e:
+                raise GenerateError(f"{call.where()}: {r} failed to match: {e!r}") from None
+            if not hit:
+                continue
+            try:
+                val = r.fn(call)
+            except GenerateError:
+                raise
+            except Exception as e:
+                raise GenerateError(f"{call.where()}: {r} raised {e!r}") from None
+            if val is DEFAULT:
+                break
+            if val is not None:
+                self._copy_rule(call, r, val)
+            self.answered["rule"] += 1
+            return
+        self.answered["default"] += 1
+        default_fill(call, self.payload)
+
+    def _copy_saved(self, call: Call, saved: list[torch.Tensor]) -> None:
+        ts = call.targets
+        if len(saved) != len(ts) or any(
+            s.shape != t.shape or s.dtype != t.dtype for s, t in zip(saved, ts)
+        ):
+            got = ", ".join(_desc(s) for s in saved)
+            want = ", ".join(_desc(t) for t in ts)
+            raise GenerateError(
+                f"{call.where()}: the recorded tensor store holds {got}; the program's output is "
+                f"{want} (the program took another path than in the recorded run)"
+            )
+        for s, t in zip(saved, ts):
+            t.copy_(s)
+
+    def _copy_rule(self, call: Call, r: Rule, val: Any) -> None:
+        if not isinstance(val, torch.Tensor):
+            raise GenerateError(f"{call.where()}: {r} returned {type(val).__name__}, not a tensor")
+        shape, dtype = call.shape, call.dtype
+        if shape is None or tuple(val.shape) != shape or val.dtype != dtype:
+            want = (f"shape {shape} {str(dtype).replace('torch.', '')}" if shape is not None
+                    else "unequal slots: fill call.output in place and return None")  # fmt: skip
+            raise GenerateError(f"{call.where()}: {r} returned {_desc(val)}; the output is {want}")
+        o = call.output
+        if isinstance(o, torch.Tensor):
+            o.copy_(val)
+        else:
+            for t, v in zip(o, val.unbind(0)):
+                t.copy_(v)
+
+    # ---- objects ------------------------------------------------------------------------
+    def objects(self, call: Call) -> Any:
+        """A rule's answer for an object collective, or DEFAULT."""
+        for r in self.rules:
+            if not r.matches(call):
+                continue
+            try:
+                val = r.fn(call)
+            except GenerateError:
+                raise
+            except Exception as e:
+                raise GenerateError(f"{call.where()}: {r} raised {e!r}") from None
+            if val is DEFAULT:
+                break
+            self.answered["rule"] += 1
+            return val
+        return DEFAULT
+
+    def begin_payload(self, objects: list[Any], per_slot: bool) -> None:
+        self.payload = _Payload(objects, per_slot)
+
+    def end_payload(self) -> None:
+        self.payload = None
+
+
+# ---- defaults ---------------------------------------------------------------------------
+_KEEP = {"avg", "max", "min", "band", "bor", "premul_sum", "product"}
+
+
+def _reduce_inplace(t: torch.Tensor, red: str, size: int) -> None:
+    if red == "sum":
+        if t.dtype != torch.bool and size != 1:
+            t.mul_(size)
+    elif red == "bxor":
+        if size % 2 == 0:
+            t.zero_()
+    # everything else: the input unchanged
+
+
+def _receive_fill(t: torch.Tensor) -> None:
+    """A buffer receiving data nothing local can stand for."""
+    t.zero_()
+
+
+def _bcast_fill(t: torch.Tensor) -> None:
+    if t.is_floating_point():
+        torch.nan_to_num_(t, 0.0, 0.0, 0.0)
+    elif not t.is_complex():
+        t.zero_()
+
+
+def default_fill(call: Call, payload: _Payload | None = None) -> None:
+    if payload is not None and payload.fill(call):
+        return
+    op = call.op
+    n = call.group_size
+    if op == "all_reduce":
+        for t in call.targets:
+            _reduce_inplace(t, call.reduce_op, n)
+    elif op == "all_gather":
+        inp = call.input
+        o = call.output
+        if isinstance(o, torch.Tensor):  # all_gather_into_tensor: [n*rows, ...] or [n, ...]
+            o.view(n, -1).copy_(inp.reshape(1, -1).expand(n, -1))
+        else:
+            for t in o:
+                if t is not inp:
+                    t.copy_(inp)
+    elif op == "reduce_scatter":
+        o, inp = call.output, call.input
+        if isinstance(inp, torch.Tensor):
+            o.copy_(inp.reshape(n, -1)[call.group_rank].view_as(o))
+        else:
+            o.copy_(inp[call.group_rank])
+        _reduce_inplace(o, call.reduce_op, n)
+    elif op == "all_to_all":
+        o, inp = call.output, call.input
+        if isinstance(o, torch.Tensor):
+            osp = list(call.out_splits) or [(o.shape[0] if o.dim() else 0) // n] * n
+            isp = list(call.in_splits) or [(inp.shape[0] if inp.dim() else 0) // n] * n
+            oo = ii = 0
+            for j in range(n):
+                k = min(osp[j], isp[j])
+                if k:
+                    o[oo:oo + k].copy_(inp[ii:ii + k])
+                if osp[j] > k:
+                    o[oo + k:oo + osp[j]].zero_()
+                oo += osp[j]
+                ii += isp[j]
+        else:
+            for t, s in zip(o, inp):
+                if t.shape == s.shape:
+                    t.copy_(s)
+                else:
+                    t.zero_()
+    elif op == "broadcast":
+        if not call.is_root:
+            for t in call.targets:
+                _bcast_fill(t)
+    elif op == "reduce":
+        if call.is_root:
+            for t in call.targets:
+                _reduce_inplace(t, call.reduce_op, n)
+    elif op == "gather":
+        if call.is_root:
+            for t in call.targets:
+                t.copy_(call.input)
+    elif op == "scatter":
+        o = call.output
+        if call.is_root and call.input:
+            o.copy_(call.input[call.group_rank])
+        else:
+            _receive_fill(o)
+    elif op == "recv":
+        for t in call.targets:
+            _receive_fill(t)
+    else:  # pragma: no cover - every tensor op is above
+        raise GenerateError(f"{call.where()}: no default for op {op!r}")
+
+
+__all__ = ["Call", "TensorGenerator", "DEFAULT", "default_fill"]

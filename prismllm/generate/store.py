@@ -1,0 +1,149 @@
+"""Recorded-tensor store: collective outputs saved by a record run, replayed by solo runs.
+
+Record mode saves when ``PRISM_SAVE_TENSORS=<selector>`` and ``PRISM_TENSOR_STORE=<dir>``
+are set (selector: ``all``, or a comma list of op names -- ``all_reduce``, ``all_gather``,
+``reduce_scatter``, ``all_to_all``, ``broadcast``, ``reduce``, ``gather``, ``scatter``,
+``recv`` -- and/or ``label:<label>`` items, a ``prismllm.mark`` label). Solo mode replays
+when ``PRISM_TENSOR_STORE=<dir>`` is set: the store answers before rules and defaults.
+
+Format (no pickle, no torch.save): per rank two files in the directory,
+
+* ``rank-<rank:06d>.bin``: the raw bytes of the saved tensors, back to back (C order, the
+  tensor's own dtype; bf16 etc. as their bit patterns);
+* ``rank-<rank:06d>.idx``: a stream of msgpack maps, one per saved call, appended as the run
+  goes (a crash loses at most the call being written)::
+
+      {"group": [global ranks in group-rank order], "op": "all_gather", "index": 3,
+       "peer": -1, "label": "", "tensors": [{"dtype": "int64", "shape": [8],
+       "offset": 1024, "nbytes": 64}, ...]}
+
+Key: (rank, group ranks, op, index, peer) where ``index`` is the per-group call index that
+the recorder stores as ``seq`` (for send/recv: the index among calls to that peer, and
+``peer`` is the global peer; -1 for collectives). ``tensors`` are the call's outputs in
+order (one for in-place/single-output ops, the list for list outputs such as
+``dist.all_gather``). A later entry with the same key replaces an earlier one.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any, Iterable
+
+import msgpack
+import torch
+
+Key = tuple[tuple[int, ...], str, int, int]
+
+
+def _paths(root: str | os.PathLike, rank: int) -> tuple[Path, Path]:
+    d = Path(root)
+    return d / f"rank-{rank:06d}.idx", d / f"rank-{rank:06d}.bin"
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+class Selector:
+    """``all`` | comma list of op names and ``label:<label>`` items."""
+
+    def __init__(self, spec: str):
+        self.spec = spec
+        items = [s.strip() for s in spec.split(",") if s.strip()]
+        self.all = "all" in items
+        self.ops = {s for s in items if not s.startswith("label:") and s != "all"}
+        self.labels = {s[len("label:"):] for s in items if s.startswith("label:")}
+
+    def __call__(self, op: str, label: str) -> bool:
+        return self.all or op in self.ops or (bool(label) and label in self.labels)
+
+    def __bool__(self) -> bool:
+        return self.all or bool(self.ops) or bool(self.labels)
+
+
+class TensorStoreWriter:
+    """Appends one rank's saved outputs (thread-safe: gloo's completion callbacks call it)."""
+
+    def __init__(self, root: str | os.PathLike, rank: int):
+        os.makedirs(root, exist_ok=True)
+        idx, binp = _paths(root, rank)
+        self._idx = open(idx, "ab")
+        self._bin = open(binp, "ab")
+        self._off = self._bin.tell()
+        self._lock = threading.Lock()
+
+    def save(self, group: Iterable[int], op: str, index: int, peer: int, label: str,
+             tensors: list[torch.Tensor]) -> None:  # fmt: skip
+        metas, blobs = [], []
+        for t in tensors:
+            c = t.detach()
+            if c.device.type != "cpu":
+                c = c.cpu()
+            c = c.contiguous().reshape(-1)
+            b = c.view(torch.uint8).numpy().tobytes() if c.numel() else b""
+            metas.append({"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
+                          "nbytes": len(b)})  # fmt: skip
+            blobs.append(b)
+        with self._lock:
+            for m, b in zip(metas, blobs):
+                m["offset"] = self._off
+                self._bin.write(b)
+                self._off += len(b)
+            self._bin.flush()
+            entry = {"group": list(group), "op": op, "index": int(index), "peer": int(peer),
+                     "label": label, "tensors": metas}  # fmt: skip
+            self._idx.write(msgpack.packb(entry, use_bin_type=True))
+            self._idx.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._idx.close()
+            self._bin.close()
+
+
+class TensorStore:
+    """One rank's saved outputs, read for replay."""
+
+    def __init__(self, root: str | os.PathLike, rank: int):
+        self.root = Path(root)
+        self.rank = rank
+        idx, self._binp = _paths(root, rank)
+        self.entries: dict[Key, dict[str, Any]] = {}
+        if idx.exists():
+            with open(idx, "rb") as f:
+                for e in msgpack.Unpacker(f, raw=False, strict_map_key=False):
+                    self.entries[self.key(e["group"], e["op"], e["index"], e["peer"])] = e
+        self._bin = None
+
+    @staticmethod
+    def key(group: Iterable[int], op: str, index: int, peer: int = -1) -> Key:
+        return (tuple(int(r) for r in group), op, int(index), int(peer))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def get(self, group, op: str, index: int, peer: int = -1) -> list[torch.Tensor] | None:
+        e = self.entries.get(self.key(group, op, index, peer))
+        if e is None:
+            return None
+        if self._bin is None:
+            self._bin = open(self._binp, "rb")
+        out = []
+        for m in e["tensors"]:
+            self._bin.seek(m["offset"])
+            raw = bytearray(self._bin.read(m["nbytes"]))
+            dt = dtype_from_name(m["dtype"])
+            if raw:
+                t = torch.frombuffer(raw, dtype=torch.uint8).view(dt)
+            else:
+                t = torch.empty(0, dtype=dt)
+            out.append(t.reshape(m["shape"]))
+        return out
+
+
+__all__ = ["Selector", "TensorStore", "TensorStoreWriter", "dtype_from_name"]

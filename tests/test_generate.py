@@ -1,0 +1,158 @@
+"""The tensor generator (prismllm.generate): defaults, user rules, the recorded-tensor store.
+In-process and fast: Calls are built by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from prismllm.errors import PrismError  # noqa: E402
+from prismllm.generate import (  # noqa: E402
+    DEFAULT, Call, GenerateError, Selector, TensorGenerator, TensorStore, TensorStoreWriter,
+    load_rules, rule,
+)
+
+
+def call(op, output=None, input=None, *, n=4, grank=1, index=0, **kw):
+    ranks = tuple(range(10, 10 + n))
+    return Call(rank=ranks[grank], op=op, api=op, group_ranks=ranks, group_desc=kw.pop("desc", ""),
+                group_name="7", group_rank=grank, index=index, input=input, output=output, **kw)
+
+
+def test_defaults_reductions():
+    g = TensorGenerator(0)
+    t = torch.full((3,), 2.0)
+    g.fill(call("all_reduce", t, t, reduce_op="sum"))
+    assert t.tolist() == [8.0] * 3
+    for red in ("avg", "max", "min", "premul_sum", "product"):
+        t = torch.full((2,), 3.0)
+        g.fill(call("all_reduce", t, t, reduce_op=red))
+        assert t.tolist() == [3.0, 3.0]
+    b = torch.tensor([True, False])
+    g.fill(call("all_reduce", b, b, reduce_op="sum"))
+    assert b.tolist() == [True, False]
+    out, inp = torch.empty(2), torch.arange(8.0)
+    g.fill(call("reduce_scatter", out, inp, reduce_op="sum"))
+    assert out.tolist() == [8.0, 12.0]  # chunk of group rank 1, x 4
+
+
+def test_defaults_gather_broadcast_recv():
+    g = TensorGenerator(0)
+    x = torch.tensor([1, 2, 3])
+    out = torch.empty(12, dtype=torch.long)
+    g.fill(call("all_gather", out, x))
+    assert out.tolist() == [1, 2, 3] * 4
+    slots = [torch.empty(3, dtype=torch.long) for _ in range(4)]
+    g.fill(call("all_gather", slots, x))
+    assert all(s.tolist() == [1, 2, 3] for s in slots)
+    ids = torch.full((2, 5), 987654321, dtype=torch.long)  # garbage in an int buffer
+    g.fill(call("broadcast", ids, root=10))
+    assert ids.eq(0).all()  # valid token ids
+    f = torch.tensor([1.0, float("nan"), float("inf")])
+    g.fill(call("broadcast", f, root=10))
+    assert f.tolist() == [1.0, 0.0, 0.0]  # own copy kept, non-finite cleaned
+    r = torch.ones(4)
+    g.fill(call("recv", r, peer=11))
+    assert r.eq(0).all()
+
+
+def test_default_all_to_all_uneven():
+    g = TensorGenerator(0)
+    inp = torch.arange(10.0).view(10, 1)  # sends 1, 2, 3, 4 rows
+    out = torch.full((8, 1), -1.0)  # receives 2, 2, 2, 2 rows
+    g.fill(call("all_to_all", out, inp, in_splits=(1, 2, 3, 4), out_splits=(2, 2, 2, 2)))
+    assert out.view(-1).tolist() == [0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 7.0]
+
+
+def test_moe_counts_replicated_give_consistent_splits():
+    """gpt3d's dispatch: all-gather the per-expert counts, derive splits. With replicated
+    counts, what a rank receives from each peer equals what it sends to itself."""
+    g = TensorGenerator(0)
+    ep, E = 4, 8
+    L = E // ep
+    counts = torch.tensor([3, 1, 0, 4, 2, 2, 1, 3])
+    all_counts = torch.empty(ep * E, dtype=torch.long)
+    g.fill(call("all_gather", all_counts, counts, n=ep))
+    c = all_counts.view(ep, E).tolist()
+    me = 1
+    in_splits = [sum(c[me][j * L:(j + 1) * L]) for j in range(ep)]
+    out_splits = [sum(c[j][me * L:(me + 1) * L]) for j in range(ep)]
+    assert sum(in_splits) == int(counts.sum())
+    assert out_splits == [int(counts[me * L:(me + 1) * L].sum())] * ep
+
+
+def test_rules_match_and_errors(tmp_path):
+    f = tmp_path / "rules.py"
+    f.write_text(
+        "import torch\n"
+        "from prismllm.generate import rule, DEFAULT\n"
+        "@rule(op='broadcast', group=[11, 10, 12, 13], dtype='int64', index=range(0, 5))\n"
+        "def tokens(call):\n"
+        "    return torch.full(call.shape, 7, dtype=call.dtype)\n"
+        "@rule(label='skip')\n"
+        "def skip(call):\n"
+        "    return DEFAULT\n"
+        "@rule(op='all_reduce', group='dp', shape=(None, 2))\n"
+        "def inplace(call):\n"
+        "    call.output.fill_(5)\n"
+        "@rule(op='recv')\n"
+        "def bad(call):\n"
+        "    return torch.zeros(1, dtype=torch.float64)\n"
+    )
+    rules = load_rules(f)
+    assert [r.name for r in rules] == ["tokens", "skip", "inplace", "bad"]
+    g = TensorGenerator(0, rules)
+    t = torch.empty(2, 3, dtype=torch.long)
+    g.fill(call("broadcast", t, root=10, index=4))
+    assert t.eq(7).all()
+    t.zero_()
+    g.fill(call("broadcast", t, root=10, index=5))  # index out of range: default
+    assert t.eq(0).all()
+    x = torch.ones(3, 2)
+    g.fill(call("all_reduce", x, x, reduce_op="sum", desc="dp"))
+    assert x.eq(5).all()
+    x = torch.ones(3)
+    g.fill(call("all_reduce", x, x, reduce_op="sum", label="skip"))
+    assert x.eq(4).all()  # DEFAULT: falls through to sum x 4
+    with pytest.raises(GenerateError) as e:
+        g.fill(call("recv", torch.empty(4), peer=12, index=3))
+    msg = str(e.value)
+    assert msg.startswith("rank 11: recv on group 7 [10, 11, 12, 13] call 3 peer 12: rule 'bad'")
+    assert "shape (1,) float64" in msg and "(4,) float32" in msg
+    assert isinstance(e.value, PrismError)
+    with pytest.raises(PrismError, match="no such file"):
+        load_rules(tmp_path / "missing.py")
+
+
+def test_store_roundtrip_and_priority(tmp_path):
+    w = TensorStoreWriter(tmp_path, 11)
+    w.save((10, 11, 12, 13), "broadcast", 2, -1, "", [torch.arange(6, dtype=torch.long).view(2, 3)])
+    w.save((10, 11), "recv", 0, 10, "", [torch.tensor([1.5, 2.5], dtype=torch.bfloat16)])
+    w.save((10, 11, 12, 13), "all_gather", 3, -1, "", [torch.ones(2), torch.zeros(2)])
+    w.close()
+    s = TensorStore(tmp_path, 11)
+    assert len(s) == 3
+    assert s.get((10, 11), "recv", 0, 10)[0].tolist() == [1.5, 2.5]
+    assert s.get((10, 11), "recv", 1, 10) is None
+    raw = (tmp_path / "rank-000011.idx").read_bytes()
+    assert b"pickle" not in raw and b"torch" not in raw
+
+    @rule(op="broadcast")
+    def never(call):  # the store answers first
+        raise AssertionError
+    g = TensorGenerator(11, [never.prism_rule], s)
+    t = torch.empty(2, 3, dtype=torch.long)
+    g.fill(call("broadcast", t, root=10, index=2))
+    assert t.view(-1).tolist() == list(range(6))
+    slots = [torch.empty(2), torch.empty(2)]
+    g.fill(call("all_gather", slots, torch.ones(2), index=3))
+    assert slots[1].eq(0).all()
+    with pytest.raises(GenerateError, match="recorded tensor store holds shape"):
+        g.fill(call("broadcast", torch.empty(3, dtype=torch.long), root=10, index=2))
+
+
+def test_selector():
+    s = Selector("all_gather,label:moe")
+    assert s("all_gather", "") and s("all_reduce", "moe") and not s("all_reduce", "x")
+    assert Selector("all")("recv", "") and not Selector("")
