@@ -1,0 +1,558 @@
+"""``prism capture --mode solo``: the bare graph of an N-rank job from a few ranks run alone.
+
+Each rank runs by itself (``PRISM_MODE=solo``: the solo backend answers every collective from
+the tensor generator or a tensor store, no peer is needed) and writes its RankLog to
+``<out>/.spool``, exactly as ``prism record`` does. With a ``--layout`` only one representative
+per replica class runs (``prismllm.capture.layout``: one per (tp, cp, ep, pp) coordinate, the
+DP / expert-DP replicas are renamed copies); without one every rank runs. Ranks run G at a
+time through the launcher (``ranks=[...]``, ``world_size=N``), one process per rank (one GPU
+each on CUDA).
+
+Resume: ``<out>/.spool/capture.json`` holds the run's fingerprint (world, layout, command,
+script digest, rules, tensor store, device kind, runner) and the ranks finished so far. A
+rank counts as finished only when its process exited 0 and its log is in the spool (a failed
+rank's log, which the bootstrap still writes at exit, is kept for diagnosis but not counted).
+Re-running the same command skips the finished ranks; a different command on the same
+directory is refused (``--force`` starts over). After a successful assembly the graph is saved
+into ``<out>`` and the spool is removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from prismllm import __version__
+from prismllm.capture.launcher import (
+    DEFAULT_RUNNER,
+    LaunchError,
+    LaunchSpec,
+    LineSink,
+    format_ranks,
+    launch,
+)
+from prismllm.capture.layout import Layout, ReplicaPlan, replica_plan
+from prismllm.capture.record import (
+    LOGS_DIR,
+    MANIFEST_FILE,
+    SPOOL_DIR,
+    _check_importable,
+    _save_into,
+    _trace_counts,
+    build_manifest,
+    resolve_devices,
+)
+from prismllm.errors import PrismError
+from prismllm.trace.ranklog import ranklog_path
+
+STATE_FILE = "capture.json"
+STATE_VERSION = 1
+
+# (done, total, ranks run so far in this invocation, seconds since the first launch)
+ProgressFn = Callable[[int, int, int, float], None]
+
+
+@dataclasses.dataclass
+class CaptureOptions:
+    world: int
+    out: str | os.PathLike
+    script: str
+    args: Sequence[str] = ()
+    devices: int | str | None = None  # G (how many ranks at a time), or "cuda:0,1,..."; None: 1
+    device: str | None = None  # "cpu" | "cuda" | None: cuda if G GPUs are there, else cpu
+    layout: str | dict | None = None
+    rules: str | os.PathLike | None = None  # PRISM_RULES
+    tensors: str | os.PathLike | None = None  # PRISM_TENSOR_STORE
+    force: bool = False
+    timeout: float | None = None  # per batch of G ranks
+    tee: bool = False
+    line_prefix: str | None = None
+    argv: Sequence[str] | None = None
+    sink: LineSink | None = None
+    runner: str = DEFAULT_RUNNER
+    env: dict[str, str | None] = dataclasses.field(default_factory=dict)
+    mode: str = "solo"
+
+
+@dataclasses.dataclass
+class CapturePlan:
+    """What a capture will do (``plan_capture``): for the CLI's first lines."""
+
+    world: int
+    layout: Layout | None
+    replicas: ReplicaPlan
+    device: str
+    devices: str | list[int]
+    parallel: int  # G
+    pending: list[int]  # representatives still to run
+    resumed: list[int]  # representatives finished by an earlier run of the same command
+    resuming: bool
+
+
+@dataclasses.dataclass
+class CaptureResult:
+    out: Path
+    manifest: dict[str, Any]
+    trace: Any
+    wall_s: float
+    world_size: int
+    representatives: list[int]
+    ranks_run: int  # by this invocation
+    ranks_resumed: int  # finished by an earlier invocation, reused
+    iterations: int | None
+    nodes: int | None
+    device: str
+    dedup: bool
+    timings: dict[str, float]
+
+
+# ---------------------------------------------------------------------------------------------
+# Fingerprint and state
+
+
+def _sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _path_digest(path: str | os.PathLike | None) -> dict[str, str] | None:
+    """A file's path and content digest; a directory (tensor store): its path only."""
+    if path is None:
+        return None
+    p = Path(path).resolve()
+    d = {"path": str(p)}
+    if p.is_file():
+        d["sha256"] = _sha256(p)
+    return d
+
+
+def fingerprint(opts: CaptureOptions, layout: Layout | None, device: str) -> dict[str, Any]:
+    return {
+        "mode": opts.mode,
+        "world": int(opts.world),
+        "layout": layout.canonical() if layout is not None else None,
+        "command": [str(Path(opts.script).resolve()), *map(str, opts.args)],
+        "script_sha256": _sha256(opts.script),
+        "rules": _path_digest(opts.rules),
+        "tensors": _path_digest(opts.tensors),
+        "device": device,
+        "runner": opts.runner,
+        "prismllm": __version__,
+    }
+
+
+def _read_state(spool: Path) -> dict[str, Any] | None:
+    path = spool / STATE_FILE
+    if not path.exists():
+        return None
+    try:
+        with open(path) as f:
+            state = json.load(f)
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise ValueError("unknown version")
+        return state
+    except (OSError, ValueError) as e:
+        raise PrismError(f"{path} is unreadable ({e}); use --force to start the capture over") from None
+
+
+def _write_state(spool: Path, state: dict[str, Any]) -> None:
+    path = spool / STATE_FILE
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=1, sort_keys=True)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def _fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    out = []
+    for k in sorted(set(old) | set(new)):
+        if old.get(k) != new.get(k):
+            a, b = json.dumps(old.get(k)), json.dumps(new.get(k))
+            if k == "command" or len(a) + len(b) > 160:
+                out.append(k)
+            else:
+                out.append(f"{k} {a} -> {b}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Planning
+
+
+def _parallel_and_devices(opts: CaptureOptions) -> tuple[int, str, str | list[int]]:
+    """(G, device kind, launcher devices: "cpu" or G GPU indices)."""
+    d = opts.devices
+    gpus: list[int] | None = None
+    if d is None or d == "":
+        g = 1
+    elif isinstance(d, int):
+        g = d
+    else:
+        s = str(d).strip().lower()
+        if s.startswith("cuda:"):
+            try:
+                gpus = [int(x) for x in s[5:].split(",") if x.strip()]
+            except ValueError:
+                raise PrismError(f"bad --devices {d!r}: expected a count G or cuda:0,1,...") from None
+            g = len(gpus)
+        else:
+            try:
+                g = int(s)
+            except ValueError:
+                raise PrismError(f"bad --devices {d!r}: expected a count G or cuda:0,1,...") from None
+    if g < 1:
+        raise PrismError(f"--devices must be at least 1, not {g}")
+    kind = (opts.device or "").strip().lower() or None
+    if gpus is not None:
+        if kind == "cpu":
+            raise PrismError(f"--devices {d} lists GPUs but --device is cpu")
+        kind = "cuda"
+    if kind not in (None, "cpu", "cuda", "auto"):
+        raise PrismError(f"bad --device {opts.device!r}: expected cpu or cuda")
+    if kind == "cpu":
+        return g, "cpu", "cpu"
+    spec = None if kind in (None, "auto") else ("cuda" if gpus is None else "cuda:" + ",".join(map(str, gpus)))
+    device, devices = resolve_devices(spec, g)
+    return g, device, devices
+
+
+def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dict[str, Any] | None]:
+    """Check the inputs and work out what to run. Returns (plan, fingerprint, saved state or
+    None). Raises PrismError with one clear message."""
+    if opts.mode != "solo":
+        raise PrismError(f"--mode {opts.mode}: only solo capture is available (switch mode is not built yet)")
+    if not isinstance(opts.world, int) or opts.world < 1:
+        raise PrismError(f"--world must be at least 1, not {opts.world}")
+    if not os.path.exists(opts.script):
+        raise PrismError(f"script not found: {opts.script}")
+    if not os.path.isfile(opts.script):
+        raise PrismError(f"script is not a file: {opts.script}")
+    for flag, path in (("--rules", opts.rules), ("--tensors", opts.tensors)):
+        if path is not None and not os.path.exists(path):
+            raise PrismError(f"{flag} {path}: no such file or directory")
+    if opts.timeout is not None and opts.timeout <= 0:
+        raise PrismError(f"--timeout must be positive, not {opts.timeout:g}")
+    layout = Layout.parse(opts.layout, opts.world)
+    plan = replica_plan(layout, opts.world)
+    g, device, devices = _parallel_and_devices(opts)
+    fp = fingerprint(opts, layout, device)
+
+    out = Path(opts.out)
+    state = None
+    resuming = False
+    if out.exists() and not out.is_dir():
+        raise PrismError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        spool = out / SPOOL_DIR
+        holds_prism = (out / MANIFEST_FILE).exists() or spool.exists()
+        if opts.force:
+            if not holds_prism:
+                raise PrismError(
+                    f"output directory {out} is not empty and does not hold a prism trace; "
+                    f"refusing to delete it even with --force"
+                )
+        elif (out / MANIFEST_FILE).exists():
+            raise PrismError(f"output directory {out} already holds a graph (use --force to replace it)")
+        elif (spool / STATE_FILE).exists():
+            state = _read_state(spool)
+            diff = _fingerprint_diff(state.get("fingerprint", {}), fp)
+            if diff:
+                raise PrismError(
+                    f"{out} holds an unfinished capture of another command (differs in: "
+                    f"{'; '.join(diff)}); re-run that command to resume it, or use --force to start over"
+                )
+            resuming = True
+        else:
+            raise PrismError(f"output directory {out} exists and is not empty (use --force to replace it)")
+
+    done = set()
+    if state is not None:
+        done = {int(r) for r in state.get("done", []) if ranklog_path(out / SPOOL_DIR, int(r)).exists()}
+    reps = plan.representatives
+    pending = [r for r in reps if r not in done]
+    resumed = [r for r in reps if r in done]
+    return (
+        CapturePlan(opts.world, layout, plan, device, devices, g, pending, resumed, resuming),
+        fp,
+        state,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# All-to-all split sizes
+
+
+def reconcile_all_to_all(trace: Any) -> int:
+    """Make every all_to_all instance's split sizes agree: the senders' win.
+
+    A rank run alone gets its peers' split sizes from the tensor generator (e.g. gpt3d's
+    all-gather of routing counts), so member j's ``out_splits[i]`` need not equal member i's
+    ``in_splits[j]`` (what i actually sends). For each instance (group, seq) whose members all
+    recorded splits of the group's size, set ``out_splits`` of member j to
+    ``[in_splits_i[j] for i]`` and ``out_bytes`` to match (bytes per row from the member's
+    own ``in_bytes / sum(in_splits)``, else the instance's). Returns the number of instances
+    changed; others are left for validation to judge."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from prismllm.trace.assemble import group_rank_lookup
+    from prismllm.trace.schema import NODE_SCHEMA
+
+    nodes = trace.nodes
+    op = nodes.column("op")
+    rows = np.flatnonzero(pc.equal(op, "all_to_all").to_numpy(zero_copy_only=False)
+                          & pc.equal(nodes.column("kind"), "comm").to_numpy(zero_copy_only=False))
+    if not len(rows):
+        return 0
+    sub = nodes.take(pa.array(rows))
+    group = sub.column("group").to_numpy().astype(np.int64)
+    seq = sub.column("seq").to_numpy().astype(np.int64)
+    rank = sub.column("rank").to_numpy().astype(np.int64)
+    in_l = sub.column("in_splits").combine_chunks()
+    out_l = sub.column("out_splits").combine_chunks()
+    in_len = pc.list_value_length(in_l).to_numpy(zero_copy_only=False).astype(np.int64)
+    out_len = pc.list_value_length(out_l).to_numpy(zero_copy_only=False).astype(np.int64)
+    in_flat = pc.list_flatten(in_l).to_numpy(zero_copy_only=False).astype(np.int64)
+    in_off = np.cumsum(in_len) - in_len
+    ranks_col = trace.groups.column("ranks").combine_chunks()
+    gsize_of = pc.list_value_length(ranks_col).to_numpy(zero_copy_only=False).astype(np.int64)
+    gids = trace.groups.column("group_id").to_numpy().astype(np.int64)
+    gsize = np.zeros(int(gids.max()) + 1 if len(gids) else 0, dtype=np.int64)
+    gsize[gids] = gsize_of
+    k = np.where(group >= 0, gsize[np.maximum(group, 0)], 0)
+    grank = group_rank_lookup(trace.groups, trace.world_size)(group, rank)
+    usable = (group >= 0) & (in_len == k) & (out_len == k) & (grank >= 0) & (k > 0)
+    o = np.lexsort((grank, seq, group))
+    g_s, s_s = group[o], seq[o]
+    start = np.r_[True, (g_s[1:] != g_s[:-1]) | (s_s[1:] != s_s[:-1])]
+    inst = np.cumsum(start) - 1
+    n_inst = int(inst[-1]) + 1
+    members = np.bincount(inst, minlength=n_inst)
+    ok_inst = np.ones(n_inst, dtype=bool)
+    np.logical_and.at(ok_inst, inst, usable[o])
+    first = np.flatnonzero(start)
+    ok_inst &= members == k[o][first]
+    # positions must be 0..k-1 in order
+    pos_ok = grank[o] == (np.arange(len(o)) - first[inst])
+    np.logical_and.at(ok_inst, inst, pos_ok)
+    new_out = pc.list_flatten(out_l).to_numpy(zero_copy_only=False).astype(np.int64).copy()
+    out_off = np.cumsum(out_len) - out_len
+    in_bytes = sub.column("in_bytes").to_numpy().astype(np.int64)
+    out_bytes = sub.column("out_bytes").to_numpy().astype(np.int64).copy()
+    changed = 0
+    for size in np.unique(k[o][first][ok_inst]):
+        sel_inst = np.flatnonzero(ok_inst & (k[o][first] == size))
+        if not len(sel_inst):
+            continue
+        size = int(size)
+        member_rows = o[(first[sel_inst][:, None] + np.arange(size)[None, :])]  # [inst, member]
+        send = in_flat[in_off[member_rows][..., None] + np.arange(size)]  # [inst, i, j]: i sends to j
+        recv = send.transpose(0, 2, 1)  # [inst, j, i]: j receives from i
+        cur = new_out[out_off[member_rows][..., None] + np.arange(size)]
+        diff = np.any(cur != recv, axis=(1, 2))
+        if not diff.any():
+            continue
+        changed += int(diff.sum())
+        mr = member_rows[diff]
+        rv = recv[diff]
+        new_out[out_off[mr][..., None] + np.arange(size)] = rv
+        in_tot = send[diff].sum(axis=2)
+        bpr_member = np.where(in_tot > 0, in_bytes[mr] // np.maximum(in_tot, 1), 0)
+        bpr_inst = bpr_member.max(axis=1, keepdims=True)
+        bpr = np.where(bpr_member > 0, bpr_member, bpr_inst)
+        out_bytes[mr] = rv.sum(axis=2) * bpr
+    if not changed:
+        return 0
+    full_out = nodes.column("out_splits").combine_chunks()
+    full_len = pc.list_value_length(full_out).to_numpy(zero_copy_only=False).astype(np.int64)
+    full_off = np.r_[0, np.cumsum(full_len)]
+    values = pc.list_flatten(full_out).to_numpy(zero_copy_only=False).astype(np.int64).copy()
+    idx = np.repeat(full_off[rows], out_len) + (np.arange(len(new_out)) - np.repeat(out_off, out_len))
+    values[idx] = new_out
+    full_bytes = nodes.column("out_bytes").to_numpy().astype(np.int64).copy()
+    full_bytes[rows] = out_bytes
+    i = nodes.schema.get_field_index("out_splits")
+    nodes = nodes.set_column(i, NODE_SCHEMA.field("out_splits"), pa.ListArray.from_arrays(
+        pa.array(full_off, type=pa.int32()), pa.array(values, type=pa.int64())))
+    i = nodes.schema.get_field_index("out_bytes")
+    nodes = nodes.set_column(i, NODE_SCHEMA.field("out_bytes"), pa.array(full_bytes))
+    trace.nodes = nodes
+    trace._cache.clear()
+    return changed
+
+
+# ---------------------------------------------------------------------------------------------
+# Capture
+
+
+def capture(
+    opts: CaptureOptions,
+    *,
+    on_plan: Callable[[CapturePlan], None] | None = None,
+    on_progress: ProgressFn | None = None,
+) -> CaptureResult:
+    """Run the representatives (G at a time, skipping those an earlier run of the same
+    command finished), assemble the N-rank graph and save it into ``opts.out``.
+
+    Raises PrismError (one clear message) on bad input, a failed rank (named, spool kept:
+    re-run to resume), or a graph that cannot be assembled or validated."""
+    t0 = time.monotonic()
+    plan, fp, state = plan_capture(opts)
+    if opts.runner == DEFAULT_RUNNER:
+        _check_importable(DEFAULT_RUNNER, "the capture bootstrap")
+    from prismllm.trace.assemble import assemble_replicated
+    from prismllm.trace.validate import validate
+
+    out = Path(opts.out)
+    spool = out / SPOOL_DIR
+    if not plan.resuming:
+        if opts.force and out.exists():
+            shutil.rmtree(out)
+        out.mkdir(parents=True, exist_ok=True)
+        spool.mkdir(exist_ok=True)
+        state = {"version": STATE_VERSION, "fingerprint": fp, "done": [], "run_s": 0.0, "runs": 0}
+    assert state is not None
+    state["runs"] = int(state.get("runs", 0)) + 1
+    state["done"] = sorted(plan.resumed)
+    _write_state(spool, state)
+    if on_plan is not None:
+        on_plan(plan)
+
+    env: dict[str, str | None] = {
+        "PRISM_MODE": opts.mode,
+        "PRISM_SPOOL": str(spool.resolve()),
+        "PRISM_DEVICE": plan.device,
+    }
+    if opts.rules is not None:
+        env["PRISM_RULES"] = str(Path(opts.rules).resolve())
+    if opts.tensors is not None:
+        env["PRISM_TENSOR_STORE"] = str(Path(opts.tensors).resolve())
+    env.update(opts.env)
+
+    total = len(plan.replicas.representatives)
+    done = set(plan.resumed)
+    ran = 0
+    t_run = time.monotonic()
+    if on_progress is not None:
+        on_progress(len(done), total, 0, 0.0)
+    pending = list(plan.pending)
+    for i in range(0, len(pending), plan.parallel):
+        batch = pending[i:i + plan.parallel]
+        spec = LaunchSpec(
+            nproc=len(batch),
+            ranks=batch,
+            world_size=plan.world,
+            script=opts.script,
+            args=list(opts.args),
+            env=env,
+            devices=plan.devices if plan.devices == "cpu" else list(plan.devices)[:len(batch)],
+            runner=opts.runner,
+            timeout=opts.timeout,
+            log_dir=out / LOGS_DIR if opts.tee else None,
+            line_prefix=opts.line_prefix,
+            sink=opts.sink,
+        )
+        t_batch = time.monotonic()
+        try:
+            result = launch(spec)
+        finally:
+            state["run_s"] = float(state.get("run_s", 0.0)) + (time.monotonic() - t_batch)
+        finished = [r for r in batch if result.returncodes.get(r) == 0 and ranklog_path(spool, r).exists()]
+        done.update(finished)
+        ran += len(finished)
+        state["done"] = sorted(done)
+        _write_state(spool, state)
+        if not result.ok:
+            raise LaunchError(
+                f"{result.message}\n  spool kept in {spool} ({len(done)} of {total} ranks finished); "
+                f"re-run the same command to resume",
+                result,
+            )
+        silent = [r for r in batch if r not in finished]
+        if silent:
+            raise PrismError(
+                f"rank(s) {format_ranks(silent)} exited normally but wrote no rank log to {spool} "
+                f"(was the program run through the capture bootstrap, with PRISM_MODE={opts.mode}?)"
+            )
+        if on_progress is not None:
+            on_progress(len(done), total, ran, time.monotonic() - t_run)
+    run_wall = time.monotonic() - t_run
+
+    t_asm = time.monotonic()
+    layout = plan.layout
+    manifest = build_manifest(
+        world_size=plan.world,
+        layout=layout.to_dict() if layout is not None else None,
+        script=opts.script,
+        args=opts.args,
+        argv=opts.argv,
+        device=plan.device,
+        gpus=plan.devices if isinstance(plan.devices, list) else None,
+    )
+    manifest["mode"] = opts.mode
+    reps = plan.replicas.representatives
+    cap: dict[str, Any] = {
+        "mode": opts.mode,
+        "dedup": plan.replicas.dedup,
+        "representatives": reps,
+        "ranks_run": ran,
+        "ranks_resumed": len(plan.resumed),
+        "parallel": plan.parallel,
+        "runs": state["runs"],
+        "run_wall_s": round(run_wall, 3),
+        "run_wall_s_all_runs": round(float(state["run_s"]), 3),
+        "rules": str(Path(opts.rules).resolve()) if opts.rules is not None else None,
+        "tensors": str(Path(opts.tensors).resolve()) if opts.tensors is not None else None,
+        "fingerprint": fp,
+    }
+    if plan.replicas.dedup:
+        cap["replica_of"] = plan.replicas.replica_of.tolist()
+        cap["renaming"] = "shift of the edp coordinate (prismllm.capture.layout)"
+    manifest["capture"] = cap
+    trace = assemble_replicated(
+        spool,
+        manifest,
+        replica_of=plan.replicas.replica_of,
+        map_of=plan.replicas.map_of,
+        rename=plan.replicas.rename,
+    )
+    reconciled = reconcile_all_to_all(trace)
+    cap["all_to_all_reconciled"] = reconciled
+    t_val = time.monotonic()
+    validate(trace)
+    t_save = time.monotonic()
+    cap["assemble_s"] = round(t_val - t_asm, 3)
+    cap["validate_s"] = round(t_save - t_val, 3)
+    cap["wall_s"] = round(t_save - t0, 3)  # up to the save
+    trace.manifest["capture"] = cap
+    _save_into(trace, out)
+    shutil.rmtree(spool, ignore_errors=True)
+    t_end = time.monotonic()
+    iterations, nodes = _trace_counts(out, trace)
+    return CaptureResult(
+        out=out,
+        manifest=trace.manifest,
+        trace=trace,
+        wall_s=t_end - t0,
+        world_size=plan.world,
+        representatives=reps,
+        ranks_run=ran,
+        ranks_resumed=len(plan.resumed),
+        iterations=iterations,
+        nodes=nodes,
+        device=plan.device,
+        dedup=plan.replicas.dedup,
+        timings={"run_s": run_wall, "assemble_s": t_val - t_asm, "validate_s": t_save - t_val,
+                 "save_s": t_end - t_save},
+    )
