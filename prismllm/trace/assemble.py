@@ -238,7 +238,13 @@ def _assemble_groups(logs: list[_Part]) -> tuple[pa.Table, dict[str, int]]:
                     f"{first_seen[gid]} but {_short_list(ranks)} on rank {log.rank}: every member "
                     f"must create its groups with the same ranks in the same order"
                 )
-    table = pa.Table.from_arrays(
+    table = _groups_table(names, descs, granks)
+    return table, name_to_gid
+
+
+def _groups_table(names: list[str], descs: list[str], granks: list) -> pa.Table:
+    """The groups table, group ids numbering the lists' positions."""
+    return pa.Table.from_arrays(
         [
             pa.array(np.arange(len(names), dtype=np.int32)),
             pa.array(names, type=pa.string()),
@@ -247,7 +253,6 @@ def _assemble_groups(logs: list[_Part]) -> tuple[pa.Table, dict[str, int]]:
         ],
         schema=GROUP_SCHEMA,
     )
-    return table, name_to_gid
 
 
 # ---------------------------------------------------------------------- nodes
@@ -747,15 +752,7 @@ def _replica_groups(groups: pa.Table, keys: dict[int, tuple], maps: np.ndarray, 
                 descs.append(descs[g])
                 granks.append(images[i].tolist())
             gmap[m, g] = gid
-    table = pa.Table.from_arrays(
-        [
-            pa.array(np.arange(len(names), dtype=np.int32)),
-            pa.array(names, type=pa.string()),
-            pa.array(descs, type=pa.string()),
-            pa.array(granks, type=pa.list_(pa.int32())),
-        ],
-        schema=GROUP_SCHEMA,
-    )
+    table = _groups_table(names, descs, granks)
     return table, gmap
 
 
