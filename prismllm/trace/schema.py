@@ -76,7 +76,7 @@ NODE_SCHEMA = pa.schema(
         ("coalesced", pa.int32()),  # id of the coalesced batch (batch_isend_irecv, *_coalesced), -1
         ("async_op", pa.bool_()),  # the program got a Work back and waited on it later
         ("api", pa.string()),  # entry point that reached the backend, e.g. "allreduce", "_allgather_base"
-        ("stream", pa.string()),  # "compute" for compute spans; "comm:<group_id>" for comm events
+        ("stream", pa.string()),  # "compute" for compute spans; "comm:<torch group name>" for comm events
         ("wait_index", pa.int32()),  # index of the first node after the wait point; -1 if sync/none
         ("issue_ns", pa.int64()),  # host time the call was issued (comm) or span began (compute)
         ("start_ns", pa.int64()),  # device-side start
