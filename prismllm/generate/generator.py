@@ -197,12 +197,7 @@ class TensorGenerator:
                 raise GenerateError(f"{call.where()}: {r} failed to match: {e!r}") from None
             if not hit:
                 continue
-            try:
-                val = r.fn(call)
-            except GenerateError:
-                raise
-            except Exception as e:
-                raise GenerateError(f"{call.where()}: {r} raised {e!r}") from None
+            val = _invoke(r, call)
             if val is DEFAULT:
                 break
             if val is not None:
@@ -247,12 +242,7 @@ class TensorGenerator:
         for r in self.rules:
             if not r.matches(call):
                 continue
-            try:
-                val = r.fn(call)
-            except GenerateError:
-                raise
-            except Exception as e:
-                raise GenerateError(f"{call.where()}: {r} raised {e!r}") from None
+            val = _invoke(r, call)
             if val is DEFAULT:
                 break
             self.answered["rule"] += 1
@@ -362,3 +352,13 @@ def default_fill(call: Call, payload: _Payload | None = None) -> None:
 
 
 __all__ = ["Call", "TensorGenerator", "DEFAULT", "default_fill"]
+
+
+def _invoke(r: Rule, call: Call) -> Any:
+    """Run a user rule; anything it raises becomes one GenerateError naming the call."""
+    try:
+        return r.fn(call)
+    except GenerateError:
+        raise
+    except Exception as e:
+        raise GenerateError(f"{call.where()}: {r} raised {e!r}") from None

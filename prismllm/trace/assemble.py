@@ -200,18 +200,25 @@ def _assemble_parts(parts: list[_Part], manifest: dict[str, Any]) -> PrismTrace:
         edges = build_edges(nodes, groups, world_size)
         iterations = _assemble_iterations(parts)
 
+    out = _graph_manifest(manifest, parts, world_size,
+                          {str(p.rank): p.peak_memory_bytes for p in parts})
+    return PrismTrace(manifest=out, nodes=nodes, edges=edges, groups=groups, iterations=iterations)
+
+
+def _graph_manifest(manifest: dict, parts: list, world_size: int, peak: dict[str, int]) -> dict:
+    """The user's manifest completed with what the graph itself knows."""
     out = dict(manifest)
     out["format"] = FORMAT_NAME
     out["format_version"] = FORMAT_VERSION
     out["world_size"] = world_size
-    out["peak_memory_bytes"] = {str(p.rank): p.peak_memory_bytes for p in parts}
+    out["peak_memory_bytes"] = peak
     if "device" not in out:
         devices = sorted({p.device for p in parts})
         out["device"] = devices[0] if len(devices) == 1 else devices
     if "clock" not in out:
         clocks = sorted({p.clock for p in parts})
         out["clock"] = clocks[0] if len(clocks) == 1 else clocks
-    return PrismTrace(manifest=out, nodes=nodes, edges=edges, groups=groups, iterations=iterations)
+    return out
 
 
 # ---------------------------------------------------------------------- groups
@@ -650,17 +657,8 @@ def assemble_replicated(
         iterations = _expand_iterations(_assemble_iterations(parts), replica_of)
 
     peak = {p.rank: p.peak_memory_bytes for p in parts}
-    out = dict(manifest)
-    out["format"] = FORMAT_NAME
-    out["format_version"] = FORMAT_VERSION
-    out["world_size"] = world_size
-    out["peak_memory_bytes"] = {str(r): peak[int(rep)] for r, rep in enumerate(replica_of.tolist())}
-    if "device" not in out:
-        devices = sorted({p.device for p in parts})
-        out["device"] = devices[0] if len(devices) == 1 else devices
-    if "clock" not in out:
-        clocks = sorted({p.clock for p in parts})
-        out["clock"] = clocks[0] if len(clocks) == 1 else clocks
+    out = _graph_manifest(manifest, parts, world_size,
+                          {str(r): peak[int(rep)] for r, rep in enumerate(replica_of.tolist())})
     return PrismTrace(manifest=out, nodes=nodes, edges=edges, groups=all_groups, iterations=iterations)
 
 
