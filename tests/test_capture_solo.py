@@ -11,6 +11,7 @@ skipped while ``prismllm.comm.solo`` does not exist.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -328,7 +329,7 @@ def test_cli_capture(fake, tmp_path, monkeypatch, capsys):
     rc = climain.main(["capture", "--world", "4", "--devices", "4", "--device", "cpu", "--out", str(tmp_path / "nl"),
                        "--", str(script), "--tp", "2"])
     o, e = capsys.readouterr()
-    assert rc == 0 and "no --layout: all 4 ranks run (no replica deduplication)" in e
+    assert rc == 0 and "all 4 ranks run (no --layout: no replica deduplication)" in e
     # errors: one line
     rc = climain.main(["capture", "--world", "10", "--device", "cpu", "--out", str(tmp_path / "x"),
                        "--layout", "tp=4", "--", str(script)])
@@ -353,19 +354,15 @@ def test_expansion_to_1024_ranks_is_fast(fake, tmp_path):
 
 
 # ---------------------------------------------------------------------- real backend
-def _solo_backend() -> bool:
-    try:
-        return importlib.util.find_spec("prismllm.comm.solo") is not None
-    except (ImportError, ValueError):
-        return False
+PRISM = str(Path(sys.executable).with_name("prism"))
+GPT3D_TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
+              "--micro-batch", "1", "--global-batch", "8", "--iters", "2", "--bucket-mb", "0.01"]
 
 
-@pytest.mark.skipif(not _solo_backend(), reason="the solo backend (prismllm.comm.solo) has not landed yet")
 def test_gpt3d_solo_capture_matches_record(tmp_path):
-    prism = str(Path(sys.executable).with_name("prism"))
+    prism = PRISM
     gpt3d = str(ROOT / "examples" / "gpt3d.py")
-    prog = [gpt3d, "--tp", "2", "--pp", "2", "--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16",
-            "--vocab", "128", "--micro-batch", "1", "--global-batch", "8", "--iters", "2", "--bucket-mb", "0.01"]
+    prog = [gpt3d, "--tp", "2", "--pp", "2", *GPT3D_TINY]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rec = subprocess.run([prism, "record", "--nproc", "8", "--devices", "cpu", "--out", str(tmp_path / "rec"),
                           "--", *prog], capture_output=True, text=True, env=env, timeout=900)
@@ -378,3 +375,57 @@ def test_gpt3d_solo_capture_matches_record(tmp_path):
     res = compare_traces(a, b, timing=False)
     assert res.structure_equal, json.dumps(res.first_difference, indent=1, default=str)
     assert b.manifest["capture"]["ranks_run"] == 4
+
+
+def test_moe_solo_capture_replays_saved_tensors(tmp_path):
+    """MoE routing depends on values: generated outputs give other split sizes than the real
+    run; `prism record --save-tensors all` + `prism capture --tensors` reproduce them exactly."""
+    prog = [str(ROOT / "examples" / "gpt3d.py"), "--ep", "2", "--num-experts", "4", *GPT3D_TINY]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    rec = subprocess.run([PRISM, "record", "--nproc", "2", "--devices", "cpu", "--out", str(tmp_path / "rec"),
+                          "--save-tensors", "all", "--", *prog], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert rec.returncode == 0, rec.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "rec" / "tensors").iterdir()) == [
+        "rank-000000.bin", "rank-000000.idx", "rank-000001.bin", "rank-000001.idx"]
+    real = PrismTrace.load(tmp_path / "rec")
+    for name, extra in (("gen", []), ("store", ["--tensors", str(tmp_path / "rec" / "tensors")])):
+        cap = subprocess.run([PRISM, "capture", "--mode", "solo", "--world", "2", "--devices", "2", "--device",
+                              "cpu", "--out", str(tmp_path / name), *extra, "--", *prog],
+                             capture_output=True, text=True, env=env, timeout=600)
+        assert cap.returncode == 0, cap.stderr[-3000:]
+        res = compare_traces(real, PrismTrace.load(tmp_path / name), timing=False)
+        if name == "gen":  # generated routing counts are not the real ones
+            assert not res.structure_equal and res.first_difference["node_a"]["op"] == "all_to_all"
+        else:
+            assert res.structure_equal, json.dumps(res.first_difference, indent=1, default=str)
+
+
+def test_record_save_tensors_bad_selector(tmp_path, capsys):
+    script = tmp_path / "prog.py"
+    script.write_text("print('never run')\n")
+    code = climain.main(["record", "--nproc", "1", "--out", str(tmp_path / "o"), "--save-tensors",
+                         "all_reduce,allreduce", "--", str(script)])
+    err = capsys.readouterr().err
+    assert code == 2 and "bad --save-tensors 'all_reduce,allreduce': unknown op(s) allreduce" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_tensor_store_with_expert_parallel_runs_every_rank(tmp_path):
+    """Recorded values make expert-DP replicas route their own tokens: no dedup with --tensors
+    (dense layouts keep it: their sizes never depend on values)."""
+    from prismllm.capture.solo import plan_capture
+
+    script = tmp_path / "prog.py"
+    script.write_text("pass\n")
+    (tmp_path / "store").mkdir()
+    moe = CaptureOptions(world=16, out=tmp_path / "a", script=str(script), layout="tp=2,ep=4",
+                         devices=2, device="cpu", tensors=tmp_path / "store")
+    plan, _, _ = plan_capture(moe)
+    assert plan.replicas.representatives == list(range(16))
+    assert "each rank replays its own recorded routing" in plan.replicas.describe()
+    plan, _, _ = plan_capture(dataclasses.replace(moe, tensors=None))
+    assert len(plan.replicas.representatives) == 8 and "copy its all-to-all split sizes" in \
+        plan.replicas.describe()
+    plan, _, _ = plan_capture(dataclasses.replace(moe, layout="tp=2,pp=2"))
+    assert len(plan.replicas.representatives) == 4

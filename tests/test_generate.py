@@ -46,9 +46,26 @@ def test_defaults_gather_broadcast_recv():
     slots = [torch.empty(3, dtype=torch.long) for _ in range(4)]
     g.fill(call("all_gather", slots, x))
     assert all(s.tolist() == [1, 2, 3] for s in slots)
-    ids = torch.full((2, 5), 987654321, dtype=torch.long)  # garbage in an int buffer
+    # A non-source rank keeps its own copy of replicated state (DDP's shape check broadcasts
+    # int64 sizes/strides, its bucket rebuild int32 indices, flags are bool) ...
+    meta = torch.tensor([64, 32, 32, 1, 64, 1], dtype=torch.long)
+    idx = torch.tensor([3, 2, 1, 0, 2], dtype=torch.int32)
+    flags = torch.tensor([True, False])
+    for t in (meta, idx, flags):
+        want = t.tolist()
+        g.fill(call("broadcast", t, root=10))
+        assert t.tolist() == want
+    # ... but a torch.empty receive buffer (token ids from TP rank 0) holds pointers and float
+    # bit patterns: zeros instead (valid token ids)
+    ids = torch.tensor([[5, 139_872_345_678_912], [7, 3]], dtype=torch.long)
     g.fill(call("broadcast", ids, root=10))
-    assert ids.eq(0).all()  # valid token ids
+    assert ids.eq(0).all()
+    ids32 = torch.tensor([1, 2, 0x3F800000], dtype=torch.int32)  # 1.0f's bits
+    g.fill(call("broadcast", ids32, root=10))
+    assert ids32.eq(0).all()
+    junk = torch.tensor([1, 0, 7], dtype=torch.uint8).view(torch.bool)
+    g.fill(call("broadcast", junk, root=10))
+    assert junk.view(torch.uint8).eq(0).all()
     f = torch.tensor([1.0, float("nan"), float("inf")])
     g.fill(call("broadcast", f, root=10))
     assert f.tolist() == [1.0, 0.0, 0.0]  # own copy kept, non-finite cleaned
@@ -127,14 +144,17 @@ def test_rules_match_and_errors(tmp_path):
 
 def test_store_roundtrip_and_priority(tmp_path):
     w = TensorStoreWriter(tmp_path, 11)
-    w.save((10, 11, 12, 13), "broadcast", 2, -1, "", [torch.arange(6, dtype=torch.long).view(2, 3)])
-    w.save((10, 11), "recv", 0, 10, "", [torch.tensor([1.5, 2.5], dtype=torch.bfloat16)])
-    w.save((10, 11, 12, 13), "all_gather", 3, -1, "", [torch.ones(2), torch.zeros(2)])
+    w.save("7", (10, 11, 12, 13), "broadcast", 2, -1, "", [torch.arange(6, dtype=torch.long).view(2, 3)])
+    w.save("8", (10, 11), "recv", 0, 10, "", [torch.tensor([1.5, 2.5], dtype=torch.bfloat16)])
+    w.save("7", (10, 11, 12, 13), "all_gather", 3, -1, "", [torch.ones(2), torch.zeros(2)])
+    # another group of the same ranks (e.g. DP and EP groups when ep == dp): its own entries
+    w.save("9", (10, 11, 12, 13), "all_gather", 3, -1, "", [torch.full((2,), 5.0)] * 2)
     w.close()
     s = TensorStore(tmp_path, 11)
-    assert len(s) == 3
-    assert s.get((10, 11), "recv", 0, 10)[0].tolist() == [1.5, 2.5]
-    assert s.get((10, 11), "recv", 1, 10) is None
+    assert len(s) == 4
+    assert s.get("8", (10, 11), "recv", 0, 10)[0].tolist() == [1.5, 2.5]
+    assert s.get("8", (10, 11), "recv", 1, 10) is None
+    assert s.get("9", (10, 11, 12, 13), "all_gather", 3)[0].tolist() == [5.0, 5.0]
     raw = (tmp_path / "rank-000011.idx").read_bytes()
     assert b"pickle" not in raw and b"torch" not in raw
 

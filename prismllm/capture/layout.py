@@ -212,6 +212,7 @@ class ReplicaPlan:
     replica_of: np.ndarray
     map_of: np.ndarray
     layout: Layout | None
+    why_all: str = ""  # why every rank runs although a layout was given
 
     def rename(self, map_ids: np.ndarray, ranks: np.ndarray) -> np.ndarray:
         map_ids = np.asarray(map_ids, dtype=np.int64)
@@ -233,12 +234,16 @@ class ReplicaPlan:
 
     def describe(self) -> str:
         if self.layout is None:
-            return f"no --layout: all {self.world} ranks run (no replica deduplication)"
+            return f"all {self.world} ranks run ({self.why_all or 'no --layout: no replica deduplication'})"
         lay = self.layout
-        what = "DP replicas" if lay.ep == 1 else "expert-data-parallel replicas"
+        if lay.ep == 1:
+            return (f"{len(self.representatives)} of {self.world} ranks run (one per (tp, cp, pp) "
+                    f"coordinate); each stands for {lay.edp} DP replicas")
         return (
             f"{len(self.representatives)} of {self.world} ranks run (one per (tp, cp, ep, pp) "
-            f"coordinate); each stands for {lay.edp} {what}"
+            f"coordinate); each stands for {lay.edp} expert-data-parallel replicas, which copy "
+            f"its all-to-all split sizes (MoE routing depends on each rank's data: with --tensors "
+            f"every rank runs its own)"
         )
 
 

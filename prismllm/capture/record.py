@@ -38,6 +38,7 @@ from prismllm.trace.ranklog import ranklog_path
 
 SPOOL_DIR = ".spool"
 LOGS_DIR = "logs"
+TENSORS_DIR = "tensors"
 MANIFEST_FILE = "manifest.json"
 
 
@@ -57,6 +58,8 @@ class RecordOptions:
     sink: LineSink | None = None  # where the program's output lines go (default: stdout/stderr)
     runner: str = DEFAULT_RUNNER
     env: dict[str, str | None] = dataclasses.field(default_factory=dict)  # extra child env
+    save_tensors: str | None = None  # selector of collectives whose outputs are saved
+    tensor_store: str | os.PathLike | None = None  # where (default: <out>/tensors)
 
 
 @dataclasses.dataclass
@@ -165,6 +168,27 @@ def check_out_dir(out: Path, force: bool) -> bool:
             f"refusing to delete it even with --force"
         )
     return True
+
+
+def _tensor_store(opts: RecordOptions, out: Path) -> Path | None:
+    """The recorded-tensor store's directory when --save-tensors is given (checked here, so a
+    bad selector fails before anything runs)."""
+    if opts.save_tensors is None:
+        if opts.tensor_store is not None:
+            raise PrismError("--tensor-store needs --save-tensors SELECTOR (what to save)")
+        return None
+    from prismllm.generate.store import Selector
+
+    try:
+        Selector(opts.save_tensors, strict=True)
+    except ValueError as e:
+        raise PrismError(f"bad --save-tensors {opts.save_tensors!r}: {e}") from None
+    store = Path(opts.tensor_store) if opts.tensor_store is not None else out / TENSORS_DIR
+    if opts.tensor_store is not None and store.exists() and any(store.iterdir()) and not opts.force:
+        raise PrismError(f"tensor store {store} is not empty (use --force to replace it)")
+    if opts.tensor_store is not None and store.exists():
+        shutil.rmtree(store)
+    return store
 
 
 def prepare_out_dir(out: Path, force: bool) -> None:
@@ -305,6 +329,7 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
     layout = parse_layout(opts.layout)
     out = Path(opts.out)
     check_out_dir(out, opts.force)
+    store = _tensor_store(opts, out)
     device, devices = resolve_devices(opts.devices, opts.nproc)
     if opts.runner == DEFAULT_RUNNER:
         _check_importable(DEFAULT_RUNNER, "the recording bootstrap")
@@ -321,6 +346,9 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
     }
     if device == "cuda":
         env["TORCH_NCCL_ENABLE_TIMING"] = "1"  # NCCL's own device-side start/end events
+    if store is not None:
+        env["PRISM_SAVE_TENSORS"] = opts.save_tensors
+        env["PRISM_TENSOR_STORE"] = str(store.resolve())
     env.update(opts.env)
     spec = LaunchSpec(
         nproc=opts.nproc,

@@ -244,6 +244,11 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
         raise PrismError(f"--timeout must be positive, not {opts.timeout:g}")
     layout = Layout.parse(opts.layout, opts.world)
     plan = replica_plan(layout, opts.world)
+    if layout is not None and layout.ep > 1 and layout.edp > 1 and opts.tensors is not None:
+        # Recorded values make each expert-DP replica route its own tokens: renaming a
+        # representative would copy the wrong split sizes (measured: N=16 TP2·DP8·EP4).
+        plan = dataclasses.replace(replica_plan(None, opts.world), why_all=(
+            "--tensors with expert parallelism: each rank replays its own recorded routing"))
     g, device, devices = _parallel_and_devices(opts)
     fp = fingerprint(opts, layout, device)
 

@@ -148,7 +148,7 @@ def _summary(res: CaptureResult) -> None:
     table.add_row("ranks", f"{res.world_size} ({res.device})")
     reps = len(res.representatives)
     run = f"{res.ranks_run} run now" + (f", {res.ranks_resumed} from an earlier run" if res.ranks_resumed else "")
-    table.add_row("representatives", f"{reps} ({run})" if res.dedup else f"all {reps}, no dedup (no --layout) ({run})")
+    table.add_row("representatives", f"{reps} ({run})" if res.dedup else f"all {reps}, no dedup ({run})")
     table.add_row("iterations", fmt(res.iterations))
     table.add_row("nodes", fmt(res.nodes))
     table.add_row("output", str(res.out))

@@ -1,7 +1,7 @@
 """`prism record`: run a training program like torchrun and record its execution graph.
 
     prism record --nproc 8 --out out/tp2pp2 [--devices cpu|cuda] [--layout tp=2,pp=2]
-                 [--timeout S] [--force] [--tee] [--prefix] -- SCRIPT ARGS...
+                 [--save-tensors SELECTOR [--tensor-store DIR]] [--timeout S] [--force] [--tee] [--prefix] -- SCRIPT ARGS...
 """
 
 from __future__ import annotations
@@ -32,6 +32,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "default: cuda if there are at least N GPUs, else cpu")
     p.add_argument("--layout", default=None, metavar="K=V,...",
                    help="parallel layout recorded in the manifest, e.g. tp=2,pp=2,dp=2")
+    p.add_argument("--save-tensors", default=None, metavar="SELECTOR",
+                   help="save the outputs of the selected collectives for solo capture to replay "
+                        "(`prism capture --tensors`): all, op names (all_to_all,recv,...) and/or "
+                        "label:<label>")
+    p.add_argument("--tensor-store", default=None, metavar="DIR",
+                   help="where --save-tensors writes (default: DIR/tensors)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="end the run after S seconds, naming the ranks still running")
     p.add_argument("--force", action="store_true",
@@ -50,7 +56,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _argv(args: argparse.Namespace) -> list[str]:
     """prism's own command line, canonical form, for the manifest."""
     argv = ["prism", "record", "--nproc", str(args.nproc), "--out", str(args.out)]
-    for flag, value in (("--devices", args.devices), ("--layout", args.layout)):
+    for flag, value in (("--devices", args.devices), ("--layout", args.layout),
+                        ("--save-tensors", args.save_tensors), ("--tensor-store", args.tensor_store)):
         if value is not None:
             argv += [flag, str(value)]
     if args.timeout is not None:
@@ -124,6 +131,8 @@ def run(args: argparse.Namespace) -> int:
         tee=args.tee,
         line_prefix="[rank{rank}]: " if args.prefix else None,
         argv=_argv(args),
+        save_tensors=args.save_tensors,
+        tensor_store=args.tensor_store,
         sink=sink,
     )
     try:

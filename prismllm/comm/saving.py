@@ -102,13 +102,14 @@ def _schedule(owner, outs: list[list], work) -> None:
         if not ts or not _SELECTOR(op, label):
             continue
         peer = rec.m_peer[j] if op in ("send", "recv") else -1
-        items.append((tuple(owner._global_ranks), op, rec.m_seq[j], peer, label, ts))
+        items.append((owner.group_name, tuple(owner._global_ranks), op, rec.m_seq[j], peer,
+                      label, ts))
     if not items:
         return
 
     def save(_f=None):
-        for g, op, idx, peer, label, ts in items:
-            _WRITER.save(g, op, idx, peer, label, ts)
+        for item in items:
+            _WRITER.save(*item)
 
     fut = None
     if work is not None:

@@ -15,9 +15,14 @@ all_gather          every slot holds the local input (object sizes/bytes: see be
 reduce_scatter      the local chunk (group rank's) x size for sum, the chunk otherwise
 all_to_all          output chunk j = the first rows of what this rank sends to j (zero rows
                     beyond); even splits: an exact copy
-broadcast (non-src) floating point: the local buffer kept (a rank's own copy of replicated
-                    state), NaN/inf replaced by 0; integers/bool: zeros (valid token ids,
-                    indices, "not done" flags)
+broadcast (non-src) the local buffer kept: a rank's own copy of replicated state is what the
+                    source sends (DDP's parameter-shape check, its initial parameter sync
+                    and bucket order; seeds, flags). Except what uninitialised memory holds
+                    (a ``torch.empty`` receive buffer, e.g. token ids from TP rank 0):
+                    floats: NaN/inf replaced by 0; int64 with a value beyond 2**31, int32
+                    beyond 2**24 (pointers, float bit patterns: no size, index or token id
+                    is that large), bool with a byte other than 0/1: all zeros (valid token
+                    ids, indices, "not done" flags)
 reduce (dst)        as all_reduce
 gather (dst)        every slot holds the local input
 scatter (non-src)   zeros; src: its own chunk
@@ -184,7 +189,7 @@ class TensorGenerator:
     def fill(self, call: Call) -> None:
         """Fill ``call.output`` (store, then rules, then defaults)."""
         if self.store is not None:
-            saved = self.store.get(call.group_ranks, call.op, call.index,
+            saved = self.store.get(call.group_name, call.group_ranks, call.op, call.index,
                                    call.peer if call.op in ("send", "recv") else -1)  # fmt: skip
             if saved is not None:
                 self._copy_saved(call, saved)
@@ -275,11 +280,23 @@ def _receive_fill(t: torch.Tensor) -> None:
     t.zero_()
 
 
+# An integer buffer holding a value beyond these holds uninitialised memory (see broadcast).
+_INT_LIMIT = {torch.int64: 2**31, torch.int32: 2**24}
+
+
 def _bcast_fill(t: torch.Tensor) -> None:
+    """A non-source buffer: kept, or cleaned where it holds uninitialised memory. The check
+    stays on the tensor's device (0-dim flags, no host sync)."""
     if t.is_floating_point():
         torch.nan_to_num_(t, 0.0, 0.0, 0.0)
-    elif not t.is_complex():
-        t.zero_()
+    elif t.numel() == 0:
+        return
+    elif t.dtype == torch.bool:
+        t.masked_fill_(t.view(torch.uint8).amax() > 1, False)
+    elif t.dtype in _INT_LIMIT:
+        lo, hi = torch.aminmax(t)
+        lim = _INT_LIMIT[t.dtype]
+        t.masked_fill_((lo < -lim) | (hi >= lim), 0)
 
 
 def default_fill(call: Call, payload: _Payload | None = None) -> None:

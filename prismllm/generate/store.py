@@ -13,11 +13,13 @@ Format (no pickle, no torch.save): per rank two files in the directory,
 * ``rank-<rank:06d>.idx``: a stream of msgpack maps, one per saved call, appended as the run
   goes (a crash loses at most the call being written)::
 
-      {"group": [global ranks in group-rank order], "op": "all_gather", "index": 3,
+      {"group_name": "4", "group": [global ranks in group-rank order], "op": "all_gather",
+       "index": 3,
        "peer": -1, "label": "", "tensors": [{"dtype": "int64", "shape": [8],
        "offset": 1024, "nbytes": 64}, ...]}
 
-Key: (rank, group ranks, op, index, peer) where ``index`` is the per-group call index that
+Key: (rank, group name, group ranks, op, index, peer) -- the name too, since two groups may
+hold the same ranks (e.g. DP and EP groups when ep == dp) -- where ``index`` is the per-group call index that
 the recorder stores as ``seq`` (for send/recv: the index among calls to that peer, and
 ``peer`` is the global peer; -1 for collectives). ``tensors`` are the call's outputs in
 order (one for in-place/single-output ops, the list for list outputs such as
@@ -34,7 +36,9 @@ from typing import Any, Iterable
 import msgpack
 import torch
 
-Key = tuple[tuple[int, ...], str, int, int]
+Key = tuple[str, tuple[int, ...], str, int, int]
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather",
+       "scatter", "recv")  # ops with outputs a selector can name
 
 
 def _paths(root: str | os.PathLike, rank: int) -> tuple[Path, Path]:
@@ -52,9 +56,16 @@ def dtype_from_name(name: str) -> torch.dtype:
 class Selector:
     """``all`` | comma list of op names and ``label:<label>`` items."""
 
-    def __init__(self, spec: str):
+    def __init__(self, spec: str, strict: bool = False):
         self.spec = spec
         items = [s.strip() for s in spec.split(",") if s.strip()]
+        if strict:
+            if not items:
+                raise ValueError("empty selector: give 'all', op names or label:<label>")
+            bad = [s for s in items if s != "all" and not s.startswith("label:") and s not in OPS]
+            if bad:
+                raise ValueError(f"unknown op(s) {', '.join(bad)}; known: all, {', '.join(OPS)}, "
+                                 f"label:<label>")
         self.all = "all" in items
         self.ops = {s for s in items if not s.startswith("label:") and s != "all"}
         self.labels = {s[len("label:"):] for s in items if s.startswith("label:")}
@@ -77,8 +88,8 @@ class TensorStoreWriter:
         self._off = self._bin.tell()
         self._lock = threading.Lock()
 
-    def save(self, group: Iterable[int], op: str, index: int, peer: int, label: str,
-             tensors: list[torch.Tensor]) -> None:  # fmt: skip
+    def save(self, group_name: str, group: Iterable[int], op: str, index: int, peer: int,
+             label: str, tensors: list[torch.Tensor]) -> None:  # fmt: skip
         metas, blobs = [], []
         for t in tensors:
             c = t.detach()
@@ -95,7 +106,7 @@ class TensorStoreWriter:
                 self._bin.write(b)
                 self._off += len(b)
             self._bin.flush()
-            entry = {"group": list(group), "op": op, "index": int(index), "peer": int(peer),
+            entry = {"group_name": group_name, "group": list(group), "op": op, "index": int(index), "peer": int(peer),
                      "label": label, "tensors": metas}  # fmt: skip
             self._idx.write(msgpack.packb(entry, use_bin_type=True))
             self._idx.flush()
@@ -117,18 +128,20 @@ class TensorStore:
         if idx.exists():
             with open(idx, "rb") as f:
                 for e in msgpack.Unpacker(f, raw=False, strict_map_key=False):
-                    self.entries[self.key(e["group"], e["op"], e["index"], e["peer"])] = e
+                    key = self.key(e["group_name"], e["group"], e["op"], e["index"], e["peer"])
+                    self.entries[key] = e
         self._bin = None
 
     @staticmethod
-    def key(group: Iterable[int], op: str, index: int, peer: int = -1) -> Key:
-        return (tuple(int(r) for r in group), op, int(index), int(peer))
+    def key(group_name: str, group: Iterable[int], op: str, index: int, peer: int = -1) -> Key:
+        return (str(group_name), tuple(int(r) for r in group), op, int(index), int(peer))
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def get(self, group, op: str, index: int, peer: int = -1) -> list[torch.Tensor] | None:
-        e = self.entries.get(self.key(group, op, index, peer))
+    def get(self, group_name: str, group, op: str, index: int,
+            peer: int = -1) -> list[torch.Tensor] | None:  # fmt: skip
+        e = self.entries.get(self.key(group_name, group, op, index, peer))
         if e is None:
             return None
         if self._bin is None:
