@@ -236,6 +236,38 @@ def test_bad_rule_is_one_clear_line(tmp):
     assert "Traceback" not in p.stderr
 
 
+SUBGROUPS = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+r = dist.get_rank()
+threads = len(os.listdir("/proc/self/task"))
+gs = [dist.new_group([r, (r + 1 + i % 7) % 8]) for i in range(300)]
+be = [g._get_backend(torch.device("cpu")) for g in gs]
+assert all(type(b) is dist.ProcessGroupGloo and b is be[0] for b in be)
+assert len(os.listdir("/proc/self/task")) == threads  # nothing per group
+assert (gs[1].rank(), gs[1].size(), be[1].rank(), be[1].size()) == (0, 2, 0, 1)
+ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4), process_group=gs[1])
+ddp(torch.ones(2, 4)).sum().backward()
+print("SUBGROUPS OK")
+"""
+
+
+def test_solo_gloo_groups_share_one_real_gloo_backend(tmp):
+    """C++ code (DDP's Logger) casts a group's GLOO backend to ProcessGroupGloo: every group
+    registers the same real 1-rank one (no thread per group); collectives still reach the
+    recording group (DDP over a subgroup is recorded on that subgroup)."""
+    prog = tmp / "subgroups.py"
+    prog.write_text(SUBGROUPS)
+    p = solo(prog, 8, 3, [], tmp / "subgroups")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "SUBGROUPS OK" in p.stdout
+    log = read_ranklog(ranklog_path(tmp / "subgroups", 3))
+    g = {x.name: tuple(x.ranks) for x in log.groups}
+    comm = [(g[n["group_name"]], n["op"]) for n in log.nodes if n["kind"] == "comm"]
+    assert comm[:4] == [((3, 5), "all_gather"), ((3, 5), "broadcast"), ((3, 5), "broadcast"),
+                        ((3, 5), "all_reduce")]  # fmt: skip
+
+
 # ---- PyTorch DDP and FSDP2 (fully_shard) ---------------------------------------------------
 PROGRAMS = ROOT / "tests" / "programs"
 TORCH_RANK = 2  # neither the DDP broadcast source nor the last rank
@@ -255,16 +287,7 @@ def torch_records(tmp):
     return out
 
 
-DDP_XFAIL = pytest.mark.xfail(strict=True, reason=(
-    "solo DDP dies in DDP(model): (1) torch's C++ _verify_params_across_processes broadcasts "
-    "rank 0's int64 param-shape metadata (shape [18]) and the solo default zero-fills integer "
-    "broadcasts, so the shape check raises 'params[0] ... appears not to match sizes of the "
-    "same param in process 0'; (2) past that, the C++ DDP Logger "
-    "(set_construction_data_and_log, gloo branch: gloo_num_threads) static_casts the group's "
-    "GLOO backend to ProcessGroupGloo, which in solo mode is a FakeProcessGroup: SIGSEGV"))
-
-
-@pytest.mark.parametrize("name", [pytest.param("ddp", marks=DDP_XFAIL), "fsdp2"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp2"])
 def test_torch_program_solo_rank_matches_real_run(tmp, torch_records, name):
     spool = tmp / f"{name}-solo"
     p = solo(PROGRAMS / f"{name}_train.py", 4, TORCH_RANK,

@@ -16,11 +16,20 @@ virtual world bootstrap without peers --
   thousands of them costs only torch's own bookkeeping. ``split_group`` builds the split
   directly (no communicator to split);
 * on the group itself (what torch's ``_get_backend(device)``/``_device_types`` see) a C++
-  ``FakeProcessGroup`` of the group's rank and size is registered per device, since a C++
-  ``Backend`` cannot be implemented in Python. It is only consulted for metadata; every
-  collective reaches the Python methods (directly, or through the trampoline for C++
-  callers). ``supports_coalescing`` is answered from the program's real backend (NCCL: yes,
-  gloo: no) so ``batch_isend_irecv`` takes the same path as in a real run;
+  backend is registered per device, since a C++ ``Backend`` cannot be implemented in Python:
+  for an nccl device a ``FakeProcessGroup`` of the group's rank and size; for a gloo device
+  a real ``ProcessGroupGloo``, because C++ code casts a group's GLOO backend to that class
+  (DDP's Logger reads its thread count; a FakeProcessGroup there is a SIGSEGV). That one is
+  a single 1-rank ProcessGroupGloo shared by every group (made once: 1 worker thread, a
+  loopback device, a private HashStore; nothing per group, so 2000 groups take as long as
+  with FakeProcessGroups, ~0.3 s). Being shared and of 1 rank, it reports rank 0 of 1 and
+  names every group, to C++ ``ProcessGroup::getGroupName``, after the last one created;
+  neither torch 2.13's Python nor DDP reads these (they read the group's own rank, size
+  and ``group_name``, which RecordingProcessGroup answers). These backends are only
+  consulted for metadata; every collective reaches the Python methods (directly, or
+  through the trampoline for C++ callers). ``supports_coalescing`` is answered from the
+  program's real backend (NCCL: yes, gloo: no) so ``batch_isend_irecv`` takes the same
+  path as in a real run;
 * object collectives (``broadcast_object_list``, ``all_gather_object``, ``gather_object``,
   ``scatter_object_list``, ``recv_object_list``) are wrapped to let rules answer with
   objects; by default the local object(s) are replicated (see prismllm.generate).
@@ -38,10 +47,11 @@ allocator does not hand their blocks out again until that stream has passed the 
 NCCL allocates nothing through the caching allocator (its buffers are its own). The
 GeneratedBackend does the same on CUDA tensors: a side stream per group and device waits on
 the current stream, the fill runs on it (in place: ``copy_``/``mul_``/``zero_`` on the
-program's tensors and on views, no temporaries except a rule's or the store's own returned
-tensor, which lives on the host unless the rule builds it on the device), the tensors are
-``record_stream``-ed on it, and the returned Work's Future is CUDA-aware (set on the side
-stream), so ``work.wait()`` makes the current stream wait like NCCL's Work does.
+program's tensors and on views, no temporaries except a broadcast check's 0-dim flags and a
+rule's or the store's own returned tensor, which lives on the host unless the rule builds
+it on the device), the tensors are ``record_stream``-ed on it, and the returned Work's
+Future is CUDA-aware (set on the side stream), so ``work.wait()`` makes the current stream
+wait like NCCL's Work does.
 """
 
 from __future__ import annotations
@@ -147,6 +157,23 @@ def _fake(rank: int, size: int, group_name: str, granks: list[int]):
     return _C.FakeProcessGroup._create_internal(rank, size, o)
 
 
+_GLOO: Any = None
+
+
+def _gloo() -> Any:
+    """The ``ProcessGroupGloo`` registered for gloo devices on every group (see the module
+    docstring), made once: one per group would cost a worker thread per group. One worker
+    thread, not none: a stray C++ call reaching it then fails or completes, never hangs."""
+    global _GLOO
+    if _GLOO is None:
+        gloo = dist.ProcessGroupGloo
+        opts = gloo._Options()
+        opts._devices = [gloo.create_device(hostname="127.0.0.1")]
+        opts._threads = 1
+        _GLOO = gloo(dist.HashStore(), 0, 1, opts)
+    return _GLOO
+
+
 def _attach(pg, inner: "GeneratedBackend", devmap, btypes, device_id) -> None:
     inner.owner = pg
     names = list(devmap.values())
@@ -155,9 +182,10 @@ def _attach(pg, inner: "GeneratedBackend", devmap, btypes, device_id) -> None:
     else:
         default_type = btypes[names[0]]
     pg._set_default_backend(default_type)
-    fake = _fake(pg.rank(), pg.size(), inner.group_name, list(inner.global_ranks))
     for dev, name in devmap.items():
-        pg._register_backend(torch.device(dev), btypes[name], fake)
+        be = _gloo() if name == "gloo" else _fake(pg.rank(), pg.size(), inner.group_name,
+                                                  list(inner.global_ranks))  # fmt: skip
+        pg._register_backend(torch.device(dev), btypes[name], be)
     pg._set_group_name(inner.group_name)
     if device_id is not None and getattr(device_id, "index", None) is not None:
         pg.bound_device_id = device_id
