@@ -8,7 +8,8 @@ collective nothing can answer) is printed as one line ``prism: error: ...`` to s
 exit status is 3, with no traceback.
 At exit (normal end, ``sys.exit(n)``, or an exception) the rank's RankLog is written to
 ``$PRISM_SPOOL`` -- once, from the process that started (never from forked workers) -- and
-the program's own exit status and traceback are kept.
+the program's own exit status and traceback are kept. ``PRISM_MEMORY_HISTORY=<dir>`` also
+writes the rank's allocator history there (GPU; ``prismllm.comm.memhistory``).
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ USAGE = "usage: python -m prismllm.comm.bootstrap SCRIPT [ARGS...]"
 
 
 class _Flusher:
-    def __init__(self, rec, spool: str | None):
+    def __init__(self, rec, spool: str | None, history: str | None = None):
         self.rec = rec
         self.spool = spool
+        self.history = history  # PRISM_MEMORY_HISTORY directory (prismllm.comm.memhistory)
         self.pid = os.getpid()
         self.done = False
 
@@ -45,6 +47,10 @@ class _Flusher:
             if self.spool:
                 os.makedirs(self.spool, exist_ok=True)
                 write_ranklog(self.spool, log)
+            if self.history:
+                from prismllm.comm import memhistory
+
+                memhistory.dump(self.history, self.rec.rank)
         except Exception:  # never mask the program's own outcome
             print("prism: could not write the rank log:", file=sys.stderr)
             traceback.print_exc()
@@ -97,7 +103,13 @@ def main(argv: list[str] | None = None) -> None:
         except (PrismError, ValueError) as e:
             print(f"prism: error: {e}", file=sys.stderr)
             raise SystemExit(3) from None
-    flush = _Flusher(rec, os.environ.get("PRISM_SPOOL"))
+    history = os.environ.get("PRISM_MEMORY_HISTORY") if rec is not None else None
+    if history:
+        from prismllm.comm import memhistory
+
+        if not memhistory.start(int(os.environ.get("LOCAL_RANK", "0"))):
+            history = None
+    flush = _Flusher(rec, os.environ.get("PRISM_SPOOL"), history)
     atexit.register(flush)
 
     sys.argv = [script, *args]
