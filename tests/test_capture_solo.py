@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from prismllm.capture.layout import Layout, replica_plan
 from prismllm.capture.solo import STATE_FILE, CaptureOptions, capture
@@ -429,3 +430,28 @@ def test_tensor_store_with_expert_parallel_runs_every_rank(tmp_path):
         plan.replicas.describe()
     plan, _, _ = plan_capture(dataclasses.replace(moe, layout="tp=2,pp=2"))
     assert len(plan.replicas.representatives) == 4
+
+
+def test_record_saves_inputs_at_issue(tmp_path):
+    """`--save-tensors all,inputs`: each call's inputs are saved before the backend overwrites
+    them in place, so every TP all-reduce's output is the sum (or max) of the ranks' inputs."""
+    from prismllm.generate.store import TensorStore
+
+    prog = [str(ROOT / "examples" / "gpt3d.py"), "--tp", "2", *GPT3D_TINY[:-4], "--iters", "1"]
+    rec = subprocess.run([PRISM, "record", "--nproc", "2", "--devices", "cpu", "--out", str(tmp_path / "rec"),
+                          "--save-tensors", "all_reduce,inputs", "--", *prog], capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    assert rec.returncode == 0, rec.stderr[-3000:]
+    stores = [TensorStore(tmp_path / "rec" / "tensors", r) for r in (0, 1)]
+    keys = [k for k in stores[0].entries if k[5] == "in"]
+    assert len(keys) > 10 and {k[2] for k in keys} == {"all_reduce"}
+    ops = set()
+    for g, ranks, op, index, peer, _io in keys:
+        ins = [s.get(g, ranks, op, index, peer, io="in")[0].double() for s in stores]
+        out = stores[0].get(g, ranks, op, index, peer)[0].double()
+        if torch.allclose(out, ins[0] + ins[1], rtol=1e-5, atol=1e-6):
+            ops.add("sum")
+        else:
+            assert torch.equal(out, torch.maximum(*ins)), (g, index)
+            ops.add("max")
+    assert ops == {"sum", "max"}  # vocab-parallel cross-entropy uses both

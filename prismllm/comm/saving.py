@@ -1,5 +1,7 @@
 """Record mode with ``PRISM_SAVE_TENSORS=<selector>``: save selected collective outputs into
-the recorded-tensor store (``PRISM_TENSOR_STORE``, see ``prismllm.generate.store``).
+the recorded-tensor store (``PRISM_TENSOR_STORE``, see ``prismllm.generate.store``); with the
+selector item ``inputs``, also their inputs, copied at issue (before an in-place backend
+overwrites them; a synchronous copy to the host: saving runs are not timing runs).
 
 :class:`SavingInner` stands in for a RecordingProcessGroup's ``_inner``: it forwards every
 call to the real group, then -- when the row just issued is selected -- saves the call's
@@ -39,6 +41,31 @@ _OUTS: dict[str, Callable[..., list[list]]] = {
     "scatter": lambda outs, ins, *a: [[outs[0]]],
     "recv": lambda ts, *a: [list(ts)],
 }
+# method -> inputs per row (saved at issue, before the backend can overwrite them in place):
+# what a virtual member contributes, for the proxy of a pruned collective to send
+_INS: dict[str, Callable[..., list[list]]] = {
+    "allreduce": lambda ts, *a: [list(ts)],
+    "allreduce_coalesced": lambda ts, *a: [[t] for t in ts],
+    "allgather": lambda outs, ins, *a: [list(ins)],
+    "all_gather_single": lambda out, inp, *a: [[inp]],
+    "_allgather_base": lambda out, inp, *a: [[inp]],
+    "allgather_coalesced": lambda outs, ins, *a: [[i] for i in ins],
+    "all_gather_single_coalesced": lambda outs, ins, *a: [[i] for i in ins],
+    "allgather_into_tensor_coalesced": lambda outs, ins, *a: [[i] for i in ins],
+    "reduce_scatter": lambda outs, ins, *a: [list(ins[0])],
+    "reduce_scatter_single": lambda out, inp, *a: [[inp]],
+    "_reduce_scatter_base": lambda out, inp, *a: [[inp]],
+    "reduce_scatter_single_coalesced": lambda outs, ins, *a: [[i] for i in ins],
+    "reduce_scatter_tensor_coalesced": lambda outs, ins, *a: [[i] for i in ins],
+    "alltoall": lambda outs, ins, *a: [list(ins)],
+    "all_to_all_single": lambda out, inp, *a: [[inp]],
+    "alltoall_base": lambda out, inp, *a: [[inp]],
+    "broadcast": lambda ts, *a: [list(ts)],
+    "reduce": lambda ts, *a: [list(ts)],
+    "gather": lambda outs, ins, *a: [list(ins)],
+    "scatter": lambda outs, ins, *a: [list(ins[0]) if ins else []],
+    "send": lambda ts, *a: [list(ts)],
+}
 
 _WRITER: TensorStoreWriter | None = None
 _SELECTOR: Selector | None = None
@@ -76,27 +103,35 @@ class SavingInner:
     def __getattr__(self, name):
         attr = getattr(self.__dict__["_real"], name)
         outs_of = _OUTS.get(name)
-        if outs_of is None:
+        ins_of = _INS.get(name) if _SELECTOR.inputs else None
+        if outs_of is None and ins_of is None:
             return attr
         owner = self.__dict__["_owner"]
 
         def call(*args, **kwargs):
+            if ins_of is not None:
+                try:
+                    _save_now(owner, ins_of(*args), "in")
+                except Exception:  # saving must never break the recorded program
+                    pass
             work = attr(*args, **kwargs)
-            try:
-                _schedule(owner, outs_of(*args), work)
-            except Exception:  # saving must never break the recorded program
-                pass
+            if outs_of is not None:
+                try:
+                    _schedule(owner, outs_of(*args), work)
+                except Exception:
+                    pass
             return work
 
         return call
 
 
-def _schedule(owner, outs: list[list], work) -> None:
+def _items(owner, per_row: list[list]) -> list[tuple]:
+    """(group name, group ranks, op, index, peer, label, tensors) for the selected rows among
+    the last ``len(per_row)`` rows the owner issued (the call being made)."""
     rec = owner._rec
-    n = len(outs)
-    j0 = len(rec.m_op) - n
+    j0 = len(rec.m_op) - len(per_row)
     items = []
-    for k, ts in enumerate(outs):
+    for k, ts in enumerate(per_row):
         j = j0 + k
         op, label = rec.m_op[j], rec.m_label[j]
         if not ts or not _SELECTOR(op, label):
@@ -104,6 +139,16 @@ def _schedule(owner, outs: list[list], work) -> None:
         peer = rec.m_peer[j] if op in ("send", "recv") else -1
         items.append((owner.group_name, tuple(owner._global_ranks), op, rec.m_seq[j], peer,
                       label, ts))
+    return items
+
+
+def _save_now(owner, ins: list[list], io: str) -> None:
+    for item in _items(owner, ins):
+        _WRITER.save(*item, io=io)
+
+
+def _schedule(owner, outs: list[list], work) -> None:
+    items = _items(owner, outs)
     if not items:
         return
 

@@ -3,8 +3,10 @@
 Record mode saves when ``PRISM_SAVE_TENSORS=<selector>`` and ``PRISM_TENSOR_STORE=<dir>``
 are set (selector: ``all``, or a comma list of op names -- ``all_reduce``, ``all_gather``,
 ``reduce_scatter``, ``all_to_all``, ``broadcast``, ``reduce``, ``gather``, ``scatter``,
-``recv`` -- and/or ``label:<label>`` items, a ``prismllm.mark`` label). Solo mode replays
-when ``PRISM_TENSOR_STORE=<dir>`` is set: the store answers before rules and defaults.
+``recv`` -- and/or ``label:<label>`` items, a ``prismllm.mark`` label; the item ``inputs``
+adds the selected calls' inputs, entries with ``io: "in"``, e.g. ``all,inputs``: what a
+virtual member contributes to a pruned collective). Solo mode replays when
+``PRISM_TENSOR_STORE=<dir>`` is set: the store answers before rules and defaults.
 
 Format (no pickle, no torch.save): per rank two files in the directory,
 
@@ -13,7 +15,8 @@ Format (no pickle, no torch.save): per rank two files in the directory,
 * ``rank-<rank:06d>.idx``: a stream of msgpack maps, one per saved call, appended as the run
   goes (a crash loses at most the call being written)::
 
-      {"group_name": "4", "group": [global ranks in group-rank order], "op": "all_gather",
+      {"io": "out", "group_name": "4", "group": [global ranks in group-rank order],
+       "op": "all_gather",
        "index": 3,
        "peer": -1, "label": "", "tensors": [{"dtype": "int64", "shape": [8],
        "offset": 1024, "nbytes": 64}, ...]}
@@ -36,9 +39,9 @@ from typing import Any, Iterable
 import msgpack
 import torch
 
-Key = tuple[str, tuple[int, ...], str, int, int]
+Key = tuple[str, tuple[int, ...], str, int, int, str]
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather",
-       "scatter", "recv")  # ops with outputs a selector can name
+       "scatter", "recv", "send")  # ops a selector can name (send: inputs only)
 
 
 def _paths(root: str | os.PathLike, rank: int) -> tuple[Path, Path]:
@@ -62,12 +65,14 @@ class Selector:
         if strict:
             if not items:
                 raise ValueError("empty selector: give 'all', op names or label:<label>")
-            bad = [s for s in items if s != "all" and not s.startswith("label:") and s not in OPS]
+            bad = [s for s in items if s not in ("all", "inputs") and not s.startswith("label:")
+                   and s not in OPS]
             if bad:
                 raise ValueError(f"unknown op(s) {', '.join(bad)}; known: all, {', '.join(OPS)}, "
-                                 f"label:<label>")
+                                 f"label:<label>, inputs")
         self.all = "all" in items
-        self.ops = {s for s in items if not s.startswith("label:") and s != "all"}
+        self.inputs = "inputs" in items  # also save the selected calls' inputs
+        self.ops = {s for s in items if not s.startswith("label:") and s not in ("all", "inputs")}
         self.labels = {s[len("label:"):] for s in items if s.startswith("label:")}
 
     def __call__(self, op: str, label: str) -> bool:
@@ -89,7 +94,7 @@ class TensorStoreWriter:
         self._lock = threading.Lock()
 
     def save(self, group_name: str, group: Iterable[int], op: str, index: int, peer: int,
-             label: str, tensors: list[torch.Tensor]) -> None:  # fmt: skip
+             label: str, tensors: list[torch.Tensor], io: str = "out") -> None:  # fmt: skip
         metas, blobs = [], []
         for t in tensors:
             c = t.detach()
@@ -106,7 +111,7 @@ class TensorStoreWriter:
                 self._bin.write(b)
                 self._off += len(b)
             self._bin.flush()
-            entry = {"group_name": group_name, "group": list(group), "op": op, "index": int(index), "peer": int(peer),
+            entry = {"io": io, "group_name": group_name, "group": list(group), "op": op, "index": int(index), "peer": int(peer),
                      "label": label, "tensors": metas}  # fmt: skip
             self._idx.write(msgpack.packb(entry, use_bin_type=True))
             self._idx.flush()
@@ -128,20 +133,23 @@ class TensorStore:
         if idx.exists():
             with open(idx, "rb") as f:
                 for e in msgpack.Unpacker(f, raw=False, strict_map_key=False):
-                    key = self.key(e["group_name"], e["group"], e["op"], e["index"], e["peer"])
+                    key = self.key(e["group_name"], e["group"], e["op"], e["index"], e["peer"],
+                                   e.get("io", "out"))
                     self.entries[key] = e
         self._bin = None
 
     @staticmethod
-    def key(group_name: str, group: Iterable[int], op: str, index: int, peer: int = -1) -> Key:
-        return (str(group_name), tuple(int(r) for r in group), op, int(index), int(peer))
+    def key(group_name: str, group: Iterable[int], op: str, index: int, peer: int = -1,
+            io: str = "out") -> Key:
+        return (str(group_name), tuple(int(r) for r in group), op, int(index), int(peer), io)
 
     def __len__(self) -> int:
         return len(self.entries)
 
-    def get(self, group_name: str, group, op: str, index: int,
-            peer: int = -1) -> list[torch.Tensor] | None:  # fmt: skip
-        e = self.entries.get(self.key(group_name, group, op, index, peer))
+    def get(self, group_name: str, group, op: str, index: int, peer: int = -1,
+            io: str = "out") -> list[torch.Tensor] | None:  # fmt: skip
+        """The saved outputs (``io="out"``) or inputs (``"in"``) of one call, or None."""
+        e = self.entries.get(self.key(group_name, group, op, index, peer, io))
         if e is None:
             return None
         if self._bin is None:
