@@ -718,3 +718,84 @@ def test_record_end_to_end_failure_at_start(tmp_path, monkeypatch, capsys):
     assert rc != 0
     err = capsys.readouterr().err
     assert "prism record: error: rank " in err and "ValueError: bad config" in err
+
+
+# ---------------------------------------------------------------------------------------------
+# helper processes (LaunchSpec.extra: an emulation assistant)
+
+EXTRA_SCRIPT = """
+import os, sys, time
+from datetime import timedelta
+import torch.distributed as dist
+note = os.path.join(os.environ["PIDDIR"], "extra.pid")
+with open(note + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.replace(note + ".tmp", note)
+st = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                   timeout=timedelta(seconds=20))
+st.set("extra", os.environ.get("GREETING", "?"))
+print("extra saw the store", flush=True)
+mode = os.environ.get("EXTRA_MODE", "ok")
+if mode == "fail":
+    print("extra: something went wrong", file=sys.stderr, flush=True)
+    sys.exit(4)
+if mode == "hang":
+    time.sleep(60)
+"""
+
+STORE_RANK = """
+import os, sys
+from datetime import timedelta
+import torch.distributed as dist
+st = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                   timeout=timedelta(seconds=20))
+print("rank %s got %s" % (os.environ["RANK"], st.get("extra").decode()), flush=True)
+if os.environ.get("RANK_MODE") == "hang":
+    import time; time.sleep(60)
+"""
+
+
+def _extra_spec(tmp_path, piddir, mode, rank_mode="ok", grace=30.0):
+    rank = write(tmp_path / "rank_store.py", STORE_RANK)
+    extra = write(tmp_path / "extra.py", EXTRA_SCRIPT)
+    ex = L.ExtraProcess("assistant", [PY, str(extra)], env={"EXTRA_MODE": mode, "GREETING": "hello"})
+    return LaunchSpec(nproc=1, script=str(rank), runner=None, ranks=[1], world_size=2, sink=Lines(),
+                      env={"PIDDIR": str(piddir), "RANK_MODE": rank_mode}, extra=[ex], extra_grace=grace,
+                      timeout=60)
+
+
+def test_extra_process_shares_the_store_and_ends_with_the_run(tmp_path):
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    spec = _extra_spec(tmp_path, piddir, "ok")
+    res = launch(spec)
+    assert res.ok, res.message
+    assert res.returncodes == {1: 0, -1: 0} and res.names == {-1: "assistant"}
+    text = spec.sink.text()
+    assert "rank 1 got hello" in text and "extra saw the store" in text
+    assert not wait_dead(res.pids.values())
+
+
+def test_failing_extra_ends_the_ranks_and_is_named(tmp_path):
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    spec = _extra_spec(tmp_path, piddir, "fail", rank_mode="hang")
+    res = launch(spec)
+    assert not res.ok
+    assert res.failure.rank == -1 and res.returncodes[-1] == 4
+    assert res.message.splitlines()[0] == "assistant exited with code 4: extra: something went wrong"
+    assert 1 in res.ended_by_launcher
+    assert not wait_dead(res.pids.values())
+
+
+def test_extra_outliving_the_ranks_fails_the_run(tmp_path):
+    piddir = tmp_path / "pids"
+    piddir.mkdir()
+    spec = _extra_spec(tmp_path, piddir, "hang", grace=0.5)
+    t0 = time.monotonic()
+    res = launch(spec)
+    assert not res.ok and res.failure.kind == "lingering"
+    assert res.returncodes[1] == 0 and -1 in res.ended_by_launcher
+    assert "assistant still running 0.5 s after every rank ended successfully" in res.message
+    assert time.monotonic() - t0 < 30
+    assert not wait_dead(res.pids.values())

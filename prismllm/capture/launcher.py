@@ -28,6 +28,9 @@ as with torchrun, LOCAL_RANK selects the GPU: when the list is ``0..nproc-1`` th
 ``CUDA_VISIBLE_DEVICES`` is left alone, otherwise it is narrowed to the listed GPUs (indices
 into the parent's visible list) so that LOCAL_RANK still selects the right one.
 
+Helpers (``LaunchSpec.extra``, e.g. an emulation assistant) are children like the ranks: same
+supervision, output and clean-up; they appear under negative ids and their own names.
+
 Every child always gets ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
 ``NVSHMEM_DISABLE_NVLS=1`` (NVLink multicast stays off on the lent machines).
 """
@@ -88,6 +91,20 @@ TORCHRUN_ENV_VARS = (
 LineSink = Callable[[int, str, str], None]  # (rank, "stdout" | "stderr", line with its "\n")
 
 
+@dataclasses.dataclass
+class ExtraProcess:
+    """A helper process supervised with the ranks (an emulation assistant): started after
+    them, with the launcher's environment plus MASTER_ADDR/MASTER_PORT (the run's store),
+    ``LaunchSpec.env`` and ``env`` (no torchrun rank variables; GPUs hidden with "cpu");
+    ended with them however the run ends; a failure of it ends the run like a rank's.
+    In results it appears under a negative id (-1 for the first extra, -2, ...) and in
+    messages under ``name``."""
+
+    name: str  # e.g. "assistant"
+    argv: Sequence[str]  # the full command line
+    env: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+
+
 class LaunchError(PrismError):
     """A launch that could not start, or whose ranks failed; ``result`` has the details."""
 
@@ -140,11 +157,15 @@ class LaunchSpec:
     handle_signals: bool = True  # install SIGTERM/SIGHUP/SIGINT handlers (main thread only)
     watchdog: bool = True  # a helper process that ends the ranks' process groups if the
     #                        launcher itself is SIGKILLed (PDEATHSIG alone reaches only the ranks)
+    # Helper processes (ids -1, -2, ... in results), and how long they may outlive the ranks:
+    # once every rank exited 0, an extra still running after ``extra_grace`` s fails the run.
+    extra: Sequence[ExtraProcess] = ()
+    extra_grace: float = 30.0
 
 
 @dataclasses.dataclass
 class RankFailure:
-    kind: str  # "exit" | "signal" | "timeout"
+    kind: str  # "exit" | "signal" | "timeout" | "lingering" (an extra outlived the ranks)
     rank: int | None  # first failing rank (None for "timeout")
     returncode: int | None  # exit code (> 0) or -signal number
     running_ranks: list[int]  # for "timeout": ranks still running when the time ran out
@@ -166,6 +187,7 @@ class LaunchResult:
     message: str  # "" when ok; else one clear message (first line says what happened)
     stdout_tail: dict[int, list[str]]
     stderr_tail: dict[int, list[str]]
+    names: dict[int, str] = dataclasses.field(default_factory=dict)  # extra id -> its name
 
     def raise_for_failure(self) -> None:
         if not self.ok:
@@ -590,6 +612,15 @@ def _error_file_message(path: str | None) -> str | None:
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 
 
+def _who(ids: Sequence[int], names: Mapping[int, str] | None) -> str:
+    """"ranks 0-2, assistant": ranks by number, extras (negative ids) by name."""
+    names = names or {}
+    ranks = [r for r in ids if r >= 0]
+    parts = [f"rank{'s' if len(ranks) > 1 else ''} {format_ranks(ranks)}"] if ranks else []
+    parts += [names.get(r, f"extra {-r}") for r in sorted(ids, reverse=True) if r < 0]
+    return ", ".join(parts)
+
+
 def _failure_message(
     failure: RankFailure,
     *,
@@ -599,27 +630,36 @@ def _failure_message(
     ended: list[int],
     log_dir: Path | None,
     shown_lines: int = 6,
+    names: Mapping[int, str] | None = None,
+    extra_grace: float | None = None,
 ) -> str:
     lines: list[str] = []
     if failure.kind == "timeout":
         after = f" after {timeout:g} s" if timeout is not None else ""
+        running = failure.running_ranks
+        what = (f"ranks still running: {format_ranks(running)}" if all(r >= 0 for r in running)
+                else f"still running: {_who(running, names)}")
+        lines.append(f"timed out{after}; {what} (ended by the launcher)")
+    elif failure.kind == "lingering":
         lines.append(
-            f"timed out{after}; ranks still running: {format_ranks(failure.running_ranks)} "
-            f"(ended by the launcher)"
+            f"{_who(failure.running_ranks, names)} still running {extra_grace or 0:g} s after every "
+            f"rank ended successfully (ended by the launcher)"
         )
     else:
         rank = failure.rank
+        who = _who([rank], names)
         # torch prefixes a rank's traceback lines with "[rankN]:"; the message names the rank.
         tail = [_RANK_PREFIX.sub("", ln, count=1) for ln in (failure.stderr_tail or stdout_tail)]
         which = "stderr" if failure.stderr_tail else "output"
-        head = f"rank {rank} {describe_returncode(failure.returncode or 0)}"
+        head = f"{who} {describe_returncode(failure.returncode or 0)}"
         last = tail[-1].strip() if tail else (error_file_msg.splitlines()[-1] if error_file_msg else "")
         lines.append(f"{head}: {last}" if last else head)
         if len(tail) > 1:
-            lines.append(f"  last lines of rank {rank}'s {which}:")
+            lines.append(f"  last lines of {who}'s {which}:")
             lines.extend("    " + ln for ln in tail[-shown_lines:])
         if ended:
-            lines.append(f"  other ranks ended by the launcher: {format_ranks(ended)}")
+            others = format_ranks(ended) if all(r >= 0 for r in ended) else _who(ended, names)
+            lines.append(f"  other ranks ended by the launcher: {others}")
     if log_dir is not None:
         lines.append(f"  per-rank logs: {log_dir}")
     return "\n".join(lines)
@@ -657,6 +697,7 @@ class _Launcher:
         self.deferred = 0
         self.escalate = threading.Event()
         self.old_handlers: dict[int, object] = {}
+        self.names: dict[int, str] = {}  # extra id -> name
 
     # -- signals -----------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -774,11 +815,34 @@ class _Launcher:
                 self.watchdog = _Watchdog(spec.python)
             except OSError:
                 self.watchdog = None  # a bad spec.python: reported when starting rank 0
+        jobs = []  # (id, local rank, command, env, error file, prefix, visible, log name)
         for local_rank, rank in enumerate(ranks):
             error_file = os.path.join(err_dir, f"error-{rank}.json")
             env = build_env(spec, rank=rank, local_rank=local_rank, master_port=port,
                             run_id=run_id, agent_store=self.store is not None,
                             error_file=error_file)
+            prefix = (spec.line_prefix or "").format(rank=rank, local_rank=local_rank)
+            visible = spec.passthrough and (show is None or rank in show)
+            jobs.append((rank, local_rank, cmd, env, error_file, prefix, visible, f"rank-{rank:06d}"))
+        for i, ex in enumerate(spec.extra):
+            xid = -(i + 1)
+            self.names[xid] = ex.name
+            env = dict(os.environ)
+            if spec.devices == "cpu":
+                env["CUDA_VISIBLE_DEVICES"] = ""
+            env.update({"MASTER_ADDR": spec.master_addr, "MASTER_PORT": str(port),
+                        "TORCHELASTIC_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"})
+            for k, v in {**spec.env, **ex.env}.items():
+                if v is None:
+                    env.pop(k, None)
+                else:
+                    env[k] = str(v)
+            env.update(NVLS_OFF_ENV)
+            prefix = f"[{ex.name}]: " if spec.line_prefix else ""
+            slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", ex.name)
+            jobs.append((xid, -1, list(ex.argv), env, None, prefix, spec.passthrough, slug))
+        for rank, local_rank, cmd, env, error_file, prefix, visible, log_name in jobs:
+            what = f"rank {rank}" if rank >= 0 else self.names[rank]
             self.deferring = True
             try:
                 proc = subprocess.Popen(
@@ -793,21 +857,19 @@ class _Launcher:
                     close_fds=True,
                 )
             except OSError as e:
-                raise LaunchError(f"could not start rank {rank} ({cmd[0]}): {e}") from e
+                raise LaunchError(f"could not start {what} ({cmd[0]}): {e}") from e
             finally:
                 self.deferring = False
             child = _Child(rank, local_rank, proc, error_file)
             self.children.append(child)
             if self.watchdog is not None:
                 self.watchdog.watch(proc.pid)  # start_new_session: pgid == pid
-            prefix = (spec.line_prefix or "").format(rank=rank, local_rank=local_rank)
-            visible = spec.passthrough and (show is None or rank in show)
             for name, pipe in (("stdout", proc.stdout), ("stderr", proc.stderr)):
                 fd = os.dup(pipe.fileno())  # owned by the pump from here on
                 pipe.close()
                 log = None
                 if log_dir is not None:
-                    log = open(log_dir / f"rank-{rank:06d}.{name}.log", "wb")
+                    log = open(log_dir / f"{log_name}.{name}.log", "wb")
                     logs.append(log)
                 tail = collections.deque(maxlen=max(1, spec.tail_lines))
                 streams.append(_Stream(rank, local_rank, name, fd, tail, visible, prefix, log))
@@ -818,6 +880,7 @@ class _Launcher:
     def _supervise(self, t0: float) -> RankFailure | None:
         spec = self.spec
         deadline = None if spec.timeout is None else t0 + spec.timeout
+        linger: float | None = None  # when every rank had exited 0 while extras still ran
         while self._alive():
             wait = 0.25 if deadline is None else min(0.25, max(0.0, deadline - time.monotonic()))
             events = self._drain_exits(wait)
@@ -828,6 +891,12 @@ class _Launcher:
             if deadline is not None and time.monotonic() >= deadline and self._alive():
                 running = sorted(c.rank for c in self._alive())
                 return RankFailure("timeout", None, None, running, [])
+            alive = self._alive()
+            if alive and all(c.rank < 0 for c in alive):  # only extras left
+                now = time.monotonic()
+                linger = now if linger is None else linger
+                if now - linger >= spec.extra_grace:
+                    return RankFailure("lingering", None, None, sorted(c.rank for c in alive), [])
         # Everything exited; a failure may still sit in the queue or only in proc.returncode.
         self._drain_exits(0)
         failed = [c for c in self.children if (c.returncode or c.proc.returncode or 0) != 0]
@@ -901,6 +970,8 @@ class _Launcher:
                 error_file_msg=efm,
                 ended=[r for r in ended if r != failure.rank],
                 log_dir=log_dir,
+                names=self.names,
+                extra_grace=spec.extra_grace,
             )
         return LaunchResult(
             ok=failure is None,
@@ -916,6 +987,7 @@ class _Launcher:
             message=message,
             stdout_tail=stdout_tail,
             stderr_tail=stderr_tail,
+            names=dict(self.names),
         )
 
 

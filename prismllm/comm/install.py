@@ -1,6 +1,9 @@
 """Make the program's own ``init_process_group`` / ``new_group`` use the recording backend.
 
-``install("record")`` (called by ``prismllm.comm.bootstrap`` before the program runs):
+``install("record")`` (called by ``prismllm.comm.bootstrap`` before the program runs; mode
+"solo" hands group creation to ``prismllm.comm.solo``, mode "emulate" to
+``prismllm.comm.emulate`` for groups with virtual members -- a group whose members all run
+for real is built by the record-mode creator below):
 
 * registers the c10d backend "prism" once (``Backend.register_backend``, extended API, for
   cpu and cuda; it does not change torch's default backend for either device);
@@ -44,7 +47,7 @@ from prismllm.comm.recorder import Recorder
 from prismllm.comm.recording import RecordingProcessGroup
 
 BACKEND_NAME = "prism"
-SUPPORTED_MODES = ("record", "solo")
+SUPPORTED_MODES = ("record", "solo", "emulate")
 
 _C = torch._C._distributed_c10d
 _ORIG: dict[str, Any] = {}
@@ -76,6 +79,10 @@ def install(mode: str | None = None) -> Recorder | None:
         from prismllm.comm import solo
 
         solo.prepare(rank)
+    elif mode == "emulate":
+        from prismllm.comm import emulate
+
+        emulate.prepare(rank)
     else:
         from prismllm.comm import saving
 
@@ -210,6 +217,12 @@ def _create_pg(dist_opts, backend_options):
         from prismllm.comm import solo
 
         return solo.create_pg(dist_opts, ctx, rec, _BTYPE)
+    if _MODE == "emulate":  # a group with virtual members; all real: the real backend below
+        from prismllm.comm import emulate
+
+        pg = emulate.create_pg(dist_opts, ctx, rec, _BTYPE)
+        if pg is not None:
+            return pg
     devmap: dict[str, str] = ctx["devmap"]
     prefix_store = dist_opts.store.underlying_store  # creator gets "<group>/cpu/"
     rank, size = dist_opts.group_rank, dist_opts.group_size
@@ -342,7 +355,7 @@ def _batch_isend_irecv(p2p_op_list):
 
 
 def _supports_coalescing(group: RecordingProcessGroup, device) -> bool:
-    if _MODE == "solo":  # the registered backend is a stand-in: answer for the real one
+    if _MODE == "solo" or getattr(group._inner, "pruned", False):  # a stand-in is registered
         return group._inner.supports_coalescing(device)
     return group._get_backend(device).supports_coalescing
 

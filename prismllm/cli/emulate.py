@@ -1,0 +1,76 @@
+"""`prism emulate`: sandbox ranks run the real program, an assistant replays the others.
+
+    prism emulate --graph BARE --sandbox RANKS --out DIR [--tensors STORE] [--timeout S]
+                  [--force] [--tee] [--prefix] -- SCRIPT ARGS...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from prismllm.capture.launcher import LaunchInterrupted
+from prismllm.emulate.run import EmulateOptions, emulate
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "emulate",
+        help="run a few ranks for real inside the virtual world of a recorded graph",
+        description=(
+            "Run SCRIPT for real as the sandbox ranks of the N-rank job the graph BARE describes "
+            "(torchrun's environment for each of them, WORLD_SIZE = N); every other rank is virtual, "
+            "replayed from the graph by one assistant process that takes part in every collective "
+            "with the sandbox, contributing the virtual ranks' recorded inputs. CPU (gloo) for now."
+        ),
+    )
+    p.add_argument("--graph", required=True, metavar="BARE", help="the bare graph (a `prism record` output)")
+    p.add_argument("--sandbox", required=True, metavar="RANKS", help="ranks that run for real, e.g. 1 or 0,2-3")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--tensors", default=None, metavar="STORE",
+                   help="recorded tensors with inputs (`prism record --save-tensors all,inputs`); "
+                        "default: BARE/tensors")
+    p.add_argument("--timeout", type=float, default=None, metavar="S",
+                   help="end the run after S seconds, naming what is still running")
+    p.add_argument("--check", action="store_true",
+                   help="compare every pruned collective's output on the sandbox with the recorded "
+                        "run's (needs outputs in the store: --save-tensors all,inputs); summary in "
+                        "DIR/check-rank-R.json")
+    p.add_argument("--force", action="store_true", help="replace DIR if it holds an emulation")
+    p.add_argument("--tee", action="store_true",
+                   help="also write each process's stdout/stderr to DIR/logs")
+    p.add_argument("--prefix", action="store_true",
+                   help="prefix each line of output with [rankN] / [assistant]")
+    p.add_argument("script", metavar="SCRIPT", help="the training program")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
+                   help="arguments for SCRIPT (after --)")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    script_args = list(args.script_args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    opts = EmulateOptions(
+        graph=args.graph, sandbox=args.sandbox, out=args.out, script=args.script, args=script_args,
+        tensors=args.tensors, timeout=args.timeout, force=args.force, tee=args.tee,
+        line_prefix="[rank{rank}]: " if args.prefix else None, check=args.check,
+    )
+    try:
+        res = emulate(opts)
+    except LaunchInterrupted as e:
+        print(f"prism emulate: {e}", file=sys.stderr)
+        return 128 + e.signum
+    for r, rc in res.returncodes.items():
+        print(f"prism emulate: sandbox rank {r} of {res.world_size}: exit status {rc}", file=sys.stderr)
+        c = res.checks.get(r)
+        if c is not None:
+            print(f"prism emulate: sandbox rank {r}: {c['compared']} collective output(s) compared with the "
+                  f"recording, max abs diff {c['max_abs_diff']:.3g}, max rel diff {c['max_rel_diff']:.3g}"
+                  + (f" ({c['worst']})" if c['max_rel_diff'] > 0 else "")
+                  + (f"; {c['missing']} not in the store" if c['missing'] else "")
+                  + (f"; {c['unfinished']} never finished" if c.get('unfinished') else "")
+                  + (f"; {c['errors']} could not be compared" if c.get('errors') else ""), file=sys.stderr)
+    print(f"prism emulate: done in {res.wall_s:.1f} s; output in {res.out}", file=sys.stderr)
+    return 0

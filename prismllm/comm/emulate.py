@@ -1,0 +1,465 @@
+"""Emulate mode, sandbox side: a few real ranks run the program inside a virtual world.
+
+``PRISM_MODE=emulate`` (with torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, plus
+``PRISM_SANDBOX``: comma list of the logical ranks that run for real, this one among them;
+``PRISM_GRAPH``: the bare graph the assistants replay). docs/emulate.md has the plan.
+
+The virtual world is solo mode's (``prismllm/comm/solo.py``): groups this rank is not in are
+never instantiated, every member group is a ``RecordingProcessGroup`` (so the sandbox rank
+records its graph as in ``prism record``), with solo's metadata backends registered on it
+(``solo._attach``). What differs is the group's inner backend, chosen by who is real:
+
+* every member a sandbox rank: the real backend over the program's own store, exactly as in
+  record mode (``install._create_pg`` builds it; :func:`create_pg` returns None for these);
+* some members virtual: a :class:`PrunedBackend`. It owns a *small* ``ProcessGroupGloo`` of
+  the real members (logical group order) plus the assistant's proxy (last), made over the
+  launcher's TCPStore under ``prism/pruned/<group name>/``; the assistant makes its side
+  under the same prefix. Every call is rewritten by the pruning plan of
+  ``prismllm/replay/compensate.py``: ``plan`` -> ``sandbox_call`` -> issue on the small group
+  -> a :class:`PrunedWork` whose wait runs ``SmallCall.finish`` (copy back, re-order, divide
+  for AVG), so the program's tensors end up equal to the logical group's result.
+
+Check (``PRISM_CHECK_TENSORS=<recorded-tensor store>``, ``PRISM_CHECK_OUT=<dir>``): every
+pruned call's output is compared, once the call finished, with what this rank received in the
+recorded run (``prism record --save-tensors all``); at exit ``<dir>/check-rank-<r>.json`` holds
+the number of calls compared, missing from the store, never finished (never waited on) and not
+comparable, and the largest absolute and relative differences, with the call that had them. It is how a sandbox rank that prints nothing (e.g. TP rank 0 of gpt3d) is shown
+to see exactly what the real run saw.
+
+Rendezvous: the program's ``env://`` store is the launcher's real TCPStore (its clients do
+not wait for absent ranks); the store-based barriers torch adds with
+``TORCH_DIST_INIT_BARRIER=1`` would wait for absent ranks and are skipped (as in solo mode).
+Not done yet (docs/emulate.md, "virtual bootstrap"): answering store keys that a program's
+own store protocol expects from absent ranks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import math
+import os
+import threading
+from datetime import timedelta
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from prismllm.comm import solo
+from prismllm.errors import PrismError
+from prismllm.generate.generator import Call
+from prismllm.replay import compensate as C
+
+_C = torch._C._distributed_c10d
+
+PRUNED_PREFIX = "prism/pruned/"  # + group name + "/": where both sides make the small group
+_ORIG: dict[str, Any] = {}
+_SANDBOX: tuple[int, ...] = ()
+_STORE: Any = None  # the launcher's TCPStore, as a client
+_CHECK: "OutputCheck | None" = None
+
+
+class EmulateError(PrismError):
+    """The sandbox cannot run a call of the program in emulation (unsupported op or layout)."""
+
+
+def parse_ranks(spec: str) -> tuple[int, ...]:
+    """``"0,2-3"`` -> (0, 2, 3): the ``PRISM_SANDBOX`` / ``--sandbox`` syntax."""
+    out: set[int] = set()
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise ValueError(f"bad rank list {spec!r}: expected e.g. 0,2-3") from None
+        if a < 0 or b < a:
+            raise ValueError(f"bad rank range {part!r} in {spec!r}")
+        out.update(range(a, b + 1))
+    if not out:
+        raise ValueError(f"empty rank list {spec!r}")
+    return tuple(sorted(out))
+
+
+def sandbox() -> tuple[int, ...]:
+    return _SANDBOX
+
+
+def prepare(rank: int) -> None:
+    """Read the sandbox set; skip store-based barriers (they wait for absent ranks); set up
+    the output check when asked."""
+    global _SANDBOX, _CHECK
+    spec = os.environ.get("PRISM_SANDBOX", "")
+    if not spec:
+        raise PrismError("PRISM_MODE=emulate needs PRISM_SANDBOX (the ranks that run for real)")
+    try:
+        _SANDBOX = parse_ranks(spec)
+    except ValueError as e:
+        raise PrismError(f"PRISM_SANDBOX: {e}") from None
+    if rank not in _SANDBOX:
+        raise PrismError(f"rank {rank} runs the program but is not in PRISM_SANDBOX={spec}")
+    if not _ORIG:
+        _ORIG["barrier"] = c10d._store_based_barrier
+        c10d._store_based_barrier = lambda *a, **k: None
+    check = os.environ.get("PRISM_CHECK_TENSORS")
+    if check:
+        _CHECK = OutputCheck(check, rank, os.environ.get("PRISM_CHECK_OUT"))
+        atexit.register(_CHECK.write)
+
+
+class OutputCheck:
+    """Compares pruned calls' outputs with the recorded run's (``PRISM_CHECK_TENSORS``)."""
+
+    def __init__(self, root: str, rank: int, out_dir: str | None):
+        from prismllm.generate.store import TensorStore
+
+        self.store = TensorStore(root, rank)
+        self.rank = rank
+        self.out_dir = out_dir
+        self.compared = 0
+        self.missing = 0
+        self.max_abs = 0.0
+        self.max_rel = 0.0
+        self.worst = ""
+        self._lock = threading.Lock()
+        self._open: dict[int, str] = {}  # calls issued, not finished yet: id -> description
+        self.errors: list[str] = []  # calls the check itself failed on
+
+    def issued(self, c: Call) -> None:
+        with self._lock:
+            self._open[id(c)] = f"{c.op} #{c.index} on group {c.group_name} {list(c.group_ranks)}"
+
+    def compare(self, c: Call, outs: list[torch.Tensor]) -> None:
+        """Called once per finished call, from the program's thread or gloo's (a Future
+        callback): everything under the lock (the store reads through one file handle), and
+        never raising into the program."""
+        peer = c.peer if c.op in ("send", "recv") else -1
+        with self._lock:
+            self._open.pop(id(c), None)
+            try:
+                rec = self.store.get(c.group_name, c.group_ranks, c.op, c.index, peer)
+                if rec is None or len(rec) != len(outs):
+                    self.missing += 1
+                    return
+                self._compare(c, outs, rec)
+                self.compared += 1
+            except Exception as e:  # noqa: BLE001 - a check must not break the program
+                self.errors.append(f"{c.op} #{c.index} on group {c.group_name}: {e}")
+
+    def _compare(self, c: Call, outs: list[torch.Tensor], rec: list[torch.Tensor]) -> None:
+        for a, b in zip(outs, rec):
+            a = a.detach().cpu().reshape(-1)
+            b = b.reshape(-1)
+            if a.numel() != b.numel() or a.dtype != b.dtype:
+                d = r = math.inf
+            elif not a.numel():
+                d = r = 0.0
+            elif a.is_floating_point():
+                diff = (a.double() - b.double()).abs()
+                d = float(diff.max())
+                r = d / max(float(b.double().abs().max()), 1e-30)
+            else:
+                d = r = 0.0 if torch.equal(a, b) else math.inf
+            if r > self.max_rel or (r == self.max_rel and d > self.max_abs):
+                self.worst = f"{c.op} #{c.index} on group {c.group_name} {list(c.group_ranks)}"
+            self.max_abs, self.max_rel = max(self.max_abs, d), max(self.max_rel, r)
+
+    def summary(self) -> dict:
+        with self._lock:
+            unfinished = list(self._open.values())
+        return {"rank": self.rank, "compared": self.compared, "missing": self.missing,
+                "max_abs_diff": self.max_abs, "max_rel_diff": self.max_rel, "worst": self.worst,
+                # issued but never finished by exit (the program never waited on the Work)
+                "unfinished": len(unfinished), "unfinished_calls": unfinished[:8],
+                "errors": len(self.errors), "error_calls": self.errors[:8]}
+
+    def write(self) -> None:
+        if self.out_dir:
+            os.makedirs(self.out_dir, exist_ok=True)
+            path = os.path.join(self.out_dir, f"check-rank-{self.rank}.json")
+            with open(path, "w") as f:
+                json.dump(self.summary(), f, indent=1, default=str)
+
+
+def _store() -> Any:
+    """A client of the launcher's TCPStore (MASTER_ADDR/MASTER_PORT): where the small groups
+    meet the assistant, whatever store the program itself rendezvoused with."""
+    global _STORE
+    if _STORE is None:
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = os.environ.get("MASTER_PORT")
+        if not port:
+            raise PrismError("PRISM_MODE=emulate needs MASTER_ADDR/MASTER_PORT (the launcher's store)")
+        _STORE = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(minutes=30))
+    return _STORE
+
+
+def small_group(store: Any, group_name: str, small_rank: int, size: int,
+                timeout: timedelta) -> Any:
+    """The small ``ProcessGroupGloo`` of a pruned group: real members then the proxy, made by
+    both sides under ``prism/pruned/<group name>/`` (blocks until every member joined)."""
+    st = _C.PrefixStore(f"{PRUNED_PREFIX}{group_name}/", store)
+    return _C.ProcessGroupGloo(st, small_rank, size, timeout=timeout)
+
+
+# ---- group creation -------------------------------------------------------------------------
+def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
+    """The "prism" creator's emulate branch. None: every member is real (the caller builds the
+    real backend as in record mode); else a RecordingProcessGroup over a PrunedBackend."""
+    from prismllm.comm.recording import RecordingProcessGroup
+
+    devmap: dict[str, str] = ctx["devmap"]
+    if set(devmap.values()) != {"gloo"}:
+        raise EmulateError(f"emulation runs on gloo (CPU) for now; the program asked for "
+                           f"{ctx['backend']!r}")
+    rank, size = dist_opts.group_rank, dist_opts.group_size
+    group_name = dist_opts.group_id
+    granks = list(dist_opts.global_ranks_in_group) or list(range(size))
+    real = tuple(g for g, r in enumerate(granks) if r in _SANDBOX)
+    if len(real) == size:
+        return None
+    pruned = C.Pruned(size, real)
+    small = small_group(_store(), group_name, pruned.small(rank), pruned.size, dist_opts.timeout)
+    inner = PrunedBackend(rank, size, granks, devmap, group_name, pruned, small)
+    pg = RecordingProcessGroup(dist_opts.store.underlying_store, rank, size, inner, group_name,
+                               granks, ctx["backend"], rec)
+    solo._attach(pg, inner, devmap, btypes, ctx["device_id"])
+    rec.add_group(pg)
+    return pg
+
+
+# ---- works ----------------------------------------------------------------------------------
+class PrunedWork(dist.Work):
+    """The Work of one pruned call: the small group's Works, then the sandbox's post step
+    (``SmallCall.finish``), run once -- by ``wait``, by ``is_completed`` once the small Works
+    are done, or by the Future's callback (which the recorder uses for async timing)."""
+
+    def __init__(self, works: Sequence[Any], calls: Sequence[C.SmallCall], outputs: list,
+                 checks: Sequence[tuple[Call, list]] = ()):
+        super().__init__()
+        self._works = list(works)
+        self._calls = list(calls)
+        self._outputs = outputs
+        self._checks = list(checks)  # (call, its outputs) to compare with the recording
+        self._lock = threading.Lock()
+        self._finished = False
+        self._fut: Any = None
+
+    def _finish(self) -> None:
+        with self._lock:
+            if not self._finished:
+                for c in self._calls:
+                    c.finish()
+                self._finished = True
+                if _CHECK is not None:
+                    for call, outs in self._checks:
+                        _CHECK.compare(call, outs)
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            if timeout is None:
+                w.wait()
+            else:
+                w.wait(timeout)
+        self._finish()
+        return True
+
+    def is_completed(self) -> bool:
+        if self._finished:
+            return True
+        if all(w.is_completed() for w in self._works):
+            self._finish()
+            return True
+        return False
+
+    def is_success(self) -> bool:
+        return self.is_completed()
+
+    def exception(self):
+        return None
+
+    def get_future(self):
+        if self._fut is None:
+            futs = [w.get_future() for w in self._works]  # raises where gloo has none (p2p)
+            outs = self._outputs
+
+            def done(_f):
+                self._finish()
+                return outs
+
+            if futs:
+                self._fut = torch.futures.collect_all(futs).then(done)
+            else:
+                f = torch.futures.Future()
+                f.set_result(None)
+                self._fut = f.then(done)
+        return self._fut
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def block_current_stream(self) -> None:
+        self.wait()
+
+    def source_rank(self) -> int:
+        return -1
+
+    def _source_rank(self) -> int:
+        return -1
+
+    def result(self):
+        return self._outputs
+
+    def __repr__(self) -> str:
+        return f"PrunedWork({', '.join(c.op for c in self._calls)}, {len(self._works)} small works)"
+
+
+# ---- the backend ----------------------------------------------------------------------------
+def _one(x: Any, what: str) -> torch.Tensor:
+    """The single tensor of a call (pruned calls take one tensor per member)."""
+    if isinstance(x, torch.Tensor):
+        return x
+    if isinstance(x, (list, tuple)) and len(x) == 1 and isinstance(x[0], torch.Tensor):
+        return x[0]
+    raise EmulateError(f"{what}: a list of {len(x) if x is not None else 0} tensors per member "
+                       f"is not supported in emulation (one tensor)")
+
+
+class PrunedBackend(solo.GeneratedBackend):
+    """A pruned group's inner backend: the argument handling and ``Call`` building of solo's
+    GeneratedBackend (same methods, same checks), with ``_run`` issuing each call on the small
+    group through the compensation plan instead of filling outputs from a generator."""
+
+    solo = False  # split_group must not build a solo split
+    pruned = True
+
+    def __init__(self, rank: int, size: int, global_ranks: list[int], devmap: dict[str, str],
+                 group_name: str, group: C.Pruned, small: Any):  # fmt: skip
+        super().__init__(rank, size, global_ranks, devmap, group_name)
+        self.group = group
+        self.small = small
+        self._batch: list[PrunedWork] | None = None
+
+    def supports_coalescing(self, device) -> bool:
+        return False  # gloo: batch_isend_irecv posts its ops one by one, as in a real gloo run
+
+    # -- planning --
+    def _plan(self, c: Call, tag: int = 0) -> tuple[C.Plan, C.SmallCall]:
+        """The plan of one call and this member's small call, from the program's tensors."""
+        G, g, op = self.group, self._rank, c.op
+        n = G.n
+        if op == "all_reduce":
+            t = _one(c.output, "all_reduce")
+            p = C.plan_all_reduce(n, G, t.shape, c.reduce_op, dtype=t.dtype)
+            return p, C.sandbox_call(p, g, tensor=t)
+        if op == "broadcast":
+            t = _one(c.input if c.is_root else c.output, "broadcast")
+            p = C.plan_broadcast(n, G, t.shape, self.global_ranks.index(c.root), dtype=t.dtype)
+            return p, C.sandbox_call(p, g, tensor=t)
+        if op == "reduce":
+            t = _one(c.input, "reduce")
+            p = C.plan_reduce(n, G, t.shape, self.global_ranks.index(c.root), c.reduce_op, dtype=t.dtype)
+            return p, C.sandbox_call(p, g, tensor=t)
+        if op == "all_gather":
+            x = _one(c.input, "all_gather")
+            p = C.plan_all_gather(n, G, x.shape, dtype=x.dtype)
+            return p, C.sandbox_call(p, g, output=c.output, input=x)
+        if op == "reduce_scatter":
+            out = _one(c.output, "reduce_scatter")
+            p = C.plan_reduce_scatter(n, G, out.shape, c.reduce_op, dtype=out.dtype)
+            return p, C.sandbox_call(p, g, output=out, input=c.input)
+        if op == "all_to_all":
+            if c.in_splits or c.out_splits:
+                raise EmulateError("all_to_all with split sizes is not supported in emulation yet "
+                                   "(the sandbox would need every member's splits from the graph)")
+            x = c.input if isinstance(c.input, torch.Tensor) else None
+            if x is None:
+                raise EmulateError("all_to_all with tensor lists is not supported in emulation yet")
+            p = C.plan_all_to_all(n, G, None, numel=x.numel(), dtype=x.dtype)
+            return p, C.sandbox_call(p, g, output=c.output, input=x)
+        if op in ("send", "recv"):
+            peer = self.global_ranks.index(c.peer)
+            src, dst = (g, peer) if op == "send" else (peer, g)
+            t = _one(c.input if op == "send" else c.output, op)
+            p = C.plan_send(n, G, src, dst, t.shape, tag=tag, dtype=t.dtype)
+            return p, C.sandbox_call(p, g, tensor=t)
+        if op == "gather":
+            x = _one(c.input, "gather")
+            p = C.plan_gather(n, G, x.shape, self.global_ranks.index(c.root), dtype=x.dtype)
+            return p, C.sandbox_call(p, g, input=x, output=c.output)
+        if op == "scatter":
+            out = _one(c.output, "scatter")
+            p = C.plan_scatter(n, G, out.shape, self.global_ranks.index(c.root), dtype=out.dtype)
+            return p, C.sandbox_call(p, g, input=c.input, output=out)
+        if op == "barrier":
+            p = C.plan_barrier(n, G)
+            return p, C.sandbox_call(p, g)
+        raise EmulateError(f"{c.where()}: {op} is not supported in emulation")
+
+    def _run(self, calls: list[Call], ins, outs, tag: int = 0):
+        """Issue every call on the small group; one PrunedWork for all of them."""
+        if any(t.is_cuda for t in solo._flat(ins) + solo._flat(outs)):
+            raise EmulateError("emulation runs on CPU tensors (gloo) for now")
+        works, smalls, checks = [], [], []
+        for c in calls:
+            try:
+                _, sc = self._plan(c, tag)
+            except C.CompensationError as e:
+                raise EmulateError(f"{c.where()}: {e}") from None
+            works.extend(C.issue(self.small, sc))
+            smalls.append(sc)
+            if _CHECK is not None:
+                got = c.targets or ([_one(c.input, c.op)] if c.op == "broadcast" else [])
+                if got:
+                    checks.append((c, got))
+                    _CHECK.issued(c)
+        w = PrunedWork(works, smalls, solo._flat(outs), checks)
+        if self._batch is not None:
+            self._batch.append(w)
+        return w
+
+    # -- calls GeneratedBackend answers without a Call, or without the tag --
+    def barrier(self, opts=None):
+        return self._run([self._call(1, 0)], [], [])
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        self._run([self._call(1, 0)], [], []).wait()
+
+    def send(self, tensors, dstRank, tag=0):
+        g = self._peer(dstRank)
+        return self._run([self._call(1, 0, input=tensors[0], output=None, peer=g)], tensors, [], tag)
+
+    def recv(self, tensors, srcRank, tag=0):
+        g = self._peer(srcRank)
+        return self._run([self._call(1, 0, output=_one(tensors, "recv"), peer=g)], [], tensors, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        raise EmulateError("recv from any source is not supported in emulation")
+
+    # -- coalescing: ops go one by one (gloo); the batch's Work waits for all of them --
+    def _start_coalescing(self, device):
+        self._batch = []
+
+    def _end_coalescing(self, device):
+        batch, self._batch = self._batch or [], None
+        # waits on each op's own PrunedWork, so every post step still runs exactly once
+        return PrunedWork(batch, [], [t for b in batch for t in b._outputs])
+
+    start_coalescing = _start_coalescing
+    end_coalescing = _end_coalescing
+
+    def shutdown(self):
+        try:
+            self.small.shutdown()
+        except Exception:
+            pass
+
+    def split_group(self, *a, **k):
+        raise EmulateError("split_group is not supported in emulation yet")
+
+
+__all__ = ["OutputCheck", "PrunedBackend", "PrunedWork", "EmulateError", "create_pg", "prepare",
+           "parse_ranks", "small_group", "PRUNED_PREFIX"]

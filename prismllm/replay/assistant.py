@@ -1,0 +1,282 @@
+"""The assistant: one process that plays every virtual rank for the sandbox's real ranks.
+
+    python -m prismllm.replay.assistant          (started by ``prism emulate``)
+
+Environment: ``MASTER_ADDR``/``MASTER_PORT`` (the launcher's TCPStore), ``PRISM_SANDBOX``
+(comma list of the real ranks), ``PRISM_GRAPH`` (the bare graph), ``PRISM_TENSOR_STORE``
+(recorded tensors with inputs: ``prism record --save-tensors all,inputs``), optional
+``PRISM_TIMEOUT`` (seconds for a small group's creation and ops; default 1800).
+
+What it does (docs/emulate.md):
+
+1. For every group of the graph with both sandbox and virtual members it makes its side of
+   the group's small ``ProcessGroupGloo`` -- the proxy, last small rank -- under
+   ``prism/pruned/<group name>/``, as the sandbox does (``prismllm.comm.emulate``). A gloo
+   constructor blocks until every member joined, and the sandbox makes its groups in program
+   order, so each group has its own worker thread (the constructor releases the GIL): no
+   order has to be agreed. Each worker has its own store connection: a TCPStore client
+   serves one request at a time, so a worker blocked reading the keys of a group the sandbox
+   has not made yet would otherwise hold up the group it is making now (seen: a hang in
+   about 5 runs out of 6 with one shared client).
+2. It replays the virtual ranks with :class:`~prismllm.replay.engine.Replay`, the sandbox
+   ranks external, "as fast as dependencies allow" (compute, transfer and issue all zero).
+   Each pending external instance (every virtual member arrived) is handed to its group's
+   worker, which issues the proxy's part (``compensate.proxy_call`` from the virtual members'
+   recorded inputs), waits for it and runs the proxy's post step; the main loop then reports
+   the completion to the replay (``external_done`` at the instance's ready time: logical
+   time, zero transfer).
+
+Per group the proxy issues in the group's call order (seq; point-to-point in the virtual rank's
+program order) and waits for each call before the next: gloo matches collectives by their
+order on a group, and the sandbox issues them in that same order. Calls on different groups
+run concurrently (one worker each), so a sandbox rank that waits on group A while an op on
+group B is outstanding does not deadlock the assistant.
+
+It ends when the replay has finished (every virtual node ran, every instance completed);
+exit status 0, or 1 with one line ``prism assistant: error: ...``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from prismllm.errors import PrismError
+from prismllm.generate.store import TensorStore, dtype_from_name
+from prismllm.replay import compensate as C
+from prismllm.replay.engine import ExternalEvent, Replay, ReplayGraph
+from prismllm.trace.graph import PrismTrace
+from prismllm.trace.schema import P2P_OPS
+
+
+class AssistantError(PrismError):
+    """The assistant cannot play its part (missing recorded tensor, failed small call...)."""
+
+
+@dataclasses.dataclass
+class _Group:
+    """One pruned group as the proxy sees it: membership, small group, and its worker."""
+
+    gid: int
+    name: str
+    ranks: list[int]  # global ranks in group-rank order
+    pruned: C.Pruned
+    jobs: "queue.Queue[ExternalEvent | None]"
+    pg: Any = None
+    thread: threading.Thread | None = None
+
+
+class Assistant:
+    """Serves the virtual ranks of ``trace`` to the sandbox ranks ``sandbox`` (see the module
+    docstring). ``connect()``: a new client of the launcher's TCPStore (one per group worker);
+    ``tensors``: the directory of the recorded-tensor store."""
+
+    def __init__(self, trace: PrismTrace, sandbox: tuple[int, ...], tensors: str, connect: Callable[[], Any],
+                 timeout: timedelta = timedelta(minutes=30)) -> None:
+        self.trace = trace
+        self.sandbox = tuple(sorted(sandbox))
+        self.tensors = tensors
+        self.connect = connect
+        self.timeout = timeout
+        self.graph = ReplayGraph(trace, external=list(self.sandbox))
+        self.replay = Replay(self.graph, compute="zero", transfer="zero", issue="zero")
+        self._stores: dict[int, TensorStore] = {}
+        self._done: "queue.Queue[tuple[ExternalEvent, BaseException | None]]" = queue.Queue()
+        self.groups: dict[int, _Group] = {}
+        self.answered = 0
+        real = set(self.sandbox)
+        for gid, info in sorted(trace.group_info().items()):
+            ranks = list(info["ranks"])
+            mine = tuple(g for g, r in enumerate(ranks) if r in real)
+            if 0 < len(mine) < len(ranks):
+                self.groups[gid] = _Group(gid, info["name"], ranks, C.Pruned(len(ranks), mine), queue.Queue())
+        # node columns the proxy's plans read (by trace row, via graph.row)
+        cols = trace.nodes.select(["shape", "dtype", "reduce_op", "tag", "in_splits"]).to_pydict()
+        self._shape, self._dtype, self._red = cols["shape"], cols["dtype"], cols["reduce_op"]
+        self._tag, self._in_splits = cols["tag"], cols["in_splits"]
+
+    # ------------------------------------------------------------------ groups
+    def start(self) -> None:
+        """Start one worker per pruned group; each first makes its side of the small group."""
+        from prismllm.comm.emulate import small_group
+
+        for grp in self.groups.values():
+            def work(grp: _Group = grp) -> None:
+                try:
+                    grp.pg = small_group(self.connect(), grp.name, grp.pruned.proxy, grp.pruned.size,
+                                         self.timeout)
+                except BaseException as e:  # noqa: BLE001 - reported by the main loop
+                    self._done.put((None, AssistantError(f"group {grp.name} {grp.ranks}: could not make the "
+                                                         f"small group with the sandbox: {e}")))
+                    return
+                while True:
+                    ev = grp.jobs.get()
+                    if ev is None:
+                        return
+                    try:
+                        self._serve(grp, ev)
+                        self._done.put((ev, None))
+                    except BaseException as e:  # noqa: BLE001
+                        self._done.put((ev, e))
+                        return
+            grp.thread = threading.Thread(target=work, daemon=True, name=f"prism-proxy-{grp.name}")
+            grp.thread.start()
+
+    # ------------------------------------------------------------------ one call
+    def _store(self, rank: int) -> TensorStore:
+        st = self._stores.get(rank)
+        if st is None:
+            st = self._stores[rank] = TensorStore(self.tensors, rank)
+        return st
+
+    def _input(self, grp: _Group, pos: int, op: str, peer: int = -1) -> torch.Tensor:
+        """A virtual member's recorded input of the call at node position ``pos``."""
+        g = self.graph
+        rank, seq = g.rank_of(pos), int(g.seq[pos])
+        ts = self._store(rank).get(grp.name, grp.ranks, op, seq, peer, io="in")
+        if not ts:
+            raise AssistantError(
+                f"no recorded input for {g.describe(pos)} in {self.tensors} (record the graph with "
+                f"`prism record --save-tensors all,inputs`)")
+        return ts[0]
+
+    def plan(self, grp: _Group, ev: ExternalEvent) -> tuple[C.Plan, dict]:
+        """The plan of an external instance, as the sandbox makes it from its own call, and
+        the virtual members' inputs by logical group rank."""
+        g = self.graph
+        p0 = ev.nodes[0]
+        row = int(g.row[p0])
+        n, G, op = grp.pruned.n, grp.pruned, ev.op
+        shape, red = self._shape[row], self._red[row]
+        dtype = dtype_from_name(self._dtype[row]) if self._dtype[row] else torch.uint8
+        gr = {r: i for i, r in enumerate(grp.ranks)}
+        members = {gr[g.rank_of(p)]: p for p in ev.nodes}
+        if op in P2P_OPS:
+            me, peer = gr[g.rank_of(p0)], gr[int(g.peer[p0])]
+            src, dst = (me, peer) if op == "send" else (peer, me)
+            p = C.plan_send(n, G, src, dst, shape, tag=int(self._tag[row]), dtype=dtype)
+            ins = {0: self._input(grp, p0, "send", int(g.peer[p0]))} if op == "send" else {}
+            return p, ins
+        if op == "barrier":
+            return C.plan_barrier(n, G), {}
+        ins = {v: self._input(grp, pos, op) for v, pos in members.items()}
+        if op == "all_reduce":
+            return C.plan_all_reduce(n, G, shape, red, dtype=dtype), ins
+        if op == "broadcast":
+            return C.plan_broadcast(n, G, shape, gr[int(g.peer[p0])], dtype=dtype), ins
+        if op == "reduce":
+            return C.plan_reduce(n, G, shape, gr[int(g.peer[p0])], red, dtype=dtype), ins
+        if op == "all_gather":
+            return C.plan_all_gather(n, G, shape, dtype=dtype), ins
+        if op == "reduce_scatter":  # the recorded shape is the input's: n chunks
+            numel = 1
+            for s in shape:
+                numel *= int(s)
+            return C.plan_reduce_scatter(n, G, numel // n, red, dtype=dtype), ins
+        if op == "all_to_all" and not self._in_splits[row]:
+            numel = 1
+            for s in shape:
+                numel *= int(s)
+            return C.plan_all_to_all(n, G, None, numel=numel, dtype=dtype), ins
+        raise AssistantError(f"{g.describe(p0)}: {op} is not supported in emulation yet")
+
+    def _serve(self, grp: _Group, ev: ExternalEvent) -> None:
+        """Issue the proxy's part of ``ev`` on the small group, wait, run its post step."""
+        p, ins = self.plan(grp, ev)
+        call = C.proxy_call(p, ins)
+        for w in C.issue(grp.pg, call):
+            w.wait()
+        call.finish()
+
+    # ------------------------------------------------------------------ the loop
+    def _order(self, ev: ExternalEvent) -> tuple:
+        """Issue order within a batch of new pending instances: per group, call order."""
+        p = ev.nodes[0]
+        if ev.op in P2P_OPS:
+            return (ev.group, 1, self.graph.rank_of(p), int(self.graph.index[p]))
+        return (ev.group, 0, int(self.graph.seq[p]), 0)
+
+    def run(self) -> None:
+        """Replay to the end, answering every external instance for real."""
+        self.start()
+        rep = self.replay
+        handed: set[int] = set()
+        inflight = 0
+        while True:
+            st = rep.advance()
+            new = sorted((ev for ev in st.pending if ev.instance not in handed), key=self._order)
+            for ev in new:
+                grp = self.groups.get(ev.group)
+                if grp is None:
+                    raise AssistantError(f"{self.graph.describe(ev.nodes[0])}: its group has no small "
+                                         f"group with the sandbox")
+                handed.add(ev.instance)
+                grp.jobs.put(ev)
+                inflight += 1
+            if st.finished:
+                break
+            ev, err = self._done.get()
+            while True:
+                if err is not None:
+                    if isinstance(err, PrismError) or ev is None:
+                        raise err
+                    raise AssistantError(f"{self.graph.describe(ev.nodes[0])}: the proxy's call "
+                                         f"failed: {err}") from err
+                inflight -= 1
+                rep.external_done(ev.instance, ev.ready_ns)
+                self.answered += 1
+                try:
+                    ev, err = self._done.get_nowait()
+                except queue.Empty:
+                    break
+        for grp in self.groups.values():
+            grp.jobs.put(None)
+
+
+def main() -> int:
+    t0 = time.monotonic()
+    try:
+        from prismllm.comm.emulate import parse_ranks
+
+        need = [k for k in ("MASTER_PORT", "PRISM_SANDBOX", "PRISM_GRAPH", "PRISM_TENSOR_STORE")
+                if not os.environ.get(k)]
+        if need:
+            raise AssistantError(f"missing environment: {', '.join(need)}")
+        sandbox = parse_ranks(os.environ["PRISM_SANDBOX"])
+        trace = PrismTrace.load(os.environ["PRISM_GRAPH"])
+        bad = [r for r in sandbox if not 0 <= r < trace.world_size]
+        if bad:
+            raise AssistantError(f"sandbox rank(s) {bad} outside the graph's world of {trace.world_size}")
+        timeout = timedelta(seconds=float(os.environ.get("PRISM_TIMEOUT", "1800")))
+        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
+
+        def connect() -> Any:
+            return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
+
+        connect()  # fail here, with one message, if the store cannot be reached
+        a = Assistant(trace, sandbox, os.environ["PRISM_TENSOR_STORE"], connect, timeout)
+        a.run()
+    except (PrismError, ValueError, OSError, RuntimeError) as e:
+        print(f"prism assistant: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    virt = a.graph.ranks
+    print(f"prism assistant: replayed {len(virt)} virtual rank(s) ({a.graph.num_nodes} nodes), answered "
+          f"{a.answered} collective(s) with the sandbox on {len(a.groups)} group(s) in "
+          f"{time.monotonic() - t0:.1f} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip interpreter teardown: gloo worker threads of daemon groups

@@ -1,0 +1,192 @@
+"""`prism emulate` on CPU, N = 2: one sandbox rank runs examples/gpt3d.py for real, the other
+rank is virtual, played by one assistant process from the recorded graph and tensors.
+
+Ground truth is the real 2-rank run of the same program and seed (`prism record
+--save-tensors all,inputs`): gpt3d prints its losses on the last rank only, so with sandbox
+{1} the emulated losses (and gradient norms) are compared with the real ones; with sandbox {0}
+(TP rank 0, which prints nothing) every pruned collective's output on the sandbox is compared
+with what rank 0 received in the real run (`--check`). Both must agree to float tolerance
+(with k = 1 real member of n = 2 they are in fact bit-exact: a sum of two terms does not
+depend on the order). Every child process must be gone when the run ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prismllm.comm.emulate import parse_ranks
+from prismllm.emulate import EmulateOptions, emulate
+from prismllm.errors import PrismError
+
+ROOT = Path(__file__).resolve().parents[1]
+PRISM = str(Path(sys.executable).with_name("prism"))
+GPT3D = str(ROOT / "examples" / "gpt3d.py")
+SIZES = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
+         "--micro-batch", "1", "--global-batch", "4", "--iters", "3"]
+LAYOUTS = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2_distopt": ["--dist-opt"]}
+RTOL = 1e-5
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def assert_all_ended(pids) -> None:
+    deadline = time.monotonic() + 5
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if pid_alive(p)]
+        time.sleep(0.05)
+    assert not alive, f"processes left behind: {alive}"
+
+
+def record(out: Path, layout: str, nproc: int = 2) -> tuple[Path, list[dict]]:
+    log = out.with_suffix(".json")
+    proc = subprocess.run(
+        [PRISM, "record", "--nproc", str(nproc), "--devices", "cpu", "--out", str(out), "--save-tensors",
+         "all,inputs", "--timeout", "120", "--", GPT3D, *LAYOUTS[layout], *SIZES, "--json-log", str(log)],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, json.loads(log.read_text())
+
+
+def run_emulation(graph: Path, out: Path, layout: str, sandbox: str, **kw):
+    log = out.with_suffix(".json")
+    res = emulate(EmulateOptions(graph=graph, sandbox=sandbox, out=out, script=GPT3D,
+                                 args=[*LAYOUTS[layout], *SIZES, "--json-log", str(log)],
+                                 timeout=120, check=True, sink=lambda *a: None, **kw))
+    assert_all_ended(res.launch.pids.values())
+    return res, (json.loads(log.read_text()) if log.exists() else None)
+
+
+def assert_check(res, rank: int, graph: Path, sandbox: tuple = ()) -> None:
+    """--check: every output-bearing pruned call of ``rank`` compared, none left unfinished."""
+    c = res.checks[rank]
+    assert c["compared"] == comm_outputs(graph, rank, pruned_only=True, sandbox=sandbox), c
+    assert c["missing"] == 0 and c["unfinished"] == 0 and c["errors"] == 0, c
+    assert c["max_rel_diff"] <= RTOL, c
+
+
+def assert_same_losses(real: list[dict], emu: list[dict]) -> None:
+    assert [r["iteration"] for r in emu] == [r["iteration"] for r in real]
+    for a, b in zip(real, emu):
+        assert b["loss"] == pytest.approx(a["loss"], rel=RTOL), (a, b)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=RTOL), (a, b)
+
+
+def comm_outputs(graph: Path, rank: int, pruned_only: bool = False, sandbox: tuple = ()) -> int:
+    """How many collective calls of ``rank`` have an output (what --check compares: the calls
+    on groups with a virtual member; every group of ``rank`` has one at N = 2)."""
+    from prismllm.trace import PrismTrace
+
+    t = PrismTrace.load(graph)
+    real = set(sandbox or (rank,))
+    pruned = {gid for gid, g in t.group_info().items() if not set(g["ranks"]) <= real}
+    rows = t.nodes.select(["rank", "kind", "op", "group"]).to_pylist()
+    return sum(1 for r in rows if r["rank"] == rank and r["kind"] == "comm" and r["op"] != "send"
+               and (not pruned_only or r["group"] in pruned))
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory):
+    return record(tmp_path_factory.mktemp("emulate") / "real-tp2", "tp2")
+
+
+def test_parse_ranks():
+    assert parse_ranks("1") == (1,)
+    assert parse_ranks("3,0-1, 1") == (0, 1, 3)
+    for bad in ("", "a", "2-1", "-1"):
+        with pytest.raises(ValueError):
+            parse_ranks(bad)
+
+
+def test_tp2_sandbox_last_rank_losses_equal_the_real_run(tp2, tmp_path):
+    graph, real = tp2
+    res, emu = run_emulation(graph, tmp_path / "emu", "tp2", "1")
+    assert res.returncodes == {1: 0} and res.launch.returncodes[-1] == 0  # rank 1 and the assistant
+    assert emu is not None, "the sandbox (last rank) writes the loss log"
+    assert_same_losses(real, emu)
+    assert_check(res, 1, graph)
+    info = json.loads((tmp_path / "emu" / "emulate.json").read_text())
+    assert info["ok"] and info["world_size"] == 2 and info["sandbox"] == [1]
+    assert (tmp_path / "emu" / "ranklogs" / "rank-000001.msgpack").exists()
+
+
+def test_tp2_sandbox_first_rank_sees_what_it_saw_in_the_real_run(tp2, tmp_path):
+    """Rank 0 is the broadcast root of the token ids and prints nothing: check its outputs."""
+    graph, _ = tp2
+    res, emu = run_emulation(graph, tmp_path / "emu", "tp2", "0")
+    assert res.returncodes == {0: 0} and emu is None
+    assert comm_outputs(graph, 0) > 100
+    assert_check(res, 0, graph)
+
+
+def test_assistant_failure_ends_the_sandbox_with_one_clear_line(tp2, tmp_path, capsys):
+    """The virtual rank's inputs are missing: the assistant fails, the launcher ends the
+    sandbox rank, `prism emulate` reports the assistant's own error in one line."""
+    from prismllm.cli.main import main
+
+    graph, _ = tp2
+    partial = tmp_path / "tensors"
+    partial.mkdir()
+    for f in (graph / "tensors").glob("rank-000001.*"):
+        shutil.copy(f, partial / f.name)
+    rc = main(["emulate", "--graph", str(graph), "--tensors", str(partial), "--sandbox", "1",
+               "--out", str(tmp_path / "emu"), "--timeout", "120", "--", GPT3D, *LAYOUTS["tp2"], *SIZES])
+    assert rc == 2
+    err = capsys.readouterr().err
+    first = next(ln for ln in err.splitlines() if ln.startswith("prism emulate: error:"))
+    assert first.startswith("prism emulate: error: assistant exited with code 1: prism assistant: error: "
+                            "no recorded input for rank 0 node"), err
+    info = json.loads((tmp_path / "emu" / "emulate.json").read_text())
+    assert not info["ok"] and info["assistant_returncode"] == 1
+    assert info["returncodes"]["1"] != 0  # ended by the launcher
+
+
+def test_bad_sandbox_is_refused_before_anything_runs(tp2, tmp_path):
+    graph, _ = tp2
+    for bad, msg in (("2", "ranks must be in 0..1"), ("0-1", "every rank is in the sandbox")):
+        with pytest.raises(PrismError, match=msg):
+            emulate(EmulateOptions(graph=graph, sandbox=bad, out=tmp_path / bad, script=GPT3D))
+    with pytest.raises(PrismError, match="no recorded tensors"):
+        emulate(EmulateOptions(graph=graph, sandbox="1", out=tmp_path / "t", script=GPT3D,
+                               tensors=tmp_path / "nothing"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["pp2", "dp2_distopt"])
+def test_other_layouts_sandbox_last_rank_losses_equal_the_real_run(layout, tmp_path):
+    graph, real = record(tmp_path / f"real-{layout}", layout)
+    res, emu = run_emulation(graph, tmp_path / "emu1", layout, "1")
+    assert_same_losses(real, emu)
+    assert_check(res, 1, graph)
+    res, _ = run_emulation(graph, tmp_path / "emu0", layout, "0")
+    assert_check(res, 0, graph)
+
+
+@pytest.mark.slow
+def test_n4_two_sandbox_ranks(tmp_path):
+    """TP2 x DP2 at N = 4 with two sandbox processes: {2, 3} holds a whole TP group (a real
+    gloo group of the two) and the reporting rank; {1, 2} splits both TP groups and both DP
+    groups (k = 1 of 2) and the default group (k = 2 of 4)."""
+    graph, real = record(tmp_path / "real-tp2dp2", "tp2", nproc=4)
+    res, emu = run_emulation(graph, tmp_path / "emu23", "tp2", "2,3")
+    assert res.returncodes == {2: 0, 3: 0}
+    assert_same_losses(real, emu)
+    for r in (2, 3):
+        assert_check(res, r, graph, sandbox=(2, 3))
+    res, _ = run_emulation(graph, tmp_path / "emu12", "tp2", "1,2")
+    for r in (1, 2):
+        assert_check(res, r, graph, sandbox=(1, 2))
