@@ -13,6 +13,7 @@ import sys
 
 from prismllm.capture.launcher import LaunchInterrupted
 from prismllm.capture.solo import CaptureOptions, CapturePlan, CaptureResult, capture
+from prismllm.cli.program import add_program_args, line_prefix, program_args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -47,9 +48,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="replace DIR if it holds a graph or an unfinished capture")
     p.add_argument("--tee", action="store_true",
                    help="also write each rank's stdout/stderr to DIR/logs/rank-NNNNNN.{stdout,stderr}.log")
-    p.add_argument("--prefix", action="store_true", help="prefix each line of the program's output with [rankN]")
-    p.add_argument("script", metavar="SCRIPT", help="the training program")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT (after --)")
+    add_program_args(p)
     p.set_defaults(run=run)
     return p
 
@@ -161,10 +160,7 @@ def _summary(res: CaptureResult) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    script_args = list(args.script_args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
-    args.script_args = script_args
+    script_args = program_args(args)
     progress = _Progress()
     opts = CaptureOptions(
         world=args.world,
@@ -179,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         force=args.force,
         timeout=args.timeout,
         tee=args.tee,
-        line_prefix="[rank{rank}]: " if args.prefix else None,
+        line_prefix=line_prefix(args),
         argv=_argv(args),
         sink=progress.sink,
         mode=args.mode,

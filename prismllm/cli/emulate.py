@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from prismllm.capture.launcher import LaunchInterrupted
+from prismllm.cli.program import add_program_args, line_prefix, program_args
 from prismllm.emulate.run import EmulateOptions, emulate
 
 
@@ -39,23 +40,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace DIR if it holds an emulation")
     p.add_argument("--tee", action="store_true",
                    help="also write each process's stdout/stderr to DIR/logs")
-    p.add_argument("--prefix", action="store_true",
-                   help="prefix each line of output with [rankN] / [assistant]")
-    p.add_argument("script", metavar="SCRIPT", help="the training program")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                   help="arguments for SCRIPT (after --)")
+    add_program_args(p, "prefix each line of output with [rankN] / [assistant]")
     p.set_defaults(run=run)
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    script_args = list(args.script_args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
+    script_args = program_args(args)
     opts = EmulateOptions(
         graph=args.graph, sandbox=args.sandbox, out=args.out, script=args.script, args=script_args,
         tensors=args.tensors, timeout=args.timeout, force=args.force, tee=args.tee,
-        line_prefix="[rank{rank}]: " if args.prefix else None, check=args.check,
+        line_prefix=line_prefix(args), check=args.check,
     )
     try:
         res = emulate(opts)

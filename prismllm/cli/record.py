@@ -11,6 +11,7 @@ import sys
 
 from prismllm.capture.launcher import LaunchInterrupted
 from prismllm.capture.record import RecordOptions, RecordResult, record
+from prismllm.cli.program import add_program_args, line_prefix, program_args
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -44,11 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="replace DIR if it already holds a trace")
     p.add_argument("--tee", action="store_true",
                    help="also write each rank's stdout/stderr to DIR/logs/rank-NNNNNN.{stdout,stderr}.log")
-    p.add_argument("--prefix", action="store_true",
-                   help="prefix each line of the program's output with [rankN]")
-    p.add_argument("script", metavar="SCRIPT", help="the training program")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                   help="arguments for SCRIPT (after --)")
+    add_program_args(p)
     p.set_defaults(run=run)
     return p
 
@@ -103,10 +100,7 @@ def _summary(res: RecordResult) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    script_args = list(args.script_args)
-    if script_args[:1] == ["--"]:
-        script_args = script_args[1:]
-    args.script_args = script_args
+    script_args = program_args(args)
     console, sink = _live_output()
     status = None
 
@@ -129,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         force=args.force,
         tee=args.tee,
-        line_prefix="[rank{rank}]: " if args.prefix else None,
+        line_prefix=line_prefix(args),
         argv=_argv(args),
         save_tensors=args.save_tensors,
         tensor_store=args.tensor_store,
