@@ -16,6 +16,7 @@ import importlib.metadata
 import importlib.util
 import os
 import platform
+import re
 import shutil
 import socket
 import sys
@@ -184,9 +185,12 @@ def _tensor_store(opts: RecordOptions, out: Path) -> Path | None:
     except ValueError as e:
         raise PrismError(f"bad --save-tensors {opts.save_tensors!r}: {e}") from None
     store = Path(opts.tensor_store) if opts.tensor_store is not None else out / TENSORS_DIR
-    if opts.tensor_store is not None and store.exists() and any(store.iterdir()) and not opts.force:
-        raise PrismError(f"tensor store {store} is not empty (use --force to replace it)")
     if opts.tensor_store is not None and store.exists():
+        files = list(store.iterdir())
+        if files and not opts.force:
+            raise PrismError(f"tensor store {store} is not empty (use --force to replace it)")
+        if any(not re.fullmatch(r"rank-\d{6}\.(idx|bin)", f.name) for f in files):
+            raise PrismError(f"{store} holds files that are not a tensor store; refusing to replace it")
         shutil.rmtree(store)
     return store
 
