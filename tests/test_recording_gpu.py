@@ -80,3 +80,21 @@ def test_iterations_device_times(smoke):
             assert 0 < it["start_ns"] < it["end_ns"]
         # steady DDP/FSDP2 iterations take milliseconds, not seconds
         assert all(it["end_ns"] - it["start_ns"] < 5e9 for it in its[2:])
+
+
+def test_solo_work_lifetimes_match_nccl(tmp_path):
+    """What a Work keeps alive (and for how long) is ProcessGroupNCCL's in solo mode too:
+    memory_allocated at each point of tests/programs/work_lifetimes.py equals the real run's
+    (rank 0 and rank 1; real: 2 GPUs under NCCL, solo: each rank alone)."""
+    from test_solo_backend import solo
+
+    prog = PROGRAMS / "work_lifetimes.py"
+    real = Launch(prog, 2, tmp_path / "real")
+    res = real.wait(timeout=150)
+    for r in (0, 1):
+        assert res[r][0] == 0, res[r][1][-3000:]
+        want = [ln for ln in res[r][1].splitlines() if ln.startswith("MEM ")]
+        p = solo(prog, 2, r, [], tmp_path / f"solo{r}", env={"CUDA_VISIBLE_DEVICES": str(r)})
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+        got = [ln for ln in p.stdout.splitlines() if ln.startswith("MEM ")]
+        assert len(want) == 8 and got == want, (want, got)

@@ -38,20 +38,26 @@ The GeneratedBackend fills the program's own output tensors in place from the te
 generator and returns already-completed Works (``_create_work_from_future``, as torch's
 ``multi_threaded_pg``). Sends complete at once; receives are filled by the generator.
 
-Memory (GPU; UNTESTED in this session: no GPU was available when this was written).
-ProcessGroupNCCL runs each collective on its own per-device stream (one per group): the
-stream first waits on the current stream, the kernel reads/writes the program's tensors, and
-(unless TORCH_NCCL_AVOID_RECORD_STREAMS=1, where tensors are stashed until wait instead)
-``recordStream`` marks the inputs/outputs as used on the NCCL stream, so the caching
-allocator does not hand their blocks out again until that stream has passed the collective.
+Memory (GPU). What the caching allocator sees must be what ProcessGroupNCCL causes (torch
+>= 2.8, the GPU machines' 2.11; checked against its source and by benchmarks/solo_memory.py):
+
+* a collective with ``asyncOp`` False runs on the *current* stream: no side stream, no
+  ``recordStream``, no reference kept, no Work returned (``None``);
+* an async collective runs on the group's own stream, which first waits on the current
+  stream; its inputs and outputs are *stashed* in the Work until ``wait()`` (inside a
+  coalescing scope: in the scope's shelf, handed to the batch's Work), and the Work's Future
+  holds the outputs for the Work's life;
+* send/recv run on the group's stream and ``recordStream`` the tensor on it (no stash); an
+  unbatched one returns a Work whose Future holds that tensor; inside a coalescing scope
+  (``batch_isend_irecv``) no per-op reference is kept;
+* the batch's Work (``end_coalescing``) holds nothing but the shelf, released at ``wait()``;
+  its Future's value is empty.
+
 NCCL allocates nothing through the caching allocator (its buffers are its own). The
-GeneratedBackend does the same on CUDA tensors: a side stream per group and device waits on
-the current stream, the fill runs on it (in place: ``copy_``/``mul_``/``zero_`` on the
-program's tensors and on views, no temporaries except a broadcast check's 0-dim flags and a
-rule's or the store's own returned tensor, which lives on the host unless the rule builds
-it on the device), the tensors are ``record_stream``-ed on it, and the returned Work's
-Future is CUDA-aware (set on the side stream), so ``work.wait()`` makes the current stream
-wait like NCCL's Work does.
+GeneratedBackend follows these rules on CUDA tensors, and fills in place
+(``copy_``/``mul_``/``zero_`` on the program's tensors and views). It allocates nothing on
+the device: a broadcast's check for uninitialised memory reads a host copy, and a rule's or
+the store's returned tensor is copied from wherever it lives (the store's: the host).
 """
 
 from __future__ import annotations
@@ -229,6 +235,50 @@ def _done_work(outs: list, device: torch.device | None = None, stream=None):
     return _C._create_work_from_future(fut)
 
 
+class StashingWork(dist.Work):
+    """An async CUDA Work as ProcessGroupNCCL returns it: ``wait()`` makes the current stream
+    wait on the group's stream and releases the stashed tensors; the Future holds ``outs``."""
+
+    def __init__(self, outs: list, device: torch.device, stream, stash: list):
+        super().__init__()
+        self._device = device
+        self._event = torch.cuda.Event()
+        self._event.record(stream)
+        self._fut = torch.futures.Future(devices=[device])
+        with torch.cuda.stream(stream):
+            self._fut.set_result(outs)
+        self._stash = stash
+
+    def wait(self, timeout=None) -> bool:
+        self.synchronize()
+        return True
+
+    def synchronize(self) -> None:
+        torch.cuda.current_stream(self._device).wait_event(self._event)
+        self._stash = None
+
+    block_current_stream = synchronize
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def get_future(self):
+        return self._fut
+
+    def result(self):
+        return self._fut.value()
+
+
+def _is_async(opts) -> bool:
+    return True if opts is None else bool(getattr(opts, "asyncOp", True))
+
+
 def _flat(ts) -> list[torch.Tensor]:
     out = []
     for t in ts:
@@ -258,7 +308,8 @@ class GeneratedBackend:
         self.group_name = group_name
         self.owner = None  # the RecordingProcessGroup (set by _attach)
         self._streams: dict[int, Any] = {}
-        self._coalescing: list[torch.Tensor] | None = None
+        self._shelf: list[torch.Tensor] | None = None  # open coalescing scope's tensors
+        self._shelf_async = True
 
     # -- identity --
     def rank(self) -> int:
@@ -292,9 +343,10 @@ class GeneratedBackend:
             **kw,
         )  # fmt: skip
 
-    def _run(self, calls: list[Call], ins, outs):
-        """Fill every call's outputs (on a side stream for CUDA tensors) and return a
-        completed Work."""
+    def _run(self, calls: list[Call], ins, outs, opts=None, *, p2p: bool = False):
+        """Fill every call's outputs and return the Work (or None) that ProcessGroupNCCL
+        would return, holding what it would hold (module docstring); on CPU a completed
+        Work, as gloo's."""
         gen = _GEN
         ins_f, outs_f = _flat(ins), _flat(outs)
         dev = next((t.device for t in outs_f + ins_f if t.is_cuda), None)
@@ -302,37 +354,46 @@ class GeneratedBackend:
             for c in calls:
                 if c.output is not None:
                     gen.fill(c)
-            if self._coalescing is not None:
-                self._coalescing.extend(outs_f)
             return _done_work(outs_f)
-        # CUDA (untested here): mimic ProcessGroupNCCL's stream and allocator behaviour.
+        coalescing = self._shelf is not None
+        if not p2p and not _is_async(opts):  # on the current stream, nothing kept
+            for c in calls:
+                if c.output is not None:
+                    gen.fill(c)
+            if coalescing:
+                self._shelf_async = False
+            return None
         side = self._streams.get(dev.index)
         if side is None:
             side = self._streams[dev.index] = torch.cuda.Stream(device=dev)
-        cur = torch.cuda.current_stream(dev)
-        side.wait_stream(cur)
+        side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for c in calls:
                 if c.output is not None:
                     gen.fill(c)
-        if os.environ.get("TORCH_NCCL_AVOID_RECORD_STREAMS", "0") != "1":
+        if p2p:
             for t in ins_f + outs_f:
-                if t.is_cuda:
-                    t.record_stream(side)
-        if self._coalescing is not None:
-            self._coalescing.extend(outs_f)
-        return _done_work(outs_f, dev, side)
+                t.record_stream(side)
+            if coalescing:
+                self._shelf_async = True
+                return _done_work([])
+            return _done_work(ins_f + outs_f, dev, side)
+        if coalescing:
+            self._shelf.extend(ins_f + outs_f)
+            self._shelf_async = True
+            return _done_work([])
+        return StashingWork(outs_f, dev, side, ins_f + outs_f)
 
     # -- all-reduce --
     def allreduce(self, tensors, opts=None):
         calls = [self._call(1, 0, input=tensors[0], output=list(tensors) if len(tensors) > 1
                             else tensors[0])]  # fmt: skip
-        return self._run(calls, tensors, tensors)
+        return self._run(calls, tensors, tensors, opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         n = len(tensors)
         calls = [self._call(n, i, input=t, output=t) for i, t in enumerate(tensors)]
-        return self._run(calls, tensors, tensors)
+        return self._run(calls, tensors, tensors, opts)
 
     # -- all-gather --
     def allgather(self, output_tensors, input_tensors, opts=None):
@@ -342,7 +403,7 @@ class GeneratedBackend:
             _check(t.numel() == inp.numel() and t.dtype == inp.dtype,
                    "allgather: output tensors must match the input's size and dtype")
         calls = [self._call(1, 0, input=inp, output=list(out))]
-        return self._run(calls, input_tensors, output_tensors)
+        return self._run(calls, input_tensors, output_tensors, opts)
 
     def _ag_one(self, n, i, out, inp):
         _check(out.numel() == inp.numel() * self._size,
@@ -352,7 +413,7 @@ class GeneratedBackend:
         return self._call(n, i, input=inp, output=out)
 
     def all_gather_single(self, output, input, opts=None):
-        return self._run([self._ag_one(1, 0, output, input)], [input], [output])
+        return self._run([self._ag_one(1, 0, output, input)], [input], [output], opts)
 
     _allgather_base = all_gather_single
 
@@ -360,12 +421,12 @@ class GeneratedBackend:
         n = len(input_list)
         calls = [self._call(n, i, input=inp, output=list(out))
                  for i, (out, inp) in enumerate(zip(output_lists, input_list))]  # fmt: skip
-        return self._run(calls, input_list, output_lists)
+        return self._run(calls, input_list, output_lists, opts)
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         n = len(inputs)
         calls = [self._ag_one(n, i, o, x) for i, (o, x) in enumerate(zip(outputs, inputs))]
-        return self._run(calls, inputs, outputs)
+        return self._run(calls, inputs, outputs, opts)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -374,7 +435,7 @@ class GeneratedBackend:
         out, inp = output_tensors[0], input_tensors[0]
         _check(len(inp) == self._size, f"reduce_scatter: {len(inp)} inputs for a group of {self._size}")
         calls = [self._call(1, 0, input=list(inp), output=out)]
-        return self._run(calls, input_tensors, output_tensors)
+        return self._run(calls, input_tensors, output_tensors, opts)
 
     def _rs_one(self, n, i, out, inp):
         _check(inp.numel() == out.numel() * self._size,
@@ -384,14 +445,14 @@ class GeneratedBackend:
         return self._call(n, i, input=inp, output=out)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        return self._run([self._rs_one(1, 0, output, input)], [input], [output])
+        return self._run([self._rs_one(1, 0, output, input)], [input], [output], opts)
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
         n = len(inputs)
         calls = [self._rs_one(n, i, o, x) for i, (o, x) in enumerate(zip(outputs, inputs))]
-        return self._run(calls, inputs, outputs)
+        return self._run(calls, inputs, outputs, opts)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -400,7 +461,7 @@ class GeneratedBackend:
         _check(len(output_tensors) == self._size == len(input_tensors),
                "alltoall: one input and one output tensor per group member")
         calls = [self._call(1, 0, input=list(input_tensors), output=list(output_tensors))]
-        return self._run(calls, input_tensors, output_tensors)
+        return self._run(calls, input_tensors, output_tensors, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         n = self._size
@@ -417,7 +478,7 @@ class GeneratedBackend:
                 _check(t.numel() % n == 0, f"all_to_all: {what} size is not divisible by {n}")
         calls = [self._call(1, 0, input=input, output=output, in_splits=tuple(isp),
                             out_splits=tuple(osp))]  # fmt: skip
-        return self._run(calls, [input], [output])
+        return self._run(calls, [input], [output], opts)
 
     alltoall_base = all_to_all_single
 
@@ -434,7 +495,7 @@ class GeneratedBackend:
                             output=None if is_root else (tensors[0] if len(tensors) == 1
                                                         else list(tensors)),
                             root=g, is_root=is_root)]  # fmt: skip
-        return self._run(calls, tensors if is_root else [], [] if is_root else tensors)
+        return self._run(calls, tensors if is_root else [], [] if is_root else tensors, opts)
 
     def reduce(self, tensors, opts=None):
         root = opts.rootRank
@@ -442,7 +503,7 @@ class GeneratedBackend:
         is_root = root == self._rank
         calls = [self._call(1, 0, input=tensors[0], output=tensors[0] if is_root else None,
                             root=g, is_root=is_root)]  # fmt: skip
-        return self._run(calls, tensors, tensors)
+        return self._run(calls, tensors, tensors, opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
         root = opts.rootRank
@@ -452,7 +513,7 @@ class GeneratedBackend:
         if is_root:
             _check(out is not None and len(out) == self._size, "gather: one output per member")
         calls = [self._call(1, 0, input=input_tensors[0], output=out, root=g, is_root=is_root)]
-        return self._run(calls, input_tensors, output_tensors)
+        return self._run(calls, input_tensors, output_tensors, opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         root = opts.rootRank
@@ -462,7 +523,7 @@ class GeneratedBackend:
         if is_root:
             _check(inp is not None and len(inp) == self._size, "scatter: one input per member")
         calls = [self._call(1, 0, input=inp, output=output_tensors[0], root=g, is_root=is_root)]
-        return self._run(calls, input_tensors, output_tensors)
+        return self._run(calls, input_tensors, output_tensors, opts)
 
     # -- barriers --
     def barrier(self, opts=None):
@@ -480,30 +541,33 @@ class GeneratedBackend:
     def send(self, tensors, dstRank, tag=0):
         g = self._peer(dstRank)
         calls = [self._call(1, 0, input=tensors[0], output=None, peer=g)]
-        return self._run(calls, tensors, [])
+        return self._run(calls, tensors, [], p2p=True)
 
     def recv(self, tensors, srcRank, tag=0):
         g = self._peer(srcRank)
         calls = [self._call(1, 0, output=tensors[0] if len(tensors) == 1 else list(tensors),
                             peer=g)]  # fmt: skip
-        return self._run(calls, [], tensors)
+        return self._run(calls, [], tensors, p2p=True)
 
     def recv_anysource(self, tensors, tag=0):
         calls = [self._call(1, 0, output=tensors[0] if len(tensors) == 1 else list(tensors))]
-        return self._run(calls, [], tensors)
+        return self._run(calls, [], tensors, p2p=True)
 
     # -- coalescing --
     def _start_coalescing(self, device):
-        self._coalescing = []
+        self._shelf, self._shelf_async = [], True
 
     def _end_coalescing(self, device):
-        outs, self._coalescing = self._coalescing or [], None
+        shelf, self._shelf = self._shelf or [], None
         dev = torch.device(device) if device is not None else None
-        if dev is not None and dev.type == "cuda":
-            side = self._streams.get(dev.index)
-            if side is not None:
-                return _done_work(outs, dev, side)
-        return _done_work(outs)
+        if dev is None or dev.type != "cuda":
+            return _done_work([])
+        if not self._shelf_async:
+            return None
+        side = self._streams.get(dev.index)
+        if side is None:
+            side = self._streams[dev.index] = torch.cuda.Stream(device=dev)
+        return StashingWork([], dev, side, shelf)
 
     start_coalescing = _start_coalescing
     end_coalescing = _end_coalescing

@@ -285,18 +285,22 @@ _INT_LIMIT = {torch.int64: 2**31, torch.int32: 2**24}
 
 
 def _bcast_fill(t: torch.Tensor) -> None:
-    """A non-source buffer: kept, or cleaned where it holds uninitialised memory. The check
-    stays on the tensor's device (0-dim flags, no host sync)."""
+    """A non-source buffer: kept, or cleaned where it holds uninitialised memory. Integer and
+    bool buffers are checked on a host copy, so that nothing is allocated on the device (the
+    real backend allocates nothing there: solo-mode peak memory must stay exact)."""
     if t.is_floating_point():
         torch.nan_to_num_(t, 0.0, 0.0, 0.0)
-    elif t.numel() == 0:
         return
-    elif t.dtype == torch.bool:
-        t.masked_fill_(t.view(torch.uint8).amax() > 1, False)
-    elif t.dtype in _INT_LIMIT:
-        lo, hi = torch.aminmax(t)
+    if t.numel() == 0 or (t.dtype != torch.bool and t.dtype not in _INT_LIMIT):
+        return
+    h = t.detach().cpu()
+    if t.dtype == torch.bool:
+        bad = bool(h.view(torch.uint8).max() > 1)
+    else:
         lim = _INT_LIMIT[t.dtype]
-        t.masked_fill_((lo < -lim) | (hi >= lim), 0)
+        bad = bool(h.min() < -lim) or bool(h.max() >= lim)
+    if bad:
+        t.zero_()
 
 
 def default_fill(call: Call, payload: _Payload | None = None) -> None:
