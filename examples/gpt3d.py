@@ -84,6 +84,7 @@ class Config:
     dtype: str = opt("auto", "parameter dtype; auto = fp32 on cpu, bf16 on cuda", ["auto", "fp32", "bf16"])
     bucket_mb: float = opt(1.0, "DP gradient bucket size in MB of fp32 gradients")
     json_log: str | None = opt(None, "last rank writes [{iteration, loss, iter_time_ms, max_mem_bytes, grad_norm}]")
+    save_params: str | None = opt(None, "at the end every rank writes its parameters to DIR/rank-<r>.{json,bin}")
 
 
 def parse_args(argv: list[str] | None = None) -> Config:
@@ -1093,6 +1094,23 @@ def _single_process_env() -> None:
     os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
 
 
+def save_params(directory: str, rank: int, chunks: list[nn.Module]) -> None:
+    """This rank's parameters, to compare runs: ``rank-<r>.json`` (name, dtype, shape, offset
+    of each) and ``rank-<r>.bin`` (their raw bytes, back to back)."""
+    os.makedirs(directory, exist_ok=True)
+    index, off = [], 0
+    with open(os.path.join(directory, f"rank-{rank}.bin"), "wb") as f:
+        for c, chunk in enumerate(chunks):
+            for name, p in chunk.named_parameters():
+                raw = p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+                f.write(raw)
+                index.append({"name": f"{c}.{name}", "dtype": str(p.dtype).removeprefix("torch."),
+                              "shape": list(p.shape), "offset": off, "nbytes": len(raw)})
+                off += len(raw)
+    with open(os.path.join(directory, f"rank-{rank}.json"), "w") as f:
+        json.dump(index, f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -1169,6 +1187,8 @@ def main(argv: list[str] | None = None) -> int:
     if reporter and cfg.json_log:
         with open(cfg.json_log, "w") as f:
             json.dump(log, f, indent=1)
+    if cfg.save_params:
+        save_params(cfg.save_params, rank, chunks)
     dist.destroy_process_group()
     return 0
 

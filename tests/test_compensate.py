@@ -585,3 +585,32 @@ def test_all_reduce_bfloat16_sum():
     got, _ = _pruned(p, inputs, program)
     exact = torch.stack([x.double() for x in inputs]).sum(0)
     torch.testing.assert_close(got[3].double(), exact, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("n,real", GROUPS, ids=GID)
+def test_all_to_all_plans_from_each_sides_own_splits(n, real):
+    """In emulation no side knows the whole split matrix: a sandbox member knows its own
+    in/out splits (row and column), the proxy the virtual members' (from the graph). The plans
+    each side builds from that (`splits_matrix`) give it the same small call as the full plan."""
+    full = _splits(n, 31 + n)
+    ref = C.plan_all_to_all(n, real, full, row_numel=COLS, dtype=F64)
+    G = ref.group
+    for i, g in enumerate(G.real):
+        col = [full[s][g] for s in range(n)]
+        p = C.plan_all_to_all(n, real, C.splits_matrix(n, {g: full[g]}, {g: col}), row_numel=COLS, dtype=F64)
+        assert p.small_send[i] == ref.small_send[i] and p.small_recv[i] == ref.small_recv[i]
+        assert p.splits[g] == ref.splits[g] and [r[g] for r in p.splits] == [r[g] for r in ref.splits]
+    vs = G.virtual
+    p = C.plan_all_to_all(n, real, C.splits_matrix(n, {v: full[v] for v in vs},
+                                                   {v: [full[s][v] for s in range(n)] for v in vs}),
+                          row_numel=COLS, dtype=F64)
+    assert p.small_send[G.proxy] == ref.small_send[G.proxy]
+    assert p.small_recv[G.proxy] == ref.small_recv[G.proxy]
+    assert all(p.splits[v] == ref.splits[v] for v in vs)
+
+
+def test_splits_matrix_rejects_members_that_disagree():
+    with pytest.raises(C.CompensationError, match="member 0 sends 3 rows to member 1, which expects 2"):
+        C.splits_matrix(2, {0: [1, 3]}, {1: [2, 1]})
+    with pytest.raises(C.CompensationError, match="2 input splits for a group of 3"):
+        C.splits_matrix(3, {0: [1, 3]})

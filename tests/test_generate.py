@@ -176,3 +176,29 @@ def test_selector():
     s = Selector("all_gather,label:moe")
     assert s("all_gather", "") and s("all_reduce", "moe") and not s("all_reduce", "x")
     assert Selector("all")("recv", "") and not Selector("")
+
+
+def test_store_reads_from_many_threads(tmp_path):
+    """The assistant's group workers read one rank's store at once: every read must return
+    its own call's bytes (a shared file position once mixed them up)."""
+    import threading
+
+    w = TensorStoreWriter(tmp_path, 3)
+    want = {i: torch.arange(i * 1000, i * 1000 + 257 + i, dtype=torch.float32) for i in range(40)}
+    for i, t in want.items():
+        w.save("1", (3, 4), "all_reduce", i, -1, "", [t])
+    w.close()
+    s = TensorStore(tmp_path, 3)
+    bad = []
+
+    def reader(k: int) -> None:
+        for j in range(300):
+            i = (k * 7 + j) % 40
+            if not torch.equal(s.get("1", (3, 4), "all_reduce", i)[0], want[i]):
+                bad.append(i)
+    ts = [threading.Thread(target=reader, args=(k,)) for k in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not bad

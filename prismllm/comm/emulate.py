@@ -372,14 +372,20 @@ class PrunedBackend(solo.GeneratedBackend):
             p = C.plan_reduce_scatter(n, G, out.shape, c.reduce_op, dtype=out.dtype)
             return p, C.sandbox_call(p, g, output=out, input=c.input)
         if op == "all_to_all":
-            if c.in_splits or c.out_splits:
-                raise EmulateError("all_to_all with split sizes is not supported in emulation yet "
-                                   "(the sandbox would need every member's splits from the graph)")
             x = c.input if isinstance(c.input, torch.Tensor) else None
             if x is None:
                 raise EmulateError("all_to_all with tensor lists is not supported in emulation yet")
-            p = C.plan_all_to_all(n, G, None, numel=x.numel(), dtype=x.dtype)
-            return p, C.sandbox_call(p, g, output=c.output, input=x)
+            if not (c.in_splits or c.out_splits):
+                p = C.plan_all_to_all(n, G, None, numel=x.numel(), dtype=x.dtype)
+                return p, C.sandbox_call(p, g, output=c.output, input=x)
+            # uneven: this member knows its own row (what it sends) and column (what it
+            # receives), which is all its small call reads
+            out = c.output
+            isp = list(c.in_splits) or [(x.shape[0] if x.dim() else 0) // n] * n
+            osp = list(c.out_splits) or [(out.shape[0] if out.dim() else 0) // n] * n
+            sp = C.splits_matrix(n, rows={g: isp}, cols={g: osp})
+            p = C.plan_all_to_all(n, G, sp, row_numel=math.prod(x.shape[1:]), dtype=x.dtype)
+            return p, C.sandbox_call(p, g, output=out, input=x)
         if op in ("send", "recv"):
             peer = self.global_ranks.index(c.peer)
             src, dst = (g, peer) if op == "send" else (peer, g)

@@ -122,6 +122,18 @@ class TensorStoreWriter:
             self._bin.close()
 
 
+def _pread_all(fd: int, n: int, off: int, path: Path) -> bytearray:
+    """``n`` bytes at ``off`` (one pread returns at most ~2 GiB on Linux)."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = os.preadv(fd, [view[got:]], off + got)
+        if k <= 0:
+            raise OSError(f"{path}: truncated ({got} of {n} bytes at offset {off})")
+        got += k
+    return buf
+
+
 class TensorStore:
     """One rank's saved outputs, read for replay."""
 
@@ -136,7 +148,8 @@ class TensorStore:
                     key = self.key(e["group_name"], e["group"], e["op"], e["index"], e["peer"],
                                    e.get("io", "out"))
                     self.entries[key] = e
-        self._bin = None
+        self._fd: int | None = None
+        self._open_lock = threading.Lock()
 
     @staticmethod
     def key(group_name: str, group: Iterable[int], op: str, index: int, peer: int = -1,
@@ -148,16 +161,19 @@ class TensorStore:
 
     def get(self, group_name: str, group, op: str, index: int, peer: int = -1,
             io: str = "out") -> list[torch.Tensor] | None:  # fmt: skip
-        """The saved outputs (``io="out"``) or inputs (``"in"``) of one call, or None."""
+        """The saved outputs (``io="out"``) or inputs (``"in"``) of one call, or None.
+        Safe from several threads at once (the assistant's group workers share a rank's
+        store): positional reads, no shared file position."""
         e = self.entries.get(self.key(group_name, group, op, index, peer, io))
         if e is None:
             return None
-        if self._bin is None:
-            self._bin = open(self._binp, "rb")
+        if self._fd is None:
+            with self._open_lock:
+                if self._fd is None:
+                    self._fd = os.open(self._binp, os.O_RDONLY)
         out = []
         for m in e["tensors"]:
-            self._bin.seek(m["offset"])
-            raw = bytearray(self._bin.read(m["nbytes"]))
+            raw = _pread_all(self._fd, m["nbytes"], m["offset"], self._binp)
             dt = dtype_from_name(m["dtype"])
             if raw:
                 t = torch.frombuffer(raw, dtype=torch.uint8).view(dt)

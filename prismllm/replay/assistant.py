@@ -39,6 +39,7 @@ exit status 0, or 1 with one line ``prism assistant: error: ...``.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import queue
 import sys
@@ -100,9 +101,11 @@ class Assistant:
             if 0 < len(mine) < len(ranks):
                 self.groups[gid] = _Group(gid, info["name"], ranks, C.Pruned(len(ranks), mine), queue.Queue())
         # node columns the proxy's plans read (by trace row, via graph.row)
-        cols = trace.nodes.select(["shape", "dtype", "reduce_op", "tag", "in_splits"]).to_pydict()
+        cols = trace.nodes.select(["shape", "dtype", "reduce_op", "tag", "in_splits", "out_splits",
+                                   "out_bytes"]).to_pydict()
         self._shape, self._dtype, self._red = cols["shape"], cols["dtype"], cols["reduce_op"]
-        self._tag, self._in_splits = cols["tag"], cols["in_splits"]
+        self._tag, self._in_splits, self._out_splits = cols["tag"], cols["in_splits"], cols["out_splits"]
+        self._out_bytes = cols["out_bytes"]
 
     # ------------------------------------------------------------------ groups
     def start(self) -> None:
@@ -182,11 +185,22 @@ class Assistant:
             for s in shape:
                 numel *= int(s)
             return C.plan_reduce_scatter(n, G, numel // n, red, dtype=dtype), ins
-        if op == "all_to_all" and not self._in_splits[row]:
-            numel = 1
-            for s in shape:
-                numel *= int(s)
-            return C.plan_all_to_all(n, G, None, numel=numel, dtype=dtype), ins
+        if op == "all_to_all":
+            numel = math.prod(int(x) for x in shape)
+            if not any(self._in_splits[int(g.row[q])] or self._out_splits[int(g.row[q])] for q in ev.nodes):
+                return C.plan_all_to_all(n, G, None, numel=numel, dtype=dtype), ins
+            # uneven: the virtual members' rows (what they send) and columns (what they
+            # receive), from their recorded split sizes
+            row_numel = math.prod(int(x) for x in shape[1:])
+            rows, cols = {}, {}
+            for v, q in members.items():
+                r = int(g.row[q])
+                rs = int(self._shape[r][0]) if self._shape[r] else 0
+                out_rows = self._out_bytes[r] // max(1, dtype.itemsize * row_numel)
+                rows[v] = list(self._in_splits[r]) or [rs // n] * n
+                cols[v] = list(self._out_splits[r]) or [out_rows // n] * n
+            return C.plan_all_to_all(n, G, C.splits_matrix(n, rows, cols), row_numel=row_numel,
+                                     dtype=dtype), ins
         raise AssistantError(f"{g.describe(p0)}: {op} is not supported in emulation yet")
 
     def _serve(self, grp: _Group, ev: ExternalEvent) -> None:

@@ -673,6 +673,32 @@ def plan_all_to_all(n: int, real: Sequence[int], splits: Optional[Sequence[Seque
     )
 
 
+def splits_matrix(n: int, rows: Optional[dict] = None, cols: Optional[dict] = None) -> list:
+    """The ``splits[src][dst]`` of :func:`plan_all_to_all` from what one side knows: ``rows``
+    (member -> its in_splits: what it sends to each member) and ``cols`` (member -> its
+    out_splits: what it receives from each). A sandbox member knows its own row and column,
+    the proxy the virtual members'; that is all each side's small call reads. Entries no side
+    gave are 0. A row and a column that disagree on an entry mean the members' calls do not
+    match (a program that deviates from its graph)."""
+    m = [[0] * n for _ in range(n)]
+    given = [[False] * n for _ in range(n)]
+    for src, sp in (rows or {}).items():
+        if len(sp) != n:
+            raise CompensationError(f"all_to_all: member {src} has {len(sp)} input splits for a group of {n}")
+        for d, x in enumerate(sp):
+            m[src][d], given[src][d] = int(x), True
+    for dst, sp in (cols or {}).items():
+        if len(sp) != n:
+            raise CompensationError(f"all_to_all: member {dst} has {len(sp)} output splits for a group of {n}")
+        for s_, x in enumerate(sp):
+            if given[s_][dst] and m[s_][dst] != int(x):
+                raise CompensationError(
+                    f"all_to_all: member {s_} sends {m[s_][dst]} rows to member {dst}, which expects "
+                    f"{int(x)} (the members' split sizes disagree)")
+            m[s_][dst], given[s_][dst] = int(x), True
+    return m
+
+
 def plan_barrier(n: int, real: Sequence[int]) -> Plan:
     """barrier: a barrier on the small communicator; the proxy enters once every virtual
     member has arrived (the replay decides when). Bytes: none modelled."""

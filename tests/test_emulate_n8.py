@@ -1,0 +1,76 @@
+"""`prism emulate` on CPU at N = 8, the hybrid runtime's correctness acceptance: gpt3d in
+TP2·PP2·DP2 and in TP2 with MoE EP4, two sandbox ranks ({0, 1}: a whole TP group, so one real
+gloo group beside the pruned ones; {3, 6}: two ranks in no common TP group, every group they
+share pruned with k = 2 of n = 4 or 8), six virtual ranks played by one assistant.
+
+Ground truth: the real 8-rank run of the same program and seed (`prism record --save-tensors
+all,inputs`), whose ranks write their final parameters (`gpt3d --save-params`). The sandbox
+ranks' final parameters must equal the real ones: bitwise for the dense layout (every pruned
+reduction there has two terms or is a copy, so the order cannot change a bit), to float
+tolerance for MoE (its DP groups reduce four terms: the proxy sums the virtual three first, a
+real 4-member ring sums in another order). ``--check`` compares every pruned collective output
+on the sandbox with what that rank received in the real run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from test_emulate import GPT3D, PRISM
+
+SIZES = ["--layers", "4", "--hidden", "32", "--heads", "4", "--vocab", "64", "--seq", "8",
+         "--micro-batch", "1", "--global-batch", "8", "--iters", "2", "--bucket-mb", "0.002"]
+LAYOUTS = {"tp2pp2dp2": ["--tp", "2", "--pp", "2"],
+           "tp2_moe_ep4": ["--tp", "2", "--ep", "4", "--num-experts", "4", "--topk", "2"]}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _run(cmd: list[str]) -> None:
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def load_params(directory: Path, rank: int) -> dict[str, np.ndarray]:
+    idx = json.loads((directory / f"rank-{rank}.json").read_text())
+    raw = (directory / f"rank-{rank}.bin").read_bytes()
+    return {e["name"]: np.frombuffer(raw[e["offset"]:e["offset"] + e["nbytes"]], dtype=e["dtype"])
+            for e in idx}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def real(request, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp(request.param)
+    _run([PRISM, "record", "--nproc", "8", "--devices", "cpu", "--out", str(tmp / "rec"),
+          "--save-tensors", "all,inputs", "--timeout", "300", "--", GPT3D, *LAYOUTS[request.param],
+          *SIZES, "--save-params", str(tmp / "params")])
+    return request.param, tmp
+
+
+@pytest.mark.parametrize("sandbox", [(0, 1), (3, 6)], ids=["0,1", "3,6"])
+def test_emulated_ranks_end_with_the_real_parameters(real, sandbox):
+    layout, tmp = real
+    spec = ",".join(map(str, sandbox))
+    out, params = tmp / f"emu-{spec}", tmp / f"params-{spec}"
+    _run([PRISM, "emulate", "--graph", str(tmp / "rec"), "--sandbox", spec, "--out", str(out),
+          "--check", "--timeout", "300", "--", GPT3D, *LAYOUTS[layout], *SIZES,
+          "--save-params", str(params)])
+    for r in sandbox:
+        chk = json.loads((out / f"check-rank-{r}.json").read_text())
+        assert chk["compared"] > 20 and chk["missing"] == 0 and chk["unfinished"] == 0, chk
+        assert chk["errors"] == 0, chk
+        want, got = load_params(tmp / "params", r), load_params(params, r)
+        assert got.keys() == want.keys()
+        if layout == "tp2pp2dp2":
+            assert chk["max_abs_diff"] == 0, chk
+            assert all(np.array_equal(got[k], want[k]) for k in want), f"rank {r}: not bit-equal"
+        else:
+            assert chk["max_rel_diff"] < 1e-5, chk
+            for k in want:
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=f"rank {r} {k}")
