@@ -161,6 +161,9 @@ class LaunchSpec:
     # once every rank exited 0, an extra still running after ``extra_grace`` s fails the run.
     extra: Sequence[ExtraProcess] = ()
     extra_grace: float = 30.0
+    # Called once every child has started, with {id: pid} (ranks, then extras' negative ids),
+    # while the run goes on: how a caller publishes the pids for whoever watches the run.
+    on_start: Callable[[dict[int, int]], None] | None = None
 
 
 @dataclasses.dataclass
@@ -920,6 +923,8 @@ class _Launcher:
                 self._spawn(ranks, port, run_id, log_dir, err_dir, streams, logs)
                 self.pump = _OutputPump(streams, spec.sink or _default_sink)
                 self.pump.start()
+                if spec.on_start is not None:
+                    spec.on_start({c.rank: c.proc.pid for c in self.children})
                 failure = self._supervise(t0)
             except _Signalled as s:
                 interrupted = s.signum

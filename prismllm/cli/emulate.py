@@ -2,6 +2,10 @@
 
     prism emulate --graph BARE --sandbox RANKS --out DIR [--tensors STORE] [--timeout S]
                   [--force] [--tee] [--prefix] -- SCRIPT ARGS...
+
+Exit status: 0 when every sandbox rank and the assistant ended well; 1 when a sandbox rank ran
+out of memory (a reproduced OOM: a result of the emulation, reported as such); 2 for any error
+(one line ``prism emulate: error: ...`` naming who failed and with what).
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import sys
 
 from prismllm.capture.launcher import LaunchInterrupted
 from prismllm.cli.program import add_program_args, line_prefix, program_args
-from prismllm.emulate.run import EmulateOptions, emulate
+from prismllm.emulate.run import EmulateOptions, SandboxOutOfMemory, emulate
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -22,7 +26,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "Run SCRIPT for real as the sandbox ranks of the N-rank job the graph BARE describes "
             "(torchrun's environment for each of them, WORLD_SIZE = N); every other rank is virtual, "
             "replayed from the graph by one assistant process that takes part in every collective "
-            "with the sandbox, contributing the virtual ranks' recorded inputs. CPU (gloo) for now."
+            "with the sandbox, contributing the virtual ranks' recorded inputs. CPU (gloo) for now. "
+            "Exit status 1: a sandbox rank ran out of memory (a reproduced OOM); 2: an error."
         ),
     )
     p.add_argument("--graph", required=True, metavar="BARE", help="the bare graph (a `prism record` output)")
@@ -37,6 +42,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="compare every pruned collective's output on the sandbox with the recorded "
                         "run's (needs outputs in the store: --save-tensors all,inputs); summary in "
                         "DIR/check-rank-R.json")
+    p.add_argument("--devices", choices=["cpu", "cuda"], default="cpu",
+                   help="cpu (gloo), or cuda: a GPU per sandbox rank plus one for the assistant (NCCL)")
+    p.add_argument("--inputs", choices=["recorded", "generated"], default="recorded",
+                   help="the virtual ranks' inputs: recorded (the tensor store) or generated (zeros: "
+                        "the sandbox's numbers then lack the virtual ranks' contributions)")
     p.add_argument("--force", action="store_true", help="replace DIR if it holds an emulation")
     p.add_argument("--tee", action="store_true",
                    help="also write each process's stdout/stderr to DIR/logs")
@@ -50,13 +60,16 @@ def run(args: argparse.Namespace) -> int:
     opts = EmulateOptions(
         graph=args.graph, sandbox=args.sandbox, out=args.out, script=args.script, args=script_args,
         tensors=args.tensors, timeout=args.timeout, force=args.force, tee=args.tee,
-        line_prefix=line_prefix(args), check=args.check,
+        line_prefix=line_prefix(args), check=args.check, devices=args.devices, inputs=args.inputs,
     )
     try:
         res = emulate(opts)
     except LaunchInterrupted as e:
         print(f"prism emulate: {e}", file=sys.stderr)
         return 128 + e.signum
+    except SandboxOutOfMemory as e:  # a result of the emulation, not an error of prism
+        print(f"prism emulate: {e}", file=sys.stderr)
+        return 1
     for r, rc in res.returncodes.items():
         print(f"prism emulate: sandbox rank {r} of {res.world_size}: exit status {rc}", file=sys.stderr)
         c = res.checks.get(r)

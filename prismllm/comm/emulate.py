@@ -59,6 +59,16 @@ _ORIG: dict[str, Any] = {}
 _SANDBOX: tuple[int, ...] = ()
 _STORE: Any = None  # the launcher's TCPStore, as a client
 _CHECK: "OutputCheck | None" = None
+_BACKENDS: list["PrunedBackend"] = []  # every pruned group's backend, closed at exit
+
+
+def _close_small_groups() -> None:
+    """atexit: the small groups go while the interpreter is whole. The program's
+    destroy_process_group does not reach them (torch shuts down NCCL backends only, and a
+    RecordingProcessGroup and its inner backend reference each other, so they are freed at
+    teardown at the earliest)."""
+    while _BACKENDS:
+        _BACKENDS.pop().shutdown()
 
 
 class EmulateError(PrismError):
@@ -104,6 +114,7 @@ def prepare(rank: int) -> None:
     if not _ORIG:
         _ORIG["barrier"] = c10d._store_based_barrier
         c10d._store_based_barrier = lambda *a, **k: None
+        atexit.register(_close_small_groups)
     check = os.environ.get("PRISM_CHECK_TENSORS")
     if check:
         _CHECK = OutputCheck(check, rank, os.environ.get("PRISM_CHECK_OUT"))
@@ -198,10 +209,16 @@ def _store() -> Any:
 
 
 def small_group(store: Any, group_name: str, small_rank: int, size: int,
-                timeout: timedelta) -> Any:
-    """The small ``ProcessGroupGloo`` of a pruned group: real members then the proxy, made by
-    both sides under ``prism/pruned/<group name>/`` (blocks until every member joined)."""
+                timeout: timedelta, backend: str = "gloo") -> Any:
+    """The small group of a pruned group: real members then the proxy, made by both sides
+    under ``prism/pruned/<group name>/``. ``backend``: "gloo" (blocks until every member
+    joined) or "nccl" (the communicator is made at its first call; the caller's current CUDA
+    device is its device)."""
     st = _C.PrefixStore(f"{PRUNED_PREFIX}{group_name}/", store)
+    if backend == "nccl":
+        opts = _C.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return _C.ProcessGroupNCCL(st, small_rank, size, opts)
     return _C.ProcessGroupGloo(st, small_rank, size, timeout=timeout)
 
 
@@ -212,9 +229,11 @@ def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
     from prismllm.comm.recording import RecordingProcessGroup
 
     devmap: dict[str, str] = ctx["devmap"]
-    if set(devmap.values()) != {"gloo"}:
-        raise EmulateError(f"emulation runs on gloo (CPU) for now; the program asked for "
-                           f"{ctx['backend']!r}")
+    kinds = set(devmap.values())
+    if not kinds <= {"gloo", "nccl"}:
+        raise EmulateError(f"emulation runs on gloo and nccl; the program asked for {ctx['backend']!r}")
+    # one small group per pruned group: NCCL when the program's CUDA tensors go to NCCL
+    backend = "nccl" if devmap.get("cuda") == "nccl" else "gloo"
     rank, size = dist_opts.group_rank, dist_opts.group_size
     group_name = dist_opts.group_id
     granks = list(dist_opts.global_ranks_in_group) or list(range(size))
@@ -222,8 +241,9 @@ def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
     if len(real) == size:
         return None
     pruned = C.Pruned(size, real)
-    small = small_group(_store(), group_name, pruned.small(rank), pruned.size, dist_opts.timeout)
-    inner = PrunedBackend(rank, size, granks, devmap, group_name, pruned, small)
+    small = small_group(_store(), group_name, pruned.small(rank), pruned.size, dist_opts.timeout, backend)
+    inner = PrunedBackend(rank, size, granks, devmap, group_name, pruned, small, backend)
+    _BACKENDS.append(inner)
     pg = RecordingProcessGroup(dist_opts.store.underlying_store, rank, size, inner, group_name,
                                granks, ctx["backend"], rec)
     solo._attach(pg, inner, devmap, btypes, ctx["device_id"])
@@ -337,14 +357,18 @@ class PrunedBackend(solo.GeneratedBackend):
     pruned = True
 
     def __init__(self, rank: int, size: int, global_ranks: list[int], devmap: dict[str, str],
-                 group_name: str, group: C.Pruned, small: Any):  # fmt: skip
+                 group_name: str, group: C.Pruned, small: Any, backend: str = "gloo"):  # fmt: skip
         super().__init__(rank, size, global_ranks, devmap, group_name)
         self.group = group
         self.small = small
-        self._batch: list[PrunedWork] | None = None
+        self.backend = backend
+        self._batch: list[PrunedWork] | None = None  # gloo: the open batch's Works
+        # nccl: the open batch's calls, issued together by _end_coalescing
+        self._nccl_batch: list[tuple[list, list, list]] | None = None
 
     def supports_coalescing(self, device) -> bool:
-        return False  # gloo: batch_isend_irecv posts its ops one by one, as in a real gloo run
+        # as the real backend: NCCL batches (one NCCL group), gloo posts ops one by one
+        return self.backend == "nccl" and torch.device(device).type == "cuda"
 
     # -- planning --
     def _plan(self, c: Call, tag: int = 0) -> tuple[C.Plan, C.SmallCall]:
@@ -406,22 +430,30 @@ class PrunedBackend(solo.GeneratedBackend):
         raise EmulateError(f"{c.where()}: {op} is not supported in emulation")
 
     def _run(self, calls: list[Call], ins, outs, tag: int = 0):
-        """Issue every call on the small group; one PrunedWork for all of them."""
-        if any(t.is_cuda for t in solo._flat(ins) + solo._flat(outs)):
-            raise EmulateError("emulation runs on CPU tensors (gloo) for now")
-        works, smalls, checks = [], [], []
+        """Issue every call on the small group; one PrunedWork for all of them (inside an
+        NCCL batch: nothing yet, as NCCL returns no Work there; the batch's Work comes from
+        ``_end_coalescing``)."""
+        tensors = solo._flat(ins) + solo._flat(outs)
+        cuda = any(t.is_cuda for t in tensors)
+        if cuda != (self.backend == "nccl") and tensors:
+            raise EmulateError(f"{calls[0].where()}: {'CUDA' if cuda else 'CPU'} tensors on a group whose "
+                               f"small group is {self.backend} (one device type per pruned group)")
+        smalls, checks = [], []
         for c in calls:
             try:
                 _, sc = self._plan(c, tag)
             except C.CompensationError as e:
                 raise EmulateError(f"{c.where()}: {e}") from None
-            works.extend(C.issue(self.small, sc))
             smalls.append(sc)
             if _CHECK is not None:
                 got = c.targets or ([_one(c.input, c.op)] if c.op == "broadcast" else [])
                 if got:
                     checks.append((c, got))
                     _CHECK.issued(c)
+        if self._nccl_batch is not None:
+            self._nccl_batch.append((smalls, solo._flat(outs), checks))
+            return None
+        works = [w for sc in smalls for w in C.issue(self.small, sc)]
         w = PrunedWork(works, smalls, solo._flat(outs), checks)
         if self._batch is not None:
             self._batch.append(w)
@@ -445,11 +477,23 @@ class PrunedBackend(solo.GeneratedBackend):
     def recv_anysource(self, tensors, tag=0):
         raise EmulateError("recv from any source is not supported in emulation")
 
-    # -- coalescing: ops go one by one (gloo); the batch's Work waits for all of them --
+    # -- coalescing: gloo posts ops one by one and the batch's Work waits for all of them;
+    # -- NCCL issues the batch's calls together (one NCCL group) --
     def _start_coalescing(self, device):
-        self._batch = []
+        if self.supports_coalescing(device):
+            self._nccl_batch = []
+        else:
+            self._batch = []
 
     def _end_coalescing(self, device):
+        if self._nccl_batch is not None:
+            batch, self._nccl_batch = self._nccl_batch, None
+            if not batch:
+                return None
+            smalls = [sc for scs, _, _ in batch for sc in scs]
+            outs = [t for _, o, _ in batch for t in o]
+            checks = [ck for _, _, cks in batch for ck in cks]
+            return PrunedWork(C.issue_batch(self.small, smalls), smalls, outs, checks)
         batch, self._batch = self._batch or [], None
         # waits on each op's own PrunedWork, so every post step still runs exactly once
         return PrunedWork(batch, [], [t for b in batch for t in b._outputs])
@@ -458,10 +502,15 @@ class PrunedBackend(solo.GeneratedBackend):
     end_coalescing = _end_coalescing
 
     def shutdown(self):
-        try:
-            self.small.shutdown()
-        except Exception:
-            pass
+        """Shut the small group down and drop it now (at exit, see :func:`_close_small_groups`),
+        not during interpreter teardown, where destroying its threads aborted the process
+        ("terminate called without an active exception", ~1 run in 20)."""
+        small, self.small = self.small, None
+        if small is not None:
+            try:
+                small.shutdown()
+            except Exception:
+                pass
 
     def split_group(self, *a, **k):
         raise EmulateError("split_group is not supported in emulation yet")

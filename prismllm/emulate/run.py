@@ -11,6 +11,14 @@ by the launcher, every child ended when the run ends, however it ends):
 
 The sandbox ranks write their rank logs (what ``prism record`` records, for the slice-timing
 stage) into ``OUT/ranklogs``, and ``OUT/emulate.json`` says what ran and how it ended.
+``OUT/pids.json`` names the processes (launcher, sandbox ranks, assistant) as soon as they
+all started, so whoever watches the run can find them while it goes on.
+
+Faults end the run with one line naming who failed and with what (every child is ended):
+a sandbox rank's own error (the last exception line of its stderr: its traceback was passed
+through above), or its signal; a sandbox rank that ran out of memory is a *result* of the
+emulation (:class:`SandboxOutOfMemory`), not a failure of prism; an assistant that exits or
+is killed ends the run with its own error or signal and the virtual ranks it played.
 """
 
 from __future__ import annotations
@@ -18,17 +26,40 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from prismllm.capture.launcher import ExtraProcess, LaunchError, LaunchResult, LaunchSpec, LineSink, launch
+from prismllm.capture.launcher import (ExtraProcess, LaunchError, LaunchResult, LaunchSpec, LineSink,
+                                      describe_returncode, device_env, format_ranks, launch)
 from prismllm.capture.record import LOGS_DIR, MANIFEST_FILE, TENSORS_DIR
 from prismllm.errors import PrismError
 
 RANKLOGS_DIR = "ranklogs"
 RESULT_FILE = "emulate.json"
+PIDS_FILE = "pids.json"
+
+# torch prefixes a rank's traceback lines with "[rankN]:"; the messages name the rank themselves
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+# how a process reports its error: a traceback's last line ("RuntimeError: boom",
+# "torch.OutOfMemoryError: ..."), or prism's one line ("prism: error: ...", "prism assistant: error: ...")
+_ERROR_LINE = re.compile(r"^(?:(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)(?::|$)|"
+                         r"prism(?: \w+)?: error: )")
+# what an allocation failure says: torch (CUDA, CPU allocator), Python, numpy, NCCL/cuBLAS
+_OUT_OF_MEMORY = re.compile(r"MemoryError|out of memory|can(?:'|no)t allocate memory|not enough memory|"
+                            r"_ALLOC_FAILED", re.IGNORECASE)
+_PRISM_ERROR = "prism: error: "  # how prismllm.comm.bootstrap reports a PrismError inside the program
+
+
+class SandboxOutOfMemory(LaunchError):
+    """A sandbox rank ran out of memory: the emulation reproduced an OOM of the program at this
+    scale. A result (what the run found), not a failure of prism; ``rank`` is the sandbox rank."""
+
+    def __init__(self, message: str, result: LaunchResult, rank: int):
+        super().__init__(message, result)
+        self.rank = rank
 
 
 @dataclasses.dataclass
@@ -47,6 +78,8 @@ class EmulateOptions:
     env: dict[str, str | None] = dataclasses.field(default_factory=dict)  # extra child env
     extra_grace: float = 30.0  # how long the assistant may outlive the sandbox ranks
     check: bool = False  # compare the sandbox's pruned-call outputs with the recorded ones
+    devices: str = "cpu"  # "cpu" (gloo), or "cuda": a GPU per sandbox rank and one for the assistant (NCCL)
+    inputs: str = "recorded"  # virtual ranks' inputs: "recorded" (the tensor store) or "generated" (zeros)
 
 
 @dataclasses.dataclass
@@ -93,10 +126,25 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         raise PrismError(f"--sandbox {opts.sandbox}: ranks must be in 0..{world - 1} (the graph's world)")
     if len(sandbox) == world:
         raise PrismError("every rank is in the sandbox: nothing to emulate (use `prism record`)")
+    if opts.inputs not in ("recorded", "generated"):
+        raise PrismError(f"--inputs must be recorded or generated, not {opts.inputs!r}")
+    if opts.devices not in ("cpu", "cuda"):
+        raise PrismError(f"--devices must be cpu or cuda, not {opts.devices!r}")
     tensors = Path(opts.tensors) if opts.tensors is not None else graph / TENSORS_DIR
-    if not tensors.is_dir() or not any(tensors.glob("rank-*.idx")):
+    if opts.inputs == "recorded" and (not tensors.is_dir() or not any(tensors.glob("rank-*.idx"))):
         raise PrismError(f"no recorded tensors in {tensors}: the assistant needs the virtual ranks' inputs "
-                         f"(`prism record --save-tensors all,inputs`; --tensors DIR)")
+                         f"(`prism record --save-tensors all,inputs`; --tensors DIR; or --inputs generated)")
+    if opts.check and opts.inputs != "recorded":
+        raise PrismError("--check compares with recorded outputs: it needs --inputs recorded")
+    gpu_env: dict[str, str] = {}
+    if opts.devices == "cuda":
+        import torch
+
+        need = len(sandbox) + 1
+        if torch.cuda.device_count() < need:
+            raise PrismError(f"--devices cuda: {len(sandbox)} sandbox rank(s) and the assistant need {need} GPUs, "
+                             f"{torch.cuda.device_count()} visible")
+        gpu_env = device_env([len(sandbox)], 1, os.environ) or {"CUDA_VISIBLE_DEVICES": str(len(sandbox))}
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     if opts.timeout is not None and opts.timeout <= 0:
@@ -107,7 +155,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
     if out.is_dir() and any(out.iterdir()):
         if not opts.force:
             raise PrismError(f"output directory {out} exists and is not empty (use --force to replace it)")
-        if not (out / RESULT_FILE).exists():
+        if not (out / RESULT_FILE).exists() and not (out / PIDS_FILE).exists():  # pids: a run cut off
             raise PrismError(f"output directory {out} is not empty and holds no emulation; "
                              f"refusing to delete it even with --force")
         import shutil
@@ -122,7 +170,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         **common,
         "PRISM_MODE": "emulate",
         "PRISM_SPOOL": str(ranklogs.resolve()),
-        "PRISM_DEVICE": "cpu",
+        "PRISM_DEVICE": opts.devices,
         # what torchrun gives each of the N ranks of the real job (nproc > 1): the sandbox
         # runs the recorded ranks' numerics, not a multi-threaded variant of them
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -131,13 +179,26 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         env["PRISM_CHECK_TENSORS"] = str(tensors.resolve())
         env["PRISM_CHECK_OUT"] = str(out.resolve())
     env.update(opts.env)
-    assistant = ExtraProcess("assistant", [sys.executable, "-m", "prismllm.replay.assistant"],
-                             env={**common, "PRISM_TENSOR_STORE": str(tensors.resolve())})
+    aenv = {**common, **gpu_env, "PRISM_INPUTS": opts.inputs,
+            "PRISM_EMULATE_BACKEND": "nccl" if opts.devices == "cuda" else "gloo"}
+    if opts.inputs == "recorded":
+        aenv["PRISM_TENSOR_STORE"] = str(tensors.resolve())
+    assistant = ExtraProcess("assistant", [sys.executable, "-m", "prismllm.replay.assistant"], env=aenv)
+
+    def publish(pids: dict[int, int]) -> None:
+        tmp = out / f".{PIDS_FILE}.tmp"
+        try:
+            tmp.write_text(json.dumps(_pids(pids), indent=1) + "\n")
+            os.replace(tmp, out / PIDS_FILE)  # whoever polls for it never reads half a file
+        except OSError as e:
+            raise PrismError(f"cannot write {out / PIDS_FILE}: {e}") from None
+
     spec = LaunchSpec(
-        nproc=len(sandbox), script=opts.script, args=list(opts.args), env=env, devices="cpu",
+        nproc=len(sandbox), script=opts.script, args=list(opts.args), env=env,
+        devices="cpu" if opts.devices == "cpu" else list(range(len(sandbox))),
         ranks=list(sandbox), world_size=world, timeout=opts.timeout,
         log_dir=out / LOGS_DIR if opts.tee else None, line_prefix=opts.line_prefix, sink=opts.sink,
-        extra=[assistant], extra_grace=opts.extra_grace,
+        extra=[assistant], extra_grace=opts.extra_grace, on_start=publish,
     )
     result = launch(spec)
     wall = time.monotonic() - t0
@@ -147,20 +208,74 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         f = out / f"check-rank-{r}.json"
         if opts.check and f.exists():
             checks[r] = json.loads(f.read_text())
+    failure = None if result.ok else _failure(result, sandbox, world)
     record: dict[str, Any] = {
-        "graph": str(graph.resolve()), "tensors": str(tensors.resolve()), "world_size": world,
+        "graph": str(graph.resolve()), "tensors": str(tensors.resolve()) if opts.inputs == "recorded" else None,
+        "inputs": opts.inputs, "devices": opts.devices, "world_size": world,
         "sandbox": list(sandbox), "command": [opts.script, *opts.args], "ok": result.ok,
+        "outcome": ("ok" if failure is None else
+                    "out_of_memory" if isinstance(failure, SandboxOutOfMemory) else "failed"),
         "returncodes": {str(r): c for r, c in codes.items()},
         "assistant_returncode": result.returncodes.get(-1), "wall_s": round(wall, 3),
-        "message": result.message,
+        "message": "" if failure is None else str(failure), "pids": _pids(result.pids),
     }
     if opts.check:
         record["checks"] = {str(r): c for r, c in checks.items()}
     (out / RESULT_FILE).write_text(json.dumps(record, indent=1) + "\n")
-    if not result.ok:
-        raise LaunchError(result.message, result)
+    if failure is not None:
+        raise failure
     return EmulateResult(out=out, world_size=world, sandbox=sandbox, returncodes=codes, wall_s=wall,
                          launch=result, checks=checks)
 
 
-__all__ = ["EmulateOptions", "EmulateResult", "emulate"]
+def _pids(pids: dict[int, int]) -> dict[str, Any]:
+    """The run's processes by role (launcher ids: ranks >= 0, the assistant -1)."""
+    return {"launcher": os.getpid(), "sandbox": {str(r): p for r, p in sorted(pids.items()) if r >= 0},
+            "assistant": pids.get(-1)}
+
+
+def _program_error(lines: Sequence[str]) -> tuple[str, list[str]]:
+    """The error a process reported last: the last error line of its output (what follows may
+    be the exception's further lines or noise printed at exit), else its last line; and the
+    lines from there on."""
+    lines = [_RANK_PREFIX.sub("", ln, count=1).rstrip() for ln in lines]
+    lines = [ln for ln in lines if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if _ERROR_LINE.match(lines[i]):
+            return lines[i], lines[i:]
+    return (lines[-1].strip(), lines[-1:]) if lines else ("", [])
+
+
+def _failure(result: LaunchResult, sandbox: tuple[int, ...], world: int) -> LaunchError:
+    """One line for a failed run, naming who failed and with what. A sandbox rank's error is
+    the program's own (its traceback was passed through); one that ran out of memory is a
+    reproduced OOM (SandboxOutOfMemory); the assistant's death ends the virtual ranks it played."""
+    f = result.failure
+    logs = f"; per-process logs in {result.log_dir}" if result.log_dir is not None else ""
+    if f is None or f.rank is None or f.returncode is None:  # timeout, or the assistant lingering
+        return LaunchError(result.message, result)
+    rc = f.returncode
+    stderr = result.stderr_tail.get(f.rank, [])
+    # a killed process's last output says nothing about the kill; an exit may report on stdout
+    error, lines = _program_error(stderr if stderr or rc < 0 else result.stdout_tail.get(f.rank, []))
+    how = describe_returncode(rc)
+    if f.rank < 0:
+        virtual = format_ranks(sorted(set(range(world)) - set(sandbox)))
+        who = result.names.get(f.rank, "assistant")
+        ended = [r for r in result.ended_by_launcher if r >= 0]
+        if rc < 0:
+            msg = (f"{who} {how}: the virtual rank(s) {virtual} it played are gone"
+                   + (f", so sandbox rank(s) {format_ranks(ended)} were ended" if ended else ""))
+        else:
+            msg = f"{who} {how}: {error}" if error else f"{who} {how}"
+        return LaunchError(msg + logs, result)
+    who = f"sandbox rank {f.rank}"
+    if rc > 0 and any(_OUT_OF_MEMORY.search(ln) for ln in lines):
+        return SandboxOutOfMemory(f"{who} ran out of memory, reproduced by the emulation (a result, not a "
+                                  f"failure of prism): {error}{logs}", result, f.rank)
+    if rc > 0 and error.startswith(_PRISM_ERROR):  # prism stopped the program: its message names the call
+        return LaunchError(f"{who}: {error[len(_PRISM_ERROR):]}{logs}", result)
+    return LaunchError((f"{who} {how}: {error}" if error else f"{who} {how}") + logs, result)
+
+
+__all__ = ["EmulateOptions", "EmulateResult", "SandboxOutOfMemory", "emulate"]

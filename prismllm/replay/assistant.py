@@ -4,8 +4,11 @@
 
 Environment: ``MASTER_ADDR``/``MASTER_PORT`` (the launcher's TCPStore), ``PRISM_SANDBOX``
 (comma list of the real ranks), ``PRISM_GRAPH`` (the bare graph), ``PRISM_TENSOR_STORE``
-(recorded tensors with inputs: ``prism record --save-tensors all,inputs``), optional
-``PRISM_TIMEOUT`` (seconds for a small group's creation and ops; default 1800).
+(recorded tensors with inputs: ``prism record --save-tensors all,inputs``) or
+``PRISM_INPUTS=generated`` (zeros for the virtual members' inputs), optional
+``PRISM_TIMEOUT`` (seconds for a small group's creation and ops; default 1800),
+``PRISM_EMULATE_BACKEND`` (``gloo``, the default, or ``nccl``: the small groups are NCCL and
+the proxy's buffers live on this process's GPU).
 
 What it does (docs/emulate.md):
 
@@ -76,14 +79,30 @@ class _Group:
     thread: threading.Thread | None = None
 
 
+class _Inputs:
+    """The virtual members' inputs of one call by logical group rank, read when the plan
+    uses them (the proxy of a group of thousands reduces them one at a time)."""
+
+    def __init__(self, read: Callable[[int], torch.Tensor], members: dict[int, int]):
+        self.read, self.members = read, members
+
+    def __getitem__(self, v: int) -> torch.Tensor:
+        if v not in self.members:
+            raise KeyError(v)
+        return self.read(v)
+
+
 class Assistant:
     """Serves the virtual ranks of ``trace`` to the sandbox ranks ``sandbox`` (see the module
     docstring). ``connect()``: a new client of the launcher's TCPStore (one per group worker);
     ``tensors``: the directory of the recorded-tensor store."""
 
-    def __init__(self, trace: PrismTrace, sandbox: tuple[int, ...], tensors: str, connect: Callable[[], Any],
-                 timeout: timedelta = timedelta(minutes=30)) -> None:
+    def __init__(self, trace: PrismTrace, sandbox: tuple[int, ...], tensors: str | None, connect: Callable[[], Any],
+                 timeout: timedelta = timedelta(minutes=30), backend: str = "gloo") -> None:
         self.trace = trace
+        # "nccl": small groups are NCCL, the proxy's buffers on this process's GPU
+        self.backend = backend
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
         self.sandbox = tuple(sorted(sandbox))
         self.tensors = tensors
         self.connect = connect
@@ -91,6 +110,7 @@ class Assistant:
         self.graph = ReplayGraph(trace, external=list(self.sandbox))
         self.replay = Replay(self.graph, compute="zero", transfer="zero", issue="zero")
         self._stores: dict[int, TensorStore] = {}
+        self._zeros: dict[tuple, torch.Tensor] = {}
         self._done: "queue.Queue[tuple[ExternalEvent, BaseException | None]]" = queue.Queue()
         self.groups: dict[int, _Group] = {}
         self.answered = 0
@@ -115,8 +135,10 @@ class Assistant:
         for grp in self.groups.values():
             def work(grp: _Group = grp) -> None:
                 try:
+                    if self.device is not None:  # the worker thread's current device
+                        torch.cuda.set_device(self.device)
                     grp.pg = small_group(self.connect(), grp.name, grp.pruned.proxy, grp.pruned.size,
-                                         self.timeout)
+                                         self.timeout, self.backend)
                 except BaseException as e:  # noqa: BLE001 - reported by the main loop
                     self._done.put((None, AssistantError(f"group {grp.name} {grp.ranks}: could not make the "
                                                          f"small group with the sandbox: {e}")))
@@ -142,14 +164,25 @@ class Assistant:
         return st
 
     def _input(self, grp: _Group, pos: int, op: str, peer: int = -1) -> torch.Tensor:
-        """A virtual member's recorded input of the call at node position ``pos``."""
+        """A virtual member's input of the call at node position ``pos``: recorded, or with
+        ``tensors`` None generated (zeros of the recorded shape and dtype: the sandbox's
+        results then carry no contribution of virtual ranks; traffic, timing and memory are
+        unaffected)."""
         g = self.graph
         rank, seq = g.rank_of(pos), int(g.seq[pos])
+        if self.tensors is None:  # one shared read-only zeros per shape and dtype
+            row = int(g.row[pos])
+            key = (tuple(int(x) for x in self._shape[row]), self._dtype[row])
+            z = self._zeros.get(key)
+            if z is None:
+                dt = dtype_from_name(key[1]) if key[1] else torch.uint8
+                z = self._zeros[key] = torch.zeros(key[0], dtype=dt)
+            return z
         ts = self._store(rank).get(grp.name, grp.ranks, op, seq, peer, io="in")
         if not ts:
             raise AssistantError(
                 f"no recorded input for {g.describe(pos)} in {self.tensors} (record the graph with "
-                f"`prism record --save-tensors all,inputs`)")
+                f"`prism record --save-tensors all,inputs`, or emulate with generated inputs)")
         return ts[0]
 
     def plan(self, grp: _Group, ev: ExternalEvent) -> tuple[C.Plan, dict]:
@@ -171,7 +204,7 @@ class Assistant:
             return p, ins
         if op == "barrier":
             return C.plan_barrier(n, G), {}
-        ins = {v: self._input(grp, pos, op) for v, pos in members.items()}
+        ins = _Inputs(lambda v: self._input(grp, members[v], op), members)  # read when used
         if op == "all_reduce":
             return C.plan_all_reduce(n, G, shape, red, dtype=dtype), ins
         if op == "broadcast":
@@ -206,10 +239,12 @@ class Assistant:
     def _serve(self, grp: _Group, ev: ExternalEvent) -> None:
         """Issue the proxy's part of ``ev`` on the small group, wait, run its post step."""
         p, ins = self.plan(grp, ev)
-        call = C.proxy_call(p, ins)
+        call = C.proxy_call(p, ins, self.device)
         for w in C.issue(grp.pg, call):
             w.wait()
         call.finish()
+        if self.device is not None:  # done on the device before the replay hears of it
+            torch.cuda.current_stream(self.device).synchronize()
 
     # ------------------------------------------------------------------ the loop
     def _order(self, ev: ExternalEvent) -> tuple:
@@ -261,8 +296,12 @@ def main() -> int:
     try:
         from prismllm.comm.emulate import parse_ranks
 
-        need = [k for k in ("MASTER_PORT", "PRISM_SANDBOX", "PRISM_GRAPH", "PRISM_TENSOR_STORE")
-                if not os.environ.get(k)]
+        inputs = os.environ.get("PRISM_INPUTS", "recorded")
+        if inputs not in ("recorded", "generated"):
+            raise AssistantError(f"PRISM_INPUTS={inputs!r}: expected recorded or generated")
+        need = [k for k in ("MASTER_PORT", "PRISM_SANDBOX", "PRISM_GRAPH") if not os.environ.get(k)]
+        if inputs == "recorded" and not os.environ.get("PRISM_TENSOR_STORE"):
+            need.append("PRISM_TENSOR_STORE (or PRISM_INPUTS=generated)")
         if need:
             raise AssistantError(f"missing environment: {', '.join(need)}")
         sandbox = parse_ranks(os.environ["PRISM_SANDBOX"])
@@ -277,15 +316,28 @@ def main() -> int:
             return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
 
         connect()  # fail here, with one message, if the store cannot be reached
-        a = Assistant(trace, sandbox, os.environ["PRISM_TENSOR_STORE"], connect, timeout)
+        backend = os.environ.get("PRISM_EMULATE_BACKEND", "gloo")
+        if backend not in ("gloo", "nccl"):
+            raise AssistantError(f"PRISM_EMULATE_BACKEND={backend!r}: expected gloo or nccl")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise AssistantError("PRISM_EMULATE_BACKEND=nccl but this assistant sees no GPU")
+        store = os.environ["PRISM_TENSOR_STORE"] if inputs == "recorded" else None
+        a = Assistant(trace, sandbox, store, connect, timeout, backend)
         a.run()
     except (PrismError, ValueError, OSError, RuntimeError) as e:
         print(f"prism assistant: error: {e}", file=sys.stderr, flush=True)
         return 1
     virt = a.graph.ranks
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    gpu = ""
+    if a.device is not None:  # the whole device as this process uses it: context, NCCL, tensors
+        free, total = torch.cuda.mem_get_info(a.device)
+        gpu = f", GPU memory in use {(total - free) / 2**20:.0f} MiB"
     print(f"prism assistant: replayed {len(virt)} virtual rank(s) ({a.graph.num_nodes} nodes), answered "
           f"{a.answered} collective(s) with the sandbox on {len(a.groups)} group(s) in "
-          f"{time.monotonic() - t0:.1f} s", flush=True)
+          f"{time.monotonic() - t0:.1f} s; peak RSS {rss / 2**20:.0f} MiB{gpu}", flush=True)
     return 0
 
 

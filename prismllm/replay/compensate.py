@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -281,16 +281,27 @@ def _chunks(x: Union[torch.Tensor, Sequence[torch.Tensor]], n: int) -> list:
     return [_flat(t) for t in x]
 
 
-def _reduce(ts: Sequence[torch.Tensor], op: str, factor: Any = None) -> torch.Tensor:
-    """Reduce flat tensors with the logical op; AVG gives the SUM (the divide is the
-    sandbox's post step) and PREMUL_SUM gives sum(factor * t)."""
-    if op == "premul_sum":
-        ts = [t * factor for t in ts]
-    low = ts[0].dtype in (torch.float16, torch.bfloat16) and op in ("sum", "avg", "premul_sum")
-    if low:  # the proxy's partial sum in float32, rounded once
-        return _reduce([t.float() for t in ts], "sum").to(ts[0].dtype)
-    acc = ts[0].clone()
-    for t in ts[1:]:
+class _Reducer:
+    """A running reduction with the logical op, one tensor at a time (the proxy may reduce
+    thousands of virtual members' inputs: never all of them in memory at once). AVG gives the
+    SUM (the divide is the sandbox's post step), PREMUL_SUM gives sum(factor * t); sums of
+    half-precision tensors accumulate in float32 and are rounded once."""
+
+    def __init__(self, op: str, factor: Any = None):
+        self.op, self.factor = op, factor
+        self.acc: Optional[torch.Tensor] = None
+        self.dtype: Optional[torch.dtype] = None
+
+    def add(self, t: torch.Tensor) -> None:
+        op = self.op
+        if op == "premul_sum":
+            t = t * self.factor
+        if self.acc is None:
+            self.dtype = t.dtype
+            low = t.dtype in (torch.float16, torch.bfloat16) and op in ("sum", "avg", "premul_sum")
+            self.acc = t.float() if low else t.clone()
+            return
+        acc = self.acc
         if op in ("sum", "avg", "premul_sum"):
             acc.add_(t)
         elif op == "product":
@@ -307,7 +318,19 @@ def _reduce(ts: Sequence[torch.Tensor], op: str, factor: Any = None) -> torch.Te
             acc.bitwise_xor_(t)
         else:  # pragma: no cover - _redop validated
             raise CompensationError(f"unsupported reduce op {op!r}")
-    return acc
+
+    def result(self) -> torch.Tensor:
+        if self.acc is None:
+            raise CompensationError("nothing to reduce")
+        return self.acc if self.acc.dtype == self.dtype else self.acc.to(self.dtype)
+
+
+def _reduce(ts: Iterable[torch.Tensor], op: str, factor: Any = None) -> torch.Tensor:
+    """Reduce flat tensors (any iterable, consumed one at a time) with the logical op."""
+    r = _Reducer(op, factor)
+    for t in ts:
+        r.add(t)
+    return r.result()
 
 
 def _post_reduce(t: torch.Tensor, op: str, n: int) -> None:
@@ -326,18 +349,25 @@ def _pre_reduce(t: torch.Tensor, op: str, factor: Any) -> None:
         t.mul_(factor)
 
 
-def _virtual_inputs(p: Plan, inputs: Any) -> dict:
-    vs = p.group.virtual
-    out = {}
-    for v in vs:
+class _VirtualInputs:
+    """The virtual members' inputs, fetched from ``inputs`` when first read and not kept:
+    a member missing is one clear error."""
+
+    def __init__(self, p: Plan, inputs: Any):
+        self.p, self.inputs = p, inputs
+
+    def __getitem__(self, v: int) -> Any:
         try:
-            x = inputs[v]
-        except (IndexError, KeyError):
+            x = self.inputs[v]
+        except (IndexError, KeyError, TypeError):
             x = None
         if x is None:
-            raise CompensationError(f"{p.op}: the proxy has no input for virtual member {v}")
-        out[v] = x
-    return out
+            raise CompensationError(f"{self.p.op}: the proxy has no input for virtual member {v}")
+        return x
+
+
+def _virtual_inputs(p: Plan, inputs: Any) -> _VirtualInputs:
+    return _VirtualInputs(p, inputs)
 
 
 def _check_factor(op: str, factor: Any) -> None:
@@ -807,42 +837,48 @@ def sandbox_call(p: Plan, g: int, *, tensor: Optional[torch.Tensor] = None, inpu
     raise CompensationError(f"no sandbox call for op {op!r}")
 
 
-def proxy_call(p: Plan, inputs: Any = None) -> SmallCall:
+def proxy_call(p: Plan, inputs: Any = None, device: Any = None) -> SmallCall:
     """The proxy's small-communicator call. ``inputs``: what each virtual member would
     contribute, indexed by logical group rank (a list of n with None for real members, or a
     dict): its tensor (all_reduce, reduce, broadcast root), its input (reduce_scatter,
     all_gather, gather, all_to_all), the root's list of n chunks (scatter). For p2p: message
-    index -> tensor of each message a virtual member sends."""
+    index -> tensor of each message a virtual member sends. ``device``: where the small call's
+    buffers live (the proxy's GPU for an NCCL small group; inputs may be on the host)."""
     G = p.group
     i = G.proxy
     op = p.op
     dt = p.dtype
     if op == "all_reduce":
         vin = _virtual_inputs(p, inputs)
-        buf = torch.zeros(p.slot, dtype=dt)
-        buf[: p.numel] = _reduce([_flat(vin[v]) for v in G.virtual], p.reduce_op, p.factor)
+        buf = torch.zeros(p.slot, dtype=dt, device=device)
+        buf[: p.numel] = _reduce((_flat(vin[v]) for v in G.virtual), p.reduce_op, p.factor)
         return SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf)
     if op == "reduce_scatter":
         vin = _virtual_inputs(p, inputs)
-        ch = {v: _chunks(vin[v], G.n) for v in G.virtual}
-        buf = torch.zeros(G.size, p.slot, dtype=dt)
-        for j, r in enumerate(G.real):
-            buf[j, : p.numel] = _reduce([ch[v][r] for v in G.virtual], p.reduce_op, p.factor)
+        acc = [_Reducer(p.reduce_op, p.factor) for _ in G.real]
+        for v in G.virtual:  # one virtual member's input in memory at a time
+            ch = _chunks(vin[v], G.n)
+            for j, r in enumerate(G.real):
+                acc[j].add(ch[r])
+        buf = torch.zeros(G.size, p.slot, dtype=dt, device=device)
+        for j in range(len(G.real)):
+            buf[j, : p.numel] = acc[j].result()
         return SmallCall("reduce_scatter", i, reduce_op=p.small_reduce_op, input=buf.view(-1),
-                         output=torch.empty(p.slot, dtype=dt))
+                         output=torch.empty(p.slot, dtype=dt, device=device))
     if op == "all_gather":
         vin = _virtual_inputs(p, inputs)
-        buf = torch.cat([_flat(vin[v]) for v in G.virtual]) if p.numel else torch.empty(0, dtype=dt)
-        return SmallCall("all_gather", i, input=buf, output=torch.empty(G.size * p.slot, dtype=dt))
+        buf = (torch.cat([_flat(vin[v]) for v in G.virtual]).to(device) if p.numel
+               else torch.empty(0, dtype=dt, device=device))
+        return SmallCall("all_gather", i, input=buf, output=torch.empty(G.size * p.slot, dtype=dt, device=device))
     if op == "broadcast":
         if G.is_real(p.root):
-            buf = torch.empty(p.numel, dtype=dt)
+            buf = torch.empty(p.numel, dtype=dt, device=device)
         else:
-            buf = _flat(_virtual_inputs(p, inputs)[p.root]).clone()
+            buf = _flat(_virtual_inputs(p, inputs)[p.root]).to(device, copy=True)
         return SmallCall("broadcast", i, root=p.small_root, input=buf, output=buf, result=buf)
     if op == "reduce":
         vin = _virtual_inputs(p, inputs)
-        buf = _reduce([_flat(vin[v]) for v in G.virtual], p.reduce_op, p.factor)
+        buf = _reduce((_flat(vin[v]) for v in G.virtual), p.reduce_op, p.factor).to(device)
         post = None
         if not G.is_real(p.root) and p.reduce_op == "avg":
             post = lambda: _post_reduce(buf, "avg", G.n)  # noqa: E731 - the proxy's copy of the result
@@ -854,12 +890,12 @@ def proxy_call(p: Plan, inputs: Any = None) -> SmallCall:
         ch = {v: _a2a_in_chunks(p, v, vin[v]) for v in G.virtual}
         for r in G.real:
             pieces.extend(ch[v][r] for v in G.virtual)
-        buf = torch.cat(pieces) if pieces else torch.empty(0, dtype=dt)
-        out = torch.empty(sum(p.small_recv[i]), dtype=dt)
+        buf = torch.cat(pieces).to(device) if pieces else torch.empty(0, dtype=dt, device=device)
+        out = torch.empty(sum(p.small_recv[i]), dtype=dt, device=device)
         return SmallCall("all_to_all", i, input=buf, output=out,
                          in_splits=list(p.small_send[i]), out_splits=list(p.small_recv[i]), result=out)
     if op in ("gather", "scatter", "send", "recv", "p2p"):
-        return _p2p_call(p, i, _proxy_payload(p, inputs))
+        return _p2p_call(p, i, _proxy_payload(p, inputs, device))
     if op == "barrier":
         return SmallCall("barrier", i)
     raise CompensationError(f"no proxy call for op {op!r}")
@@ -1018,14 +1054,14 @@ def _p2p_call(p: Plan, i: int, buf: Callable[[int, str], torch.Tensor]) -> Small
     return SmallCall("p2p", i, ops=ops)
 
 
-def _proxy_payload(p: Plan, inputs: Any) -> Callable[[int, str], torch.Tensor]:
+def _proxy_payload(p: Plan, inputs: Any, device: Any = None) -> Callable[[int, str], torch.Tensor]:
     """Buffers of the proxy's p2p ops: what a virtual sender sends; scratch for receives."""
     received = {}
 
     def buf(m: int, kind: str) -> torch.Tensor:
         msg = p.messages[m]
         if kind == "recv":
-            t = received[m] = torch.empty(msg.numel, dtype=p.dtype)
+            t = received[m] = torch.empty(msg.numel, dtype=p.dtype, device=device)
             return t
         try:
             if p.op == "gather":
@@ -1041,7 +1077,7 @@ def _proxy_payload(p: Plan, inputs: Any) -> Callable[[int, str], torch.Tensor]:
         x = _flat(x)
         if x.numel() != msg.numel:
             raise CompensationError(f"{p.op}: message {m} has {msg.numel} elements, payload {x.numel()}")
-        return x.contiguous()
+        return x.to(device).contiguous()
     return buf
 
 
@@ -1086,13 +1122,41 @@ def issue(pg: Any, call: SmallCall) -> list:
     if op == "all_to_all":
         return [pg.alltoall_base(call.output, call.input, call.out_splits, call.in_splits, dist.AllToAllOptions())]
     if op == "p2p":
-        works = []
-        for kind, peer, t, tag in call.ops:
-            works.append(pg.send([t], peer, tag) if kind == "send" else pg.recv([t], peer, tag))
-        return works
+        return issue_batch(pg, [call])
     if op == "barrier":
         return [pg.barrier(dist.BarrierOptions())]
     raise CompensationError(f"cannot issue {op!r}")
+
+
+def _nccl(pg: Any) -> bool:
+    return type(pg).__name__ == "ProcessGroupNCCL"
+
+
+def issue_batch(pg: Any, calls: Sequence[SmallCall]) -> list:
+    """Issue several calls as one batch (``batch_isend_irecv``'s). On NCCL the point-to-point
+    ops of the batch go into one NCCL group (``_start_coalescing``/``_end_coalescing``, as
+    torch does): posted one by one on the communicator's single stream, a send waiting for
+    its receiver could block a receive the peer needs first. Gloo posts them one by one."""
+    p2p = [op for c in calls if c.op == "p2p" for op in c.ops]
+    other = [c for c in calls if c.op != "p2p"]
+    works = [w for c in other for w in issue(pg, c)]
+    if not p2p:
+        return works
+    nccl = _nccl(pg)
+    if nccl:
+        dev = p2p[0][2].device
+        pg._start_coalescing(dev)
+    try:
+        for kind, peer, t, tag in p2p:
+            w = pg.send([t], peer, tag) if kind == "send" else pg.recv([t], peer, tag)
+            if w is not None:
+                works.append(w)
+    finally:
+        if nccl:
+            w = pg._end_coalescing(dev)
+            if w is not None:
+                works.append(w)
+    return works
 
 
 def run(pg: Any, call: SmallCall) -> SmallCall:

@@ -1,0 +1,151 @@
+"""Emulation bootstrap cost against logical world size: `prism emulate` of a program that
+joins an N-rank world, runs a global barrier and one 1 MiB all-reduce
+(benchmarks/programs/bootstrap.py), with one sandbox rank and one assistant (on GPU: one
+sandbox GPU, one assistant GPU), for N = 64 ... 8192; beside it the vanilla way, a real
+process per rank (on GPU several per device, each told by NCCL_HOSTID that it is its own
+host), up to where it fails or --vanilla-max.
+
+    python benchmarks/emulate_bootstrap.py [--devices cpu|cuda] [--worlds 64,256,1024,4096,8192]
+        [--vanilla-max 64] [--json benchmarks/results/emulate_bootstrap_<machine>.json]
+
+Per N: the bare graph's capture (`prism capture --mode solo --layout tp=1,pp=1`: every rank
+alike, one runs), then the emulation (virtual ranks' inputs generated: zeros), with
+- the sandbox's own timings (init_process_group, barrier, all-reduce) and peak RSS / GPU
+  memory reserved,
+- the assistant's peak RSS and (GPU) device memory in use, from its last line,
+- the whole `prism emulate` wall time (processes started and ended included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from tracing_overhead import machine
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRAM = str(ROOT / "benchmarks" / "programs" / "bootstrap.py")
+PRISM = str(Path(sys.executable).with_name("prism"))
+BOOT = re.compile(r"BOOTSTRAP world (\d+) init_s ([\d.]+) barrier_s ([\d.]+) all_reduce_s ([\d.]+) "
+                  r"sum \S+ gpu_reserved (\d+) rss (\d+)")
+ASSIST = re.compile(r"prism assistant: replayed (\d+) virtual.* in ([\d.]+) s; peak RSS (\d+) MiB"
+                    r"(?:, GPU memory in use (\d+) MiB)?")
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, float]:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, **(env or {})})
+        return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return 124, out + f"\n(timed out after {timeout:g} s)", time.perf_counter() - t0
+
+
+def boot_fields(out: str) -> dict:
+    m = BOOT.search(out)
+    if not m:
+        return {}
+    return {"init_s": float(m[2]), "barrier_s": float(m[3]), "all_reduce_s": float(m[4]),
+            "sandbox_gpu_reserved_bytes": int(m[5]), "sandbox_rss_bytes": int(m[6])}
+
+
+def emulated(n: int, devices: str, work: Path) -> dict:
+    graph, out = work / f"graph{n}", work / f"emu{n}"
+    rc, text, t_cap = run([PRISM, "capture", "--mode", "solo", "--world", str(n), "--devices", "2",
+                           "--layout", "tp=1,pp=1", "--out", str(graph), "--force", "--", PROGRAM], 1800)
+    res: dict = {"world": n, "capture_wall_s": round(t_cap, 2)}
+    if rc:
+        res["error"] = "capture: " + text[-1500:]
+        return res
+    rc, text, t_emu = run([PRISM, "emulate", "--graph", str(graph), "--sandbox", "0", "--devices", devices,
+                           "--inputs", "generated", "--out", str(out), "--force", "--", PROGRAM], 1800)
+    res["emulate_wall_s"] = round(t_emu, 2)
+    if rc:
+        res["error"] = "emulate: " + text[-1500:]
+        return res
+    res.update(boot_fields(text))
+    m = ASSIST.search(text)
+    if m:
+        res.update(assistant_s=float(m[2]), assistant_rss_bytes=int(m[3]) << 20)
+        if m[4] is not None:
+            res["assistant_gpu_in_use_bytes"] = int(m[4]) << 20
+    return res
+
+
+def vanilla(n: int, devices: str) -> dict:
+    env = {"PRISM_VANILLA_HOSTS": "1", "OMP_NUM_THREADS": "1"}
+    if devices == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    rc, text, wall = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", str(n), PROGRAM], 1800, env)
+    res = {"world": n, "wall_s": round(wall, 2), "ok": rc == 0}
+    if rc:
+        res["error"] = text[-800:]
+    res.update(boot_fields(text))
+    return res
+
+
+def markdown(r: dict) -> str:
+    m = r["machine"]
+    lines = [f"Machine: {m.get('gpu') or 'CPU'} ×{m.get('gpus') or ''} {m.get('cpus')} cores, torch "
+             f"{m.get('torch')}; devices {r['devices']}", "",
+             "| N | init (s) | barrier (s) | all-reduce (s) | sandbox RSS (MiB) | sandbox GPU reserved (MiB) "
+             "| assistant RSS (MiB) | assistant GPU in use (MiB) | prism emulate wall (s) | capture wall (s) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in r["emulated"]:
+        if "error" in c:
+            lines.append(f"| {c['world']} | failed: {c['error'][:80]!r} |")
+            continue
+        mib = lambda k: f"{c[k] / 2**20:.0f}" if k in c else "–"  # noqa: E731
+        lines.append(f"| {c['world']} | {c.get('init_s', '–')} | {c.get('barrier_s', '–')} | "
+                     f"{c.get('all_reduce_s', '–')} | {mib('sandbox_rss_bytes')} | {mib('sandbox_gpu_reserved_bytes')} | "
+                     f"{mib('assistant_rss_bytes')} | {mib('assistant_gpu_in_use_bytes')} | {c['emulate_wall_s']} | "
+                     f"{c['capture_wall_s']} |")
+    if r["vanilla"]:
+        lines += ["", "Vanilla (a process per rank):", "", "| N | ok | init (s) | barrier (s) | all-reduce (s) | wall (s) |",
+                  "|---|---|---|---|---|---|"]
+        for c in r["vanilla"]:
+            lines.append(f"| {c['world']} | {c['ok']} | {c.get('init_s', '–')} | {c.get('barrier_s', '–')} | "
+                         f"{c.get('all_reduce_s', '–')} | {c['wall_s']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--worlds", default="64,256,1024,4096,8192")
+    ap.add_argument("--vanilla", default="16,64", help="world sizes for the vanilla way (stops at the first failure)")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    res = {"benchmark": "emulate_bootstrap", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
+           "devices": a.devices, "emulated": [], "vanilla": []}
+    with tempfile.TemporaryDirectory(prefix="prism-boot-") as tmp:
+        for n in [int(x) for x in a.worlds.split(",") if x]:
+            c = emulated(n, a.devices, Path(tmp))
+            print(json.dumps(c), flush=True)
+            res["emulated"].append(c)
+    for n in [int(x) for x in a.vanilla.split(",") if x]:
+        c = vanilla(n, a.devices)
+        print(json.dumps(c), flush=True)
+        res["vanilla"].append(c)
+        if not c["ok"]:
+            break
+    path = Path(a.json or ROOT / "benchmarks" / "results" / f"emulate_bootstrap_{a.devices}.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1) + "\n")
+    path.with_suffix(".md").write_text(markdown(res))
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
