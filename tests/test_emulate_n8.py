@@ -25,8 +25,11 @@ import pytest
 
 from test_emulate import GPT3D, PRISM
 
+# PRISM_EMULATE_WORLD=32: the same on a 32-rank world (the acceptance's N = 32 run, on a
+# machine with 32 cores: a real CPU run with more ranks than cores measures oversubscription)
+WORLD = int(os.environ.get("PRISM_EMULATE_WORLD", "8"))
 SIZES = ["--layers", "4", "--hidden", "32", "--heads", "4", "--vocab", "64", "--seq", "8",
-         "--micro-batch", "1", "--global-batch", "8", "--iters", "2", "--bucket-mb", "0.002"]
+         "--micro-batch", "1", "--global-batch", str(WORLD), "--iters", "2", "--bucket-mb", "0.002"]
 LAYOUTS = {"tp2pp2dp2": ["--tp", "2", "--pp", "2"],
            "tp2_moe_ep4": ["--tp", "2", "--ep", "4", "--num-experts", "4", "--topk", "2"]}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -47,7 +50,7 @@ def load_params(directory: Path, rank: int) -> dict[str, np.ndarray]:
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def real(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(request.param)
-    _run([PRISM, "record", "--nproc", "8", "--devices", "cpu", "--out", str(tmp / "rec"),
+    _run([PRISM, "record", "--nproc", str(WORLD), "--devices", "cpu", "--out", str(tmp / "rec"),
           "--save-tensors", "all,inputs", "--timeout", "300", "--", GPT3D, *LAYOUTS[request.param],
           *SIZES, "--save-params", str(tmp / "params")])
     return request.param, tmp
@@ -67,7 +70,7 @@ def test_emulated_ranks_end_with_the_real_parameters(real, sandbox):
         assert chk["errors"] == 0, chk
         want, got = load_params(tmp / "params", r), load_params(params, r)
         assert got.keys() == want.keys()
-        if layout == "tp2pp2dp2":
+        if layout == "tp2pp2dp2" and WORLD == 8:  # DP groups of 2: sums of two terms
             assert chk["max_abs_diff"] == 0, chk
             assert all(np.array_equal(got[k], want[k]) for k in want), f"rank {r}: not bit-equal"
         else:

@@ -12,8 +12,12 @@ with the environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, .
   inside a line), optionally prefixed with the rank, optionally also written to per-rank log
   files (torchrun's ``--tee``), and the last lines of each are kept in a bounded buffer.
 - Failure: as soon as a rank exits non-zero or is killed by a signal, every other rank is
-  ended (SIGTERM to its process group, SIGKILL after ``grace_period``) and the result names the
-  *first* rank that failed, its exit code or signal, and the last lines of its stderr.
+  ended (SIGTERM to its process group, SIGKILL after ``grace_period``; ``settle`` seconds
+  first, in which a process already on its way out keeps its own exit status) and the result
+  names the *first* rank that failed, its exit code or signal, and the last lines of its
+  stderr. A first failure whose error only says that a peer went away (gloo's "Connection
+  closed by peer", ...) is the consequence of another's: when another process failed on its
+  own with an error of its own (or a signal), that one is named instead.
 - Timeout: ``timeout`` seconds after the start, all ranks still running are ended and named.
 - No process is left behind, however the launcher ends: children run in their own session
   (so a terminal's Ctrl-C reaches only the launcher, which then ends them), every exit path of
@@ -161,6 +165,10 @@ class LaunchSpec:
     # once every rank exited 0, an extra still running after ``extra_grace`` s fails the run.
     extra: Sequence[ExtraProcess] = ()
     extra_grace: float = 30.0
+    # After the first failure, how long the others may take to exit on their own before they
+    # are ended: a process that failed too and is still tearing down keeps its own exit status
+    # and error, so the cause of a cascade can be told from its consequences.
+    settle: float = 0.0
     # Called once every child has started, with {id: pid} (ranks, then extras' negative ids),
     # while the run goes on: how a caller publishes the pids for whoever watches the run.
     on_start: Callable[[dict[int, int]], None] | None = None
@@ -597,6 +605,30 @@ def describe_returncode(rc: int) -> str:
     return f"exited with code {rc}"
 
 
+# The last line of a Python traceback ("RuntimeError: boom", "torch.OutOfMemoryError: ...") or
+# prism's one-line report of its own error ("prism: error: ...", "prism assistant: error: ...").
+_ERROR_LINE = re.compile(r"^(?:(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)(?::|$)|"
+                         r"prism(?: \w+)?: error: )")
+# An error that only says a peer went away: the consequence of another process's failure.
+_LOST_PEER = re.compile(r"Connection (?:closed|reset) by peer|Broken pipe|remote process exited|"
+                        r"communicator was aborted|failed to recv, got 0 bytes", re.IGNORECASE)
+
+
+def error_line(lines: Sequence[str]) -> tuple[str, list[str]]:
+    """The error a process reported last, from the tail of its output: the last traceback or
+    prism error line (what follows it may be the exception's further lines, or noise printed
+    at exit), else the last line; and the lines from there on. Rank prefixes are removed."""
+    lines = [ln for ln in (_RANK_PREFIX.sub("", ln, count=1).rstrip() for ln in lines) if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if _ERROR_LINE.match(lines[i]):
+            return lines[i], lines[i:]
+    return (lines[-1].strip(), lines[-1:]) if lines else ("", [])
+
+
+def _lost_peer(lines: Sequence[str]) -> bool:
+    return any(_LOST_PEER.search(ln) for ln in error_line(lines)[1])
+
+
 def _error_file_message(path: str | None) -> str | None:
     """The message torch.distributed.elastic's @record wrote for a failed rank, if any."""
     if not path or not os.path.exists(path):
@@ -685,6 +717,7 @@ class _Child:
     error_file: str | None
     returncode: int | None = None
     ended_by_launcher: bool = False
+    exit_t: float | None = None  # when the launcher saw it exit (monotonic)
 
 
 class _Launcher:
@@ -753,9 +786,30 @@ class _Launcher:
         except queue.Empty:
             pass
         by_rank = {c.rank: c for c in self.children}
-        for rank, rc, _ in out:
+        for rank, rc, t in out:
             by_rank[rank].returncode = rc
+            by_rank[rank].exit_t = t
         return out
+
+    def _settle(self, seconds: float) -> None:
+        """Let the live children exit on their own for up to ``seconds``."""
+        deadline = time.monotonic() + max(0.0, seconds)
+        while self._alive() and time.monotonic() < deadline:
+            self._drain_exits(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    def _cause(self, failure: RankFailure, stderr_tail: Mapping[int, list[str]]) -> RankFailure:
+        """The first failure, unless its error only says that a peer went away and another
+        process failed on its own (not ended by the launcher) with an error of its own or a
+        signal: then the earliest of those, the cause of the cascade."""
+        if not _lost_peer(stderr_tail.get(failure.rank, [])):
+            return failure
+        causes = [c for c in self.children
+                  if c.rank != failure.rank and not c.ended_by_launcher and (c.returncode or 0) != 0
+                  and not _lost_peer(stderr_tail.get(c.rank, []))]
+        if not causes:
+            return failure
+        c = min(causes, key=lambda c: c.exit_t if c.exit_t is not None else float("inf"))
+        return RankFailure("exit" if c.returncode > 0 else "signal", c.rank, c.returncode, [], [])
 
     def _end_all(self) -> None:
         """SIGTERM every live child's process group, SIGKILL after the grace period, and end
@@ -889,6 +943,7 @@ class _Launcher:
             events = self._drain_exits(wait)
             failed = [e for e in events if e[1] != 0]
             if failed:
+                self._settle(spec.settle)
                 rank, rc, _ = min(failed, key=lambda e: e[2])  # the earliest exit is the cause
                 return RankFailure("exit" if rc > 0 else "signal", rank, rc, [], [])
             if deadline is not None and time.monotonic() >= deadline and self._alive():
@@ -965,6 +1020,7 @@ class _Launcher:
         if failure is not None:
             efm = None
             if failure.rank is not None:
+                failure = self._cause(failure, stderr_tail)
                 failure.stderr_tail = stderr_tail.get(failure.rank, [])
                 child = next(c for c in self.children if c.rank == failure.rank)
                 efm = _error_file_message(child.error_file)

@@ -60,6 +60,7 @@ _SANDBOX: tuple[int, ...] = ()
 _STORE: Any = None  # the launcher's TCPStore, as a client
 _CHECK: "OutputCheck | None" = None
 _BACKENDS: list["PrunedBackend"] = []  # every pruned group's backend, closed at exit
+_EXPECT: Any = None  # this rank's calls in the graph (GraphExpectation): a deviation is one error
 
 
 def _close_small_groups() -> None:
@@ -115,6 +116,11 @@ def prepare(rank: int) -> None:
         _ORIG["barrier"] = c10d._store_based_barrier
         c10d._store_based_barrier = lambda *a, **k: None
         atexit.register(_close_small_groups)
+    global _EXPECT
+    if os.environ.get("PRISM_GRAPH"):
+        from prismllm.comm.graphcheck import GraphExpectation
+
+        _EXPECT = GraphExpectation(os.environ["PRISM_GRAPH"], rank)
     check = os.environ.get("PRISM_CHECK_TENSORS")
     if check:
         _CHECK = OutputCheck(check, rank, os.environ.get("PRISM_CHECK_OUT"))
@@ -368,7 +374,19 @@ class PrunedBackend(solo.GeneratedBackend):
 
     def supports_coalescing(self, device) -> bool:
         # as the real backend: NCCL batches (one NCCL group), gloo posts ops one by one
-        return self.backend == "nccl" and torch.device(device).type == "cuda"
+        return self.backend == "nccl" and device is not None and torch.device(device).type == "cuda"
+
+    def _call(self, op_rows: int, k: int, **kw) -> Call:
+        """The call, checked against this rank's graph before anything is issued: the
+        assistant serves what the graph says, so a program that deviates from it must stop
+        here with one message, not hang in a mismatched small call."""
+        c = super()._call(op_rows, k, **kw)
+        if _EXPECT is not None:
+            rec = self.owner._rec
+            j = len(rec.m_op) - op_rows + k
+            _EXPECT.check(c.group_name, c.op, c.index, rec.m_in[j], rec.m_out[j],
+                          c.peer if c.op in ("send", "recv") else c.root)
+        return c
 
     # -- planning --
     def _plan(self, c: Call, tag: int = 0) -> tuple[C.Plan, C.SmallCall]:

@@ -33,20 +33,18 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from prismllm.capture.launcher import (ExtraProcess, LaunchError, LaunchResult, LaunchSpec, LineSink,
-                                      describe_returncode, device_env, format_ranks, launch)
+                                      describe_returncode, device_env, error_line, format_ranks, launch)
 from prismllm.capture.record import LOGS_DIR, MANIFEST_FILE, TENSORS_DIR
 from prismllm.errors import PrismError
 
 RANKLOGS_DIR = "ranklogs"
 RESULT_FILE = "emulate.json"
 PIDS_FILE = "pids.json"
+# After the first failure, how long the other processes may take to exit on their own: a
+# sandbox rank that raised closes its sockets before it exits, and the assistant, seeing them
+# close, may exit first; with its own exit status kept, the launcher names the cause.
+SETTLE_S = 2.0
 
-# torch prefixes a rank's traceback lines with "[rankN]:"; the messages name the rank themselves
-_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
-# how a process reports its error: a traceback's last line ("RuntimeError: boom",
-# "torch.OutOfMemoryError: ..."), or prism's one line ("prism: error: ...", "prism assistant: error: ...")
-_ERROR_LINE = re.compile(r"^(?:(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Interrupt|Exit)(?::|$)|"
-                         r"prism(?: \w+)?: error: )")
 # what an allocation failure says: torch (CUDA, CPU allocator), Python, numpy, NCCL/cuBLAS
 _OUT_OF_MEMORY = re.compile(r"MemoryError|out of memory|can(?:'|no)t allocate memory|not enough memory|"
                             r"_ALLOC_FAILED", re.IGNORECASE)
@@ -108,7 +106,8 @@ def _world_size(graph: Path) -> int:
 
 
 def emulate(opts: EmulateOptions) -> EmulateResult:
-    """Run the emulation; raise PrismError (one clear message) on bad input or a failed run."""
+    """Run the emulation; raise PrismError (one clear message) on bad input or a failed run:
+    SandboxOutOfMemory when a sandbox rank ran out of memory (a result), else LaunchError."""
     from prismllm.comm.emulate import parse_ranks
 
     t0 = time.monotonic()
@@ -198,7 +197,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         devices="cpu" if opts.devices == "cpu" else list(range(len(sandbox))),
         ranks=list(sandbox), world_size=world, timeout=opts.timeout,
         log_dir=out / LOGS_DIR if opts.tee else None, line_prefix=opts.line_prefix, sink=opts.sink,
-        extra=[assistant], extra_grace=opts.extra_grace, on_start=publish,
+        extra=[assistant], extra_grace=opts.extra_grace, on_start=publish, settle=SETTLE_S,
     )
     result = launch(spec)
     wall = time.monotonic() - t0
@@ -234,18 +233,6 @@ def _pids(pids: dict[int, int]) -> dict[str, Any]:
             "assistant": pids.get(-1)}
 
 
-def _program_error(lines: Sequence[str]) -> tuple[str, list[str]]:
-    """The error a process reported last: the last error line of its output (what follows may
-    be the exception's further lines or noise printed at exit), else its last line; and the
-    lines from there on."""
-    lines = [_RANK_PREFIX.sub("", ln, count=1).rstrip() for ln in lines]
-    lines = [ln for ln in lines if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if _ERROR_LINE.match(lines[i]):
-            return lines[i], lines[i:]
-    return (lines[-1].strip(), lines[-1:]) if lines else ("", [])
-
-
 def _failure(result: LaunchResult, sandbox: tuple[int, ...], world: int) -> LaunchError:
     """One line for a failed run, naming who failed and with what. A sandbox rank's error is
     the program's own (its traceback was passed through); one that ran out of memory is a
@@ -257,7 +244,7 @@ def _failure(result: LaunchResult, sandbox: tuple[int, ...], world: int) -> Laun
     rc = f.returncode
     stderr = result.stderr_tail.get(f.rank, [])
     # a killed process's last output says nothing about the kill; an exit may report on stdout
-    error, lines = _program_error(stderr if stderr or rc < 0 else result.stdout_tail.get(f.rank, []))
+    error, lines = error_line(stderr if stderr or rc < 0 else result.stdout_tail.get(f.rank, []))
     how = describe_returncode(rc)
     if f.rank < 0:
         virtual = format_ranks(sorted(set(range(world)) - set(sandbox)))

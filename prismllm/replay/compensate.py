@@ -1132,6 +1132,16 @@ def _nccl(pg: Any) -> bool:
     return type(pg).__name__ == "ProcessGroupNCCL"
 
 
+def _coalescing(pg: Any, name: str, device: Any) -> Any:
+    """``_start_coalescing``/``_end_coalescing`` of a backend object: torch 2.11's bindings
+    take no device, newer ones take it."""
+    fn = getattr(pg, name)
+    try:
+        return fn(device)
+    except TypeError:
+        return fn()
+
+
 def issue_batch(pg: Any, calls: Sequence[SmallCall]) -> list:
     """Issue several calls as one batch (``batch_isend_irecv``'s). On NCCL the point-to-point
     ops of the batch go into one NCCL group (``_start_coalescing``/``_end_coalescing``, as
@@ -1145,7 +1155,7 @@ def issue_batch(pg: Any, calls: Sequence[SmallCall]) -> list:
     nccl = _nccl(pg)
     if nccl:
         dev = p2p[0][2].device
-        pg._start_coalescing(dev)
+        _coalescing(pg, "_start_coalescing", dev)
     try:
         for kind, peer, t, tag in p2p:
             w = pg.send([t], peer, tag) if kind == "send" else pg.recv([t], peer, tag)
@@ -1153,7 +1163,7 @@ def issue_batch(pg: Any, calls: Sequence[SmallCall]) -> list:
                 works.append(w)
     finally:
         if nccl:
-            w = pg._end_coalescing(dev)
+            w = _coalescing(pg, "_end_coalescing", dev)
             if w is not None:
                 works.append(w)
     return works

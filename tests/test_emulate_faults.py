@@ -1,0 +1,244 @@
+"""Faults in `prism emulate` (CPU, N = 2, gpt3d TP2, sandbox {1}): a sandbox rank that raises,
+runs out of memory or is killed ends the emulation with that rank's own error (a reproduced
+OOM reported as a result); an assistant that dies ends it with a clear message; no process is
+left behind, checked by pid.
+
+The faults are the real program's: the sandbox runs a wrapper (written below) that imports
+examples/gpt3d.py unmodified and, on rank FAULT_RANK only, replaces its optimizer step by the
+real one followed by the fault -- after the first iteration, so the sandbox and the assistant
+are mid-run, in the middle of the recorded collectives. The graph is recorded once from gpt3d
+itself. Every `prism emulate` here is a real CLI process; the pids come from OUT/pids.json
+(written as soon as every child started) and OUT/emulate.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from prismllm.capture.launcher import LaunchSpec, launch
+from test_emulate import GPT3D, LAYOUTS, PRISM, SIZES, assert_all_ended, pid_alive, record
+
+WRAPPER = textwrap.dedent(f"""
+    import os
+    import sys
+    import time
+
+    sys.path.insert(0, {str(Path(GPT3D).parent)!r})
+    import gpt3d
+
+    step = gpt3d.MegatronOptimizer.step
+
+
+    def faulty_step(self):
+        step(self)
+        if int(os.environ["RANK"]) != int(os.environ["FAULT_RANK"]):
+            return
+        fault = os.environ["FAULT"]
+        if fault == "raise":
+            raise RuntimeError("boom")
+        if fault == "oom":  # a real allocation failure: more than any address space holds
+            import torch
+            torch.empty(1 << 60, dtype=torch.uint8)
+        if fault == "stall":  # say so, then wait to be killed
+            with open(os.environ["FAULT_MARK"], "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(600)
+
+
+    gpt3d.MegatronOptimizer.step = faulty_step
+    sys.exit(gpt3d.main())
+""")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """(the recorded TP2 graph, the wrapper script)."""
+    d = tmp_path_factory.mktemp("faults")
+    graph, _ = record(d / "real-tp2", "tp2")
+    wrapper = d / "faulty_gpt3d.py"
+    wrapper.write_text(WRAPPER)
+    return graph, wrapper
+
+
+def start(setup, out: Path, fault: str, mark: Path | None = None) -> subprocess.Popen:
+    graph, wrapper = setup
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": fault, "FAULT_RANK": "1",
+           "FAULT_MARK": str(mark or "")}
+    return subprocess.Popen(
+        [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", "120",
+         "--", str(wrapper), *LAYOUTS["tp2"], *SIZES],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def verdict(err: str, prefix: str = "prism emulate: error: ") -> str:
+    """The one line of `prism emulate` saying how the run ended; no traceback of prism's own
+    (the sandbox program's traceback, passed through with its [rank1]: prefix, is expected)."""
+    lines = [ln for ln in err.splitlines() if ln.startswith("prism emulate:")]
+    assert len(lines) == 1, err
+    assert lines[0].startswith(prefix), err
+    for ln in err.splitlines():
+        assert not (ln.startswith("Traceback") or re.search(r'File ".*[/\\]prismllm[/\\]', ln)), err
+    return lines[0][len(prefix):]
+
+
+def all_pids(out: Path) -> list[int]:
+    """Every process `prism emulate` named: the CLI process (launcher), sandbox, assistant."""
+    info = json.loads((out / "pids.json").read_text())
+    assert info["assistant"] and list(info["sandbox"]) == ["1"], info
+    return [info["launcher"], info["assistant"], *info["sandbox"].values()]
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid``'s live descendants (children run in their own sessions, but keep their parent)."""
+    parent = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parent.items() if pp == p]
+        found += kids
+        todo += kids
+    return [p for p in found if pid_alive(p)]
+
+
+def run_to_end(setup, out: Path, fault: str) -> tuple[int, str]:
+    proc = start(setup, out, fault)
+    try:
+        _, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, err
+
+
+def kill_mid_run(setup, tmp_path: Path, who: str) -> tuple[int, str, float, Path]:
+    """Start an emulation whose sandbox rank stalls after its first iteration, SIGKILL ``who``
+    ("sandbox" or "assistant") there; return (exit status, stderr, seconds from the kill to
+    the end, OUT), having checked that every process of the run is gone."""
+    out, mark = tmp_path / "emu", tmp_path / "stalled"
+    proc = start(setup, out, "stall", mark)
+    try:
+        deadline = time.monotonic() + 120
+        while not (mark.exists() and (out / "pids.json").exists()):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("the sandbox rank never stalled:\n" + proc.communicate()[1][-3000:])
+            time.sleep(0.1)
+        info = json.loads((out / "pids.json").read_text())
+        assert int(mark.read_text()) == info["sandbox"]["1"]  # the stalled process is the sandbox rank
+        family = descendants(proc.pid)  # sandbox, assistant, the launcher's watchdog
+        target = info["sandbox"]["1"] if who == "sandbox" else info["assistant"]
+        assert target in family and pid_alive(target)
+        os.kill(target, signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert_all_ended(family + all_pids(out))
+    return proc.returncode, err, took, out
+
+
+CASCADE = textwrap.dedent("""
+    import os, sys, time
+    mark = os.environ["MARK"]
+    if os.environ["RANK"] == "0":  # the cause: reports its error, then takes a while to exit
+        print("RuntimeError: boom", file=sys.stderr, flush=True)
+        open(mark, "w").close()
+        time.sleep(0.5)
+        sys.exit(1)
+    while not os.path.exists(mark):  # the consequence: its peer went away, it exits at once
+        time.sleep(0.01)
+    print("RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:1234", file=sys.stderr, flush=True)
+    sys.exit(1)
+""")
+
+
+def test_launcher_names_the_cause_of_a_cascade_not_the_first_exit(tmp_path):
+    """What a sandbox rank that raises does to the assistant, in miniature: the rank that lost
+    its peer exits first; with ``settle`` the cause keeps its own exit status and is named."""
+    script = tmp_path / "cascade.py"
+    script.write_text(CASCADE)
+    res = launch(LaunchSpec(nproc=2, script=str(script), runner=None, env={"MARK": str(tmp_path / "mark")},
+                            settle=2.0, sink=lambda *a: None))
+    assert not res.ok and res.failure.rank == 0 and res.returncodes == {0: 1, 1: 1}, res.message
+    assert res.message.startswith("rank 0 exited with code 1: RuntimeError: boom"), res.message
+    assert_all_ended(res.pids.values())
+
+
+def test_sandbox_rank_that_raises_ends_the_run_with_its_own_error(setup, tmp_path):
+    out = tmp_path / "emu"
+    rc, err = run_to_end(setup, out, "raise")
+    assert rc == 2, err
+    assert verdict(err) == "sandbox rank 1 exited with code 1: RuntimeError: boom"
+    assert "[rank1]: RuntimeError: boom" in err  # the program's own traceback, passed through
+    info = json.loads((out / "emulate.json").read_text())
+    assert info["outcome"] == "failed" and info["returncodes"] == {"1": 1}, info  # its own status
+    assert info["pids"]["sandbox"] == json.loads((out / "pids.json").read_text())["sandbox"]
+    assert_all_ended(all_pids(out))
+
+
+def test_sandbox_rank_out_of_memory_is_reported_as_a_result(setup, tmp_path):
+    out = tmp_path / "emu"
+    rc, err = run_to_end(setup, out, "oom")
+    assert rc == 1, err  # not 2: a reproduced OOM is what the emulation found, not an error
+    line = verdict(err, "prism emulate: ")
+    assert line.startswith("sandbox rank 1 ran out of memory, reproduced by the emulation (a result, not "
+                           "a failure of prism): RuntimeError: "), line
+    assert "can't allocate memory" in line, line
+    info = json.loads((out / "emulate.json").read_text())
+    assert info["outcome"] == "out_of_memory" and info["returncodes"] == {"1": 1}, info
+    assert_all_ended(all_pids(out))
+
+
+def test_sandbox_rank_killed_mid_run(setup, tmp_path):
+    rc, err, took, out = kill_mid_run(setup, tmp_path, "sandbox")
+    assert rc == 2 and took < 15, (took, err)
+    assert verdict(err).startswith("sandbox rank 1 was killed by SIGKILL (9)"), err
+    info = json.loads((out / "emulate.json").read_text())
+    assert info["returncodes"] == {"1": -9}, info
+
+
+def test_assistant_killed_mid_run(setup, tmp_path):
+    rc, err, took, out = kill_mid_run(setup, tmp_path, "assistant")
+    assert rc == 2 and took < 15, (took, err)
+    assert verdict(err) == ("assistant was killed by SIGKILL (9) (out of memory?): the virtual rank(s) 0 "
+                            "it played are gone, so sandbox rank(s) 1 were ended"), err
+    info = json.loads((out / "emulate.json").read_text())
+    assert info["assistant_returncode"] == -9 and info["returncodes"]["1"] != 0, info
+
+
+def test_program_that_deviates_from_its_graph_is_one_clear_error(setup, tmp_path):
+    """The graph was recorded with --hidden 32; the sandbox runs --hidden 64: its first
+    activation all-reduce is twice the size the graph (and the assistant) expect. One line
+    naming the rank, the call and the fix, before anything is issued; nothing left behind."""
+    graph, _ = setup
+    args = list(SIZES)
+    args[args.index("--hidden") + 1] = "64"
+    out = tmp_path / "deviates"
+    p = subprocess.run([PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out),
+                        "--timeout", "120", "--", GPT3D, *LAYOUTS["tp2"], *args],
+                       capture_output=True, text=True, timeout=150, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0
+    line = verdict(p.stderr)
+    assert "rank 1 deviates from its graph at all_reduce" in line, line
+    assert "capture the graph again" in line and "deviates" in line, line
+    assert_all_ended(all_pids(out))
