@@ -190,3 +190,38 @@ def test_n4_two_sandbox_ranks(tmp_path):
     res, _ = run_emulation(graph, tmp_path / "emu12", "tp2", "1,2")
     for r in (1, 2):
         assert_check(res, r, graph, sandbox=(1, 2))
+
+
+def test_two_invocations_meet_at_one_endpoint(tp2, tmp_path):
+    """Multi-host, on one machine: one `prism emulate --role sandbox` (it hosts the store at
+    the endpoint) and one `--role assistant` (started first: it waits for the store), as two
+    hosts would run them; the emulated losses equal the real run's."""
+    import socket
+
+    graph, real = tp2
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "emu.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    common = ["--graph", str(graph), "--sandbox", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--timeout", "60"]
+    program = ["--", GPT3D, *LAYOUTS["tp2"], *SIZES, "--json-log", str(log)]  # the same command on every host
+    assistant = subprocess.Popen([PRISM, "emulate", *common, "--role", "assistant", "--out", str(tmp_path / "a"),
+                                  *program],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        time.sleep(1.0)  # the assistant first: its store client waits for the server
+        sb = subprocess.run([PRISM, "emulate", *common, "--role", "sandbox", "--out", str(tmp_path / "s"), *program],
+                            capture_output=True, text=True, env=env, timeout=200)
+        a_out, a_err = assistant.communicate(timeout=60)
+    finally:
+        if assistant.poll() is None:
+            assistant.kill()
+            assistant.wait()
+    assert sb.returncode == 0, sb.stderr[-3000:]
+    assert assistant.returncode == 0, a_err[-3000:]
+    assert "replayed 1 virtual rank" in a_out + a_err
+    assert_same_losses(real, json.loads(log.read_text()))
+    for d in ("a", "s"):
+        assert_all_ended([p for p in json.loads((tmp_path / d / "emulate.json").read_text())["pids"].values()
+                          if isinstance(p, int)])

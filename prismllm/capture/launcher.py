@@ -144,6 +144,11 @@ class LaunchSpec:
     # the whole run (torchrun's agent store), so no other process can take the port between
     # choosing it and rank 0 listening on it. A given port: rank 0 hosts the store there.
     master_port: int | None = None
+    # With master_port None: the port the launcher's store binds (0: the kernel picks one). A
+    # fixed one is a rendezvous endpoint other launchers' processes can reach (multi-host
+    # emulation: torchrun's --rdzv-endpoint). With no ranks (nproc 0, extras only) and
+    # master_port given, nothing is hosted: the extras meet another launcher's store.
+    store_port: int = 0
     run_id: str | None = None  # TORCHELASTIC_RUN_ID; None: a fresh one
     runner: str | None = DEFAULT_RUNNER  # module run as ``python -m runner SCRIPT``; None: SCRIPT
     python: str = sys.executable
@@ -209,15 +214,18 @@ class LaunchResult:
 # Environment
 
 
-def host_store(addr: str):
-    """The run's rendezvous TCPStore, hosted by the launcher on a port the kernel picks and
-    that stays bound until the store is dropped (torchrun's agent store)."""
+def host_store(addr: str, port: int = 0):
+    """The run's rendezvous TCPStore, hosted by the launcher on ``port`` (0: one the kernel
+    picks) that stays bound until the store is dropped (torchrun's agent store)."""
     from datetime import timedelta
 
     from torch.distributed import TCPStore
 
-    return TCPStore(addr, 0, is_master=True, wait_for_workers=False,
-                    timeout=timedelta(minutes=30))
+    try:
+        return TCPStore(addr, port, is_master=True, wait_for_workers=False,
+                        timeout=timedelta(minutes=30))
+    except (RuntimeError, OSError) as e:
+        raise LaunchError(f"cannot host the rendezvous store on {addr}:{port}: {e}") from None
 
 
 def _resolve_ranks(spec: LaunchSpec) -> list[int]:
@@ -840,14 +848,15 @@ class _Launcher:
     # -- run ---------------------------------------------------------------------------------
     def run(self) -> LaunchResult:
         spec = self.spec
-        if spec.nproc < 1:
-            raise LaunchError(f"nproc must be at least 1, not {spec.nproc}")
-        if not os.path.isfile(spec.script):
+        if spec.nproc < 1 and not (spec.nproc == 0 and spec.extra and spec.master_port is not None):
+            raise LaunchError(f"nproc must be at least 1, not {spec.nproc} (0 only for extras that "
+                              f"meet another launcher's store: master_port given)")
+        if spec.nproc and not os.path.isfile(spec.script):
             raise LaunchError(f"script not found: {spec.script}")
         ranks = _resolve_ranks(spec)
         device_env(spec.devices, spec.nproc, os.environ)  # validate before starting anything
         if spec.master_port is None:
-            self.store = host_store(spec.master_addr)  # kept bound until the run ends
+            self.store = host_store(spec.master_addr, spec.store_port)  # bound until the run ends
             port = self.store.port
         else:
             port = spec.master_port
@@ -950,7 +959,7 @@ class _Launcher:
                 running = sorted(c.rank for c in self._alive())
                 return RankFailure("timeout", None, None, running, [])
             alive = self._alive()
-            if alive and all(c.rank < 0 for c in alive):  # only extras left
+            if spec.nproc and alive and all(c.rank < 0 for c in alive):  # only extras left
                 now = time.monotonic()
                 linger = now if linger is None else linger
                 if now - linger >= spec.extra_grace:

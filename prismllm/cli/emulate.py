@@ -47,6 +47,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--inputs", choices=["recorded", "generated"], default="recorded",
                    help="the virtual ranks' inputs: recorded (the tensor store) or generated (zeros: "
                         "the sandbox's numbers then lack the virtual ranks' contributions)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="multi-host: where every invocation's processes meet (hosted by the one that "
+                        "runs the sandbox ranks), as torchrun's --rdzv-endpoint")
+    p.add_argument("--role", choices=["all", "sandbox", "assistant"], default="all",
+                   help="the processes this invocation runs (with --rdzv-endpoint): all, the sandbox "
+                        "ranks, or the assistant")
     p.add_argument("--force", action="store_true", help="replace DIR if it holds an emulation")
     p.add_argument("--tee", action="store_true",
                    help="also write each process's stdout/stderr to DIR/logs")
@@ -61,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
         graph=args.graph, sandbox=args.sandbox, out=args.out, script=args.script, args=script_args,
         tensors=args.tensors, timeout=args.timeout, force=args.force, tee=args.tee,
         line_prefix=line_prefix(args), check=args.check, devices=args.devices, inputs=args.inputs,
+        rdzv_endpoint=args.rdzv_endpoint, role=args.role,
     )
     try:
         res = emulate(opts)

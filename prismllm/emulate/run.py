@@ -78,6 +78,11 @@ class EmulateOptions:
     check: bool = False  # compare the sandbox's pruned-call outputs with the recorded ones
     devices: str = "cpu"  # "cpu" (gloo), or "cuda": a GPU per sandbox rank and one for the assistant (NCCL)
     inputs: str = "recorded"  # virtual ranks' inputs: "recorded" (the tensor store) or "generated" (zeros)
+    # Multi-host: "HOST:PORT", where the processes of every invocation meet (the store is
+    # hosted by the invocation that runs the sandbox ranks), and which processes this
+    # invocation runs: "all", "sandbox" (the sandbox ranks) or "assistant".
+    rdzv_endpoint: str | None = None
+    role: str = "all"
 
 
 @dataclasses.dataclass
@@ -103,6 +108,22 @@ def _world_size(graph: Path) -> int:
     if not isinstance(ws, int) or ws < 1:
         raise PrismError(f"{mf} has no world_size")
     return ws
+
+
+def _endpoint(opts: EmulateOptions) -> tuple[str, int]:
+    """(host, port) of the rendezvous: the given endpoint, or this host and a port the
+    launcher picks (port 0) when one invocation runs everything."""
+    if opts.role not in ("all", "sandbox", "assistant"):
+        raise PrismError(f"--role must be all, sandbox or assistant, not {opts.role!r}")
+    if opts.rdzv_endpoint is None:
+        if opts.role != "all":
+            raise PrismError(f"--role {opts.role} needs --rdzv-endpoint HOST:PORT (where the other "
+                             f"invocation's processes meet this one's)")
+        return "127.0.0.1", 0
+    host, sep, port = opts.rdzv_endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise PrismError(f"--rdzv-endpoint {opts.rdzv_endpoint!r}: expected HOST:PORT")
+    return host, int(port)
 
 
 def emulate(opts: EmulateOptions) -> EmulateResult:
@@ -135,15 +156,18 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
                          f"(`prism record --save-tensors all,inputs`; --tensors DIR; or --inputs generated)")
     if opts.check and opts.inputs != "recorded":
         raise PrismError("--check compares with recorded outputs: it needs --inputs recorded")
+    host, port = _endpoint(opts)
+    run_sandbox, run_assistant = opts.role in ("all", "sandbox"), opts.role in ("all", "assistant")
     gpu_env: dict[str, str] = {}
     if opts.devices == "cuda":
         import torch
 
-        need = len(sandbox) + 1
+        need = (len(sandbox) if run_sandbox else 0) + (1 if run_assistant else 0)
         if torch.cuda.device_count() < need:
-            raise PrismError(f"--devices cuda: {len(sandbox)} sandbox rank(s) and the assistant need {need} GPUs, "
+            raise PrismError(f"--devices cuda: this invocation's {opts.role} process(es) need {need} GPU(s), "
                              f"{torch.cuda.device_count()} visible")
-        gpu_env = device_env([len(sandbox)], 1, os.environ) or {"CUDA_VISIBLE_DEVICES": str(len(sandbox))}
+        a_gpu = len(sandbox) if run_sandbox else 0  # the assistant's: the next GPU on this host
+        gpu_env = device_env([a_gpu], 1, os.environ) or {"CUDA_VISIBLE_DEVICES": str(a_gpu)}
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     if opts.timeout is not None and opts.timeout <= 0:
@@ -192,16 +216,19 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         except OSError as e:
             raise PrismError(f"cannot write {out / PIDS_FILE}: {e}") from None
 
+    local = list(sandbox) if run_sandbox else []
     spec = LaunchSpec(
-        nproc=len(sandbox), script=opts.script, args=list(opts.args), env=env,
-        devices="cpu" if opts.devices == "cpu" else list(range(len(sandbox))),
-        ranks=list(sandbox), world_size=world, timeout=opts.timeout,
+        nproc=len(local), script=opts.script, args=list(opts.args), env=env,
+        devices="cpu" if opts.devices == "cpu" else list(range(len(local))),
+        ranks=local, world_size=world, timeout=opts.timeout,
         log_dir=out / LOGS_DIR if opts.tee else None, line_prefix=opts.line_prefix, sink=opts.sink,
-        extra=[assistant], extra_grace=opts.extra_grace, on_start=publish, settle=SETTLE_S,
+        extra=[assistant] if run_assistant else [], extra_grace=opts.extra_grace, on_start=publish,
+        settle=SETTLE_S, master_addr=host, store_port=port if run_sandbox else 0,
+        master_port=None if run_sandbox else port,
     )
     result = launch(spec)
     wall = time.monotonic() - t0
-    codes = {r: result.returncodes.get(r) for r in sandbox}
+    codes = {r: result.returncodes.get(r) for r in local}
     checks = {}
     for r in sandbox:
         f = out / f"check-rank-{r}.json"
@@ -210,7 +237,8 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
     failure = None if result.ok else _failure(result, sandbox, world)
     record: dict[str, Any] = {
         "graph": str(graph.resolve()), "tensors": str(tensors.resolve()) if opts.inputs == "recorded" else None,
-        "inputs": opts.inputs, "devices": opts.devices, "world_size": world,
+        "inputs": opts.inputs, "devices": opts.devices, "world_size": world, "role": opts.role,
+        "rdzv_endpoint": opts.rdzv_endpoint,
         "sandbox": list(sandbox), "command": [opts.script, *opts.args], "ok": result.ok,
         "outcome": ("ok" if failure is None else
                     "out_of_memory" if isinstance(failure, SandboxOutOfMemory) else "failed"),
