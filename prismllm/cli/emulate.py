@@ -26,7 +26,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "Run SCRIPT for real as the sandbox ranks of the N-rank job the graph BARE describes "
             "(torchrun's environment for each of them, WORLD_SIZE = N); every other rank is virtual, "
             "replayed from the graph by one assistant process that takes part in every collective "
-            "with the sandbox, contributing the virtual ranks' recorded inputs. CPU (gloo) for now. "
+            "with the sandbox, contributing the virtual ranks' recorded (or generated) inputs; CPU (gloo) or GPU (NCCL). "
             "Exit status 1: a sandbox rank ran out of memory (a reproduced OOM); 2: an error."
         ),
     )

@@ -1,0 +1,242 @@
+"""``prism time``: slice timing of a bare graph (the paper's §5.3; docs/time.md).
+
+The ranks to time are split into slices of ``slice_size`` ranks; each slice is one emulation
+(``prism emulate``: the slice's ranks run the unmodified program for real as the sandbox, an
+assistant replays every other rank of the bare graph "as fast as dependencies allow" and meets
+them in every collective). Every rank is real in exactly one slice. Ranks whose graphs are
+equal up to renaming (the DP replicas of a solo capture with ``--layout``) are timed once: the
+representative's measured graph stands for its replicas, renamed as the capture renamed them.
+
+Slices run ``parallel`` at a time, each an independent ``prism emulate`` process with its own
+launcher and store (on GPU: its own ``slice_size`` sandbox GPUs and one assistant GPU). A slice
+whose emulation finished is not run again: an interrupted ``prism time`` resumes.
+
+Output ``OUT``: ``slices/slice-<k>/`` (each emulation's output: its ranks' rank logs, logs,
+emulate.json), and ``graph/``, the *timed graph*: the bare graph's structure with every rank's
+compute spans and communication durations as measured in its slice (a PrismTrace, mode
+"timed"), the input of ``prism calibrate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from prismllm.errors import PrismError
+
+SLICES_DIR = "slices"
+GRAPH_DIR = "graph"
+STATE_FILE = "time.json"
+
+
+@dataclasses.dataclass
+class TimeOptions:
+    graph: str | os.PathLike  # the bare graph
+    out: str | os.PathLike
+    script: str
+    args: Sequence[str] = ()
+    devices: str = "cpu"  # "cpu" or "cuda"
+    slice_size: int = 1  # sandbox ranks per slice
+    parallel: int = 1  # slices at a time (GPU: at most GPUs // (slice_size + 1))
+    tensors: str | os.PathLike | None = None  # recorded inputs (default: GRAPH/tensors)
+    inputs: str = "recorded"  # or "generated"
+    every_rank: bool = False  # time DP replicas too instead of their representative
+    timeout: float | None = None  # per slice
+    force: bool = False
+
+
+@dataclasses.dataclass
+class TimeResult:
+    out: Path
+    graph: Path  # the timed graph
+    slices: list[list[int]]
+    timed_ranks: list[int]
+    world_size: int
+    wall_s: float
+    resumed: int  # slices found done from an earlier run
+
+
+def _manifest(graph: Path) -> dict[str, Any]:
+    mf = graph / "manifest.json"
+    if not mf.is_file():
+        raise PrismError(f"{graph} holds no graph (manifest.json missing)")
+    try:
+        return json.loads(mf.read_text())
+    except (OSError, ValueError) as e:
+        raise PrismError(f"cannot read {mf}: {e}") from None
+
+
+def _replicas(manifest: dict[str, Any], every_rank: bool):
+    """The ReplicaPlan of the graph's capture (representatives and renamings), or None when
+    every rank is timed."""
+    from prismllm.capture.layout import Layout, replica_plan
+
+    cap = manifest.get("capture") or {}
+    if every_rank or not cap.get("dedup") or not manifest.get("layout"):
+        return None
+    world = int(manifest["world_size"])
+    spec = {k: v for k, v in manifest["layout"].items() if k in ("tp", "cp", "ep", "pp", "dp", "order")}
+    plan = replica_plan(Layout.parse(spec, world))
+    if cap.get("replica_of") is not None and plan.replica_of.tolist() != list(cap["replica_of"]):
+        raise PrismError("the graph's replica map does not follow its layout: time every rank (--every-rank)")
+    return plan
+
+
+def plan_slices(ranks: Sequence[int], slice_size: int) -> list[list[int]]:
+    """Consecutive ranks ``slice_size`` at a time (the last slice may be smaller)."""
+    if slice_size < 1:
+        raise PrismError(f"--slice-size must be at least 1, not {slice_size}")
+    ranks = list(ranks)
+    return [ranks[i:i + slice_size] for i in range(0, len(ranks), slice_size)]
+
+
+def _done(slice_out: Path, ranks: list[int]) -> bool:
+    f = slice_out / "emulate.json"
+    if not f.is_file():
+        return False
+    try:
+        info = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return False
+    return bool(info.get("ok")) and all((slice_out / "ranklogs" / f"rank-{r:06d}.msgpack").is_file() for r in ranks)
+
+
+def _emulate_cmd(opts: TimeOptions, graph: Path, ranks: list[int], out: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "prismllm.cli.main", "emulate", "--graph", str(graph),
+           "--sandbox", ",".join(map(str, ranks)), "--out", str(out), "--force", "--devices", opts.devices,
+           "--inputs", opts.inputs]
+    if opts.tensors is not None:
+        cmd += ["--tensors", str(opts.tensors)]
+    if opts.timeout is not None:
+        cmd += ["--timeout", str(opts.timeout)]
+    return cmd + ["--", opts.script, *opts.args]
+
+
+def _gpu_sets(opts: TimeOptions, n: int) -> list[str | None]:
+    """CUDA_VISIBLE_DEVICES of each of ``n`` concurrent slices (None on CPU)."""
+    if opts.devices != "cuda":
+        return [None] * n
+    import torch
+
+    per = opts.slice_size + 1
+    have = torch.cuda.device_count()
+    if have < per * n:
+        raise PrismError(f"{n} slice(s) at a time of {opts.slice_size} sandbox GPU(s) and one assistant GPU "
+                         f"need {per * n} GPUs, {have} visible (lower --parallel or --slice-size)")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(have)]
+    return [",".join(ids[k * per:(k + 1) * per]) for k in range(n)]
+
+
+def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], float], None] | None = None
+                ) -> TimeResult:
+    """Run every slice not done yet, then assemble the timed graph. ``progress(done, total,
+    ranks, seconds)`` is called after each slice."""
+    from prismllm.trace.assemble import assemble_replicated, assemble_spool
+
+    t0 = time.monotonic()
+    graph = Path(opts.graph)
+    manifest = _manifest(graph)
+    world = int(manifest["world_size"])
+    if opts.parallel < 1:
+        raise PrismError(f"--parallel must be at least 1, not {opts.parallel}")
+    if not os.path.isfile(opts.script):
+        raise PrismError(f"script not found: {opts.script}")
+    reps = _replicas(manifest, opts.every_rank)
+    ranks = reps.representatives if reps is not None else list(range(world))
+    if opts.slice_size >= world:
+        raise PrismError(f"--slice-size {opts.slice_size}: a slice must leave some of the {world} ranks virtual")
+    slices = plan_slices(ranks, opts.slice_size)
+    out = Path(opts.out)
+    state = {"graph": str(graph.resolve()), "command": [opts.script, *opts.args], "slice_size": opts.slice_size,
+             "devices": opts.devices, "inputs": opts.inputs, "slices": slices}
+    sf = out / STATE_FILE
+    if sf.is_file():
+        old = json.loads(sf.read_text())
+        if {k: old.get(k) for k in state} != state and not opts.force:
+            raise PrismError(f"{out} holds slice timing of another graph, command or slicing "
+                             f"(use --force to start over)")
+        if opts.force and {k: old.get(k) for k in state} != state:
+            shutil.rmtree(out)
+    elif out.exists() and any(out.iterdir()):
+        if not opts.force:
+            raise PrismError(f"output directory {out} exists and is not empty (use --force to replace it)")
+        shutil.rmtree(out)
+    (out / SLICES_DIR).mkdir(parents=True, exist_ok=True)
+    sf.write_text(json.dumps(state, indent=1) + "\n")
+
+    todo = [(k, s) for k, s in enumerate(slices) if not _done(out / SLICES_DIR / f"slice-{k:05d}", s)]
+    resumed = len(slices) - len(todo)
+    done = resumed
+    gpus = _gpu_sets(opts, min(opts.parallel, max(1, len(todo))))
+    running: list[tuple[subprocess.Popen, int, list[int], float, str | None, Path]] = []
+    free = list(gpus)
+    try:
+        while todo or running:
+            while todo and free:
+                k, s = todo.pop(0)
+                dev = free.pop(0)
+                so = out / SLICES_DIR / f"slice-{k:05d}"
+                env = dict(os.environ)
+                if dev is not None:
+                    env["CUDA_VISIBLE_DEVICES"] = dev
+                log = open(out / SLICES_DIR / f"slice-{k:05d}.log", "w")
+                p = subprocess.Popen(_emulate_cmd(opts, graph, s, so), stdout=log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+                log.close()
+                running.append((p, k, s, time.monotonic(), dev, so))
+            time.sleep(0.1)
+            for item in [r for r in running if r[0].poll() is not None]:
+                p, k, s, t1, dev, so = item
+                running.remove(item)
+                free.append(dev)
+                if p.returncode != 0 or not _done(so, s):
+                    tail = (out / SLICES_DIR / f"slice-{k:05d}.log").read_text().strip().splitlines()[-6:]
+                    raise PrismError(f"slice {k} (ranks {s}) failed (exit status {p.returncode}): "
+                                     + " | ".join(tail))
+                done += 1
+                if progress is not None:
+                    progress(done, len(slices), s, time.monotonic() - t1)
+    finally:
+        for p, *_ in running:  # an error or an interrupt: end the other slices' emulations
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+    spool = out / "spool"
+    if spool.exists():
+        shutil.rmtree(spool)
+    spool.mkdir()
+    for k, s in enumerate(slices):
+        for r in s:
+            name = f"rank-{r:06d}.msgpack"
+            shutil.copyfile(out / SLICES_DIR / f"slice-{k:05d}" / "ranklogs" / name, spool / name)
+    tm = {k: v for k, v in manifest.items() if k not in ("peak_memory_bytes", "capture")}
+    tm.update(mode="timed", timing={"bare_graph": str(graph.resolve()), "slice_size": opts.slice_size,
+                                   "slices": len(slices), "timed_ranks": len(ranks), "devices": opts.devices,
+                                   "inputs": opts.inputs})
+    if reps is not None:
+        trace = assemble_replicated(spool, tm, replica_of=reps.replica_of, map_of=reps.map_of, rename=reps.rename)
+    else:
+        trace = assemble_spool(spool, tm)
+    gdir = out / GRAPH_DIR
+    if gdir.exists():
+        shutil.rmtree(gdir)
+    trace.save(gdir)
+    shutil.rmtree(spool)
+    return TimeResult(out=out, graph=gdir, slices=slices, timed_ranks=list(ranks), world_size=world,
+                      wall_s=time.monotonic() - t0, resumed=resumed)
+
+
+__all__ = ["TimeOptions", "TimeResult", "plan_slices", "time_slices"]

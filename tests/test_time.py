@@ -1,0 +1,62 @@
+"""`prism time` on CPU: a solo-captured bare graph of gpt3d (N = 4, TP2·DP2: two
+representatives, each standing for a DP replica) timed a slice at a time; the timed graph has
+the bare graph's structure on all four ranks, measured durations, and a second run resumes
+without running any slice again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from prismllm.trace.compare import compare_traces
+from prismllm.trace.graph import PrismTrace
+
+ROOT = Path(__file__).resolve().parents[1]
+PRISM = str(Path(sys.executable).with_name("prism"))
+GPT3D = str(ROOT / "examples" / "gpt3d.py")
+ARGS = ["--tp", "2", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
+        "--micro-batch", "1", "--global-batch", "4", "--iters", "2"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def prism(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([PRISM, *args], capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("time") / "bare"
+    p = prism("capture", "--mode", "solo", "--world", "4", "--devices", "2", "--layout", "tp=2", "--out", str(out),
+              "--", GPT3D, *ARGS)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return out
+
+
+def test_time_slices_every_representative_once_and_resumes(bare, tmp_path):
+    out = tmp_path / "timed"
+    cmd = ["time", "--graph", str(bare), "--out", str(out), "--inputs", "generated", "--parallel", "2",
+           "--", GPT3D, *ARGS]
+    p = prism(*cmd)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "2 of 4 rank(s) timed in 2 slice(s)" in p.stderr, p.stderr
+    state = json.loads((out / "time.json").read_text())
+    assert state["slices"] == [[0], [1]]  # the representatives (dp coordinate 0)
+    timed, ref = PrismTrace.load(out / "graph"), PrismTrace.load(bare)
+    assert timed.world_size == 4 and timed.manifest["mode"] == "timed"
+    assert compare_traces(ref, timed, timing=False).structure_equal
+    d = timed.nodes.select(["kind", "duration_ns"]).to_pylist()
+    assert sum(n["kind"] == "compute" and n["duration_ns"] > 0 for n in d) > 20
+    again = prism(*cmd)  # nothing left to run: the slices are reused
+    assert again.returncode == 0 and "(2 done before)" in again.stderr, again.stderr
+
+
+def test_time_refuses_bad_input(bare, tmp_path):
+    p = prism("time", "--graph", str(tmp_path / "nothing"), "--out", str(tmp_path / "o"), "--", GPT3D)
+    assert p.returncode == 2 and p.stderr.startswith("prism time: error: ") and "Traceback" not in p.stderr
+    p = prism("time", "--graph", str(bare), "--out", str(tmp_path / "o"), "--slice-size", "4", "--", GPT3D, *ARGS)
+    assert p.returncode == 2 and "must leave some of the 4 ranks virtual" in p.stderr, p.stderr
