@@ -1,0 +1,262 @@
+"""Calibration: solve a timed graph into globally consistent start/end times.
+
+The discrete-event pass is the replay engine's (:class:`prismllm.replay.Replay`): it walks the
+directional edges (program order per rank, issue -> wait of asynchronous ops) and the
+synchronisation edges (a collective instance or a matched send/recv starts when its last
+member arrives) in logical time. This module only decides what durations it is fed, and reads
+the times it records back:
+
+- compute span: its measured ``duration_ns`` (else ``end_ns - start_ns`` where both are known);
+- communication instance (collective, or a send/recv pair): the *minimum* over its members of
+  the measured duration (``duration_ns``, else ``end_ns - start_ns``). Every member's
+  measurement is "from my arrival to the end", so everyone but the last to arrive also counts
+  the wait for late peers; the minimum is the one that waited least. Unlike the engine's
+  default ("the duration of the member whose ``start_ns`` is latest") it compares no clock
+  readings across ranks, so it holds for ranks on different hosts (docs/calibrate.md);
+- issue of an asynchronous call (host time it holds the rank): the gap from the call to the
+  next node in the recording, as the engine measures it (0 before a wait point).
+
+``durations=OTHER`` takes all three from another graph of the same structure (same ranks,
+same node count per rank, same op at every position): "re-time without re-capture".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prismllm.errors import PrismError
+from prismllm.replay.engine import Replay, ReplayGraph, ReplayResult
+from prismllm.trace.graph import PrismTrace
+
+_I64 = np.int64
+
+TRANSFER_RULES = ("min", "last")
+
+
+class CalibrationError(PrismError):
+    """A graph that cannot be calibrated (no durations, structures that differ, ...)."""
+
+
+# ---------------------------------------------------------------------- measured durations
+@dataclasses.dataclass
+class Measured:
+    """Per node position of a ReplayGraph (rank by rank, program order): the measured duration
+    (-1 unknown) and the recorded start (-1 unknown)."""
+
+    duration_ns: np.ndarray
+    start_ns: np.ndarray
+
+    @property
+    def known(self) -> np.ndarray:
+        return self.duration_ns >= 0
+
+
+def rank_order(trace: PrismTrace) -> np.ndarray:
+    """Row numbers of ``trace.nodes`` in (rank, index) order (what ReplayGraph.row holds for a
+    replay of every rank)."""
+    rank = trace.column("rank").astype(_I64)
+    index = trace.column("index").astype(_I64)
+    if len(rank) < 2 or (bool(np.all(rank[1:] >= rank[:-1]))
+                         and bool(np.all((index[1:] > index[:-1]) | (rank[1:] != rank[:-1])))):
+        return np.arange(len(rank), dtype=_I64)
+    return np.lexsort((index, rank)).astype(_I64)
+
+
+def measured(trace: PrismTrace, rows: np.ndarray) -> Measured:
+    """``duration_ns`` where known (>= 0), else ``end_ns - start_ns`` where both are known."""
+    dur = trace.column("duration_ns").astype(_I64)[rows]
+    start = trace.column("start_ns").astype(_I64)[rows]
+    end = trace.column("end_ns").astype(_I64)[rows]
+    fallback = np.where((start >= 0) & (end >= start), end - start, -1)
+    return Measured(duration_ns=np.where(dur >= 0, dur, fallback), start_ns=start)
+
+
+def check_has_durations(trace: PrismTrace, m: Measured, is_comm: np.ndarray, name: str) -> None:
+    if not len(m.duration_ns):
+        raise CalibrationError(f"graph {name} has no nodes")
+    if not m.known[~is_comm].any() and not m.known[is_comm].any():
+        mode = trace.manifest.get("mode") or "?"
+        raise CalibrationError(
+            f"graph {name} carries no measured durations (mode {mode!r}: every duration_ns, start_ns "
+            f"and end_ns is unknown); calibrate a graph recorded with `prism record` or a timed one, "
+            f"or give the durations with --durations OTHER")
+
+
+def check_same_structure(graph: ReplayGraph, other: PrismTrace, rows: np.ndarray,
+                         names: tuple[str, str] = ("GRAPH", "OTHER")) -> None:
+    """OTHER has the same ranks, node count per rank and op at every position as the graph;
+    else a CalibrationError naming the rank and its first differing node."""
+    a_name, b_name = (f"graph {x}" for x in names)
+    ranks_a = graph.ranks
+    rank_b = other.column("rank").astype(_I64)[rows]
+    ranks_b, counts_b = np.unique(rank_b, return_counts=True)
+    only_a = np.setdiff1d(ranks_a, ranks_b)
+    only_b = np.setdiff1d(ranks_b, ranks_a)
+    if len(only_a) or len(only_b):
+        if len(only_a):
+            r, where, missing = int(only_a[0]), a_name, b_name
+        else:
+            r, where, missing = int(only_b[0]), b_name, a_name
+        raise CalibrationError(
+            f"--durations: {b_name} has another structure than {a_name}: rank {r} has nodes in {where} but none "
+            f"in {missing} ({len(ranks_a)} ranks in one, {len(ranks_b)} in the other); --durations needs a graph of "
+            f"the same program and layout")
+    counts_a = np.diff(graph.off)
+    ops_a = graph.trace.nodes.column("op").take(pa.array(graph.row))
+    ops_b = other.nodes.column("op").take(pa.array(rows))
+    # first differing op per rank, over the common prefix of each rank
+    off_b = np.r_[0, np.cumsum(counts_b)]
+    common = np.minimum(counts_a, counts_b)
+    pos_a = _ranges(graph.off[:-1], common)
+    pos_b = _ranges(off_b[:-1], common)
+    diff = np.zeros(len(pos_a), dtype=bool)
+    if len(pos_a):
+        eq = pc.equal(ops_a.take(pa.array(pos_a)), ops_b.take(pa.array(pos_b)))
+        diff = ~pc.fill_null(eq, False).to_numpy(zero_copy_only=False)
+    bad_rank = np.zeros(len(ranks_a), dtype=bool)
+    first_bad = np.full(len(ranks_a), -1, dtype=_I64)
+    if diff.any():
+        seg = np.repeat(np.arange(len(ranks_a)), common)
+        d = np.flatnonzero(diff)
+        r_of = seg[d]
+        u, first = np.unique(r_of, return_index=True)
+        bad_rank[u] = True
+        first_bad[u] = pos_a[d[first]] - graph.off[u]
+    bad_rank |= counts_a != counts_b
+    if not bad_rank.any():
+        return
+    r = int(np.flatnonzero(bad_rank)[0])
+    rank = int(ranks_a[r])
+    if first_bad[r] >= 0:
+        i = int(first_bad[r])
+        oa = ops_a[int(graph.off[r] + i)].as_py()
+        ob = ops_b[int(off_b[r] + i)].as_py()
+        raise CalibrationError(
+            f"--durations: {b_name} has another structure than {a_name}: rank {rank} node {i} is {oa} in "
+            f"{a_name} but {ob} in {b_name}; --durations needs a graph of the same program and layout")
+    i = int(common[r])
+    raise CalibrationError(
+        f"--durations: {b_name} has another structure than {a_name}: rank {rank} has {int(counts_a[r])} nodes "
+        f"in {a_name} but {int(counts_b[r])} in {b_name} (first differing node {i}: the shorter one ends there); "
+        f"--durations needs a graph of the same program and layout")
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    counts = counts.astype(_I64)
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, dtype=_I64)
+    shift = starts.astype(_I64) - (np.cumsum(counts) - counts)
+    return np.repeat(shift, counts) + np.arange(total, dtype=_I64)
+
+
+# ---------------------------------------------------------------------- durations fed to the replay
+@dataclasses.dataclass
+class Durations:
+    compute_ns: np.ndarray  # per node position (compute nodes read)
+    transfer_ns: np.ndarray  # per instance
+    issue_ns: np.ndarray  # per node position (non-blocking comm nodes read)
+    unknown_compute: int  # compute nodes without a measurement (counted as 0)
+    unknown_transfer: int  # instances with no member measured (counted as 0)
+
+
+def instance_transfer(graph: ReplayGraph, m: Measured, rule: str = "min") -> tuple[np.ndarray, int]:
+    """Transfer time of every instance from its members' measurements: ``min`` (the member that
+    waited least) or ``last`` (the member whose recorded start is latest, the engine's rule).
+    Members without a measurement are ignored; an instance with none gets 0."""
+    ni = graph.num_instances
+    if not ni:
+        return np.zeros(0, dtype=_I64), 0
+    d = m.duration_ns[graph.inst_nodes]
+    cnt = np.diff(graph.inst_ptr)
+    if rule == "min":
+        big = np.iinfo(_I64).max
+        out = np.minimum.reduceat(np.where(d >= 0, d, big), graph.inst_ptr[:-1])
+        out[cnt == 0] = big
+    elif rule == "last":
+        seg = np.repeat(np.arange(ni), cnt)
+        s = np.where(d >= 0, m.start_ns[graph.inst_nodes], np.iinfo(_I64).min)
+        o = np.lexsort((s, seg))
+        out = d[o][graph.inst_ptr[1:] - 1]
+    else:
+        raise ValueError(f"transfer rule {rule!r}: expected one of {', '.join(TRANSFER_RULES)}")
+    unknown = (out < 0) | (out == np.iinfo(_I64).max)
+    return np.where(unknown, 0, out).astype(_I64), int(unknown.sum())
+
+
+def issue_gaps(graph: ReplayGraph, start: np.ndarray) -> np.ndarray:
+    """The host time each non-blocking call held its rank: the gap from its start to the next
+    node's start, 0 before a wait point (whose start also holds the wait) or where unknown.
+    The same rule as ReplayGraph's recorded issue, applied to any start times."""
+    nxt = np.r_[start[1:], -1]
+    same_rank = np.r_[graph.rank_pos[1:] == graph.rank_pos[:-1], False]
+    before_wait = np.r_[np.diff(graph.wait_ptr)[1:] > 0, False]
+    ok = graph.is_comm & ~graph.blocking & same_rank & ~before_wait & (start >= 0) & (nxt >= 0)
+    return np.where(ok, np.maximum(nxt - start, 0), 0).astype(_I64)
+
+
+def durations_for(graph: ReplayGraph, m: Measured, rule: str = "min") -> Durations:
+    compute = np.where(graph.is_comm, 0, np.maximum(m.duration_ns, 0)).astype(_I64)
+    transfer, unknown_t = instance_transfer(graph, m, rule)
+    return Durations(compute_ns=compute, transfer_ns=transfer, issue_ns=issue_gaps(graph, m.start_ns),
+                     unknown_compute=int((~graph.is_comm & ~m.known).sum()), unknown_transfer=unknown_t)
+
+
+# ---------------------------------------------------------------------- solve
+@dataclasses.dataclass
+class Solution:
+    """A solved graph: the replay's result (per node position: start, end, return; per
+    instance: start, end; iteration times) and the durations it was fed."""
+
+    trace: PrismTrace
+    graph: ReplayGraph
+    result: ReplayResult
+    durations: Durations
+    rule: str
+    rounds: int
+    timings_s: dict[str, float]
+    durations_from: str | None = None
+
+
+def solve(trace: PrismTrace, *, durations: PrismTrace | None = None, rule: str = "min",
+          names: tuple[str, str] = ("GRAPH", "OTHER"), validate_graph: bool = True) -> Solution:
+    """Solve ``trace`` with its own measured durations, or with those of ``durations`` (a graph
+    of the same structure)."""
+    if rule not in TRANSFER_RULES:
+        raise CalibrationError(f"transfer rule {rule!r}: expected one of {', '.join(TRANSFER_RULES)}")
+    t = {}
+    t0 = time.perf_counter()
+    if validate_graph:
+        from prismllm.trace.validate import validate
+
+        validate(trace)
+        t["validate"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+    if not trace.num_nodes:
+        raise CalibrationError(f"graph {names[0]} has no nodes")
+    graph = ReplayGraph(trace)
+    t["build"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if durations is None:
+        m = measured(trace, graph.row)
+        check_has_durations(trace, m, graph.is_comm, names[0])
+    else:
+        rows = rank_order(durations)
+        check_same_structure(graph, durations, rows, names)
+        m = measured(durations, rows)
+        check_has_durations(durations, m, graph.is_comm, names[1])
+    d = durations_for(graph, m, rule)
+    t["durations"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rep = Replay(graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)
+    res = rep.run_to_end()
+    t["replay"] = time.perf_counter() - t0
+    return Solution(trace=trace, graph=graph, result=res, durations=d, rule=rule, rounds=rep.rounds, timings_s=t)
+
+
+__all__ = ["CalibrationError", "Durations", "Measured", "Solution", "TRANSFER_RULES", "check_same_structure",
+           "durations_for", "instance_transfer", "issue_gaps", "measured", "rank_order", "solve"]
