@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from prismllm.calibrate.solve import Solution, _ranges
-from prismllm.replay.engine import INST_P2P
+from prismllm.calibrate.solve import Solution
+from prismllm.replay.engine import INST_P2P, _ranges
+
 
 _I64 = np.int64
 

@@ -29,7 +29,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prismllm.errors import PrismError
-from prismllm.replay.engine import Replay, ReplayGraph, ReplayResult
+from prismllm.replay.engine import Replay, ReplayGraph, ReplayResult, _ranges
 from prismllm.trace.graph import PrismTrace
 
 _I64 = np.int64
@@ -145,13 +145,6 @@ def check_same_structure(graph: ReplayGraph, other: PrismTrace, rows: np.ndarray
         f"--durations needs a graph of the same program and layout")
 
 
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    counts = counts.astype(_I64)
-    total = int(counts.sum())
-    if not total:
-        return np.zeros(0, dtype=_I64)
-    shift = starts.astype(_I64) - (np.cumsum(counts) - counts)
-    return np.repeat(shift, counts) + np.arange(total, dtype=_I64)
 
 
 # ---------------------------------------------------------------------- durations fed to the replay
