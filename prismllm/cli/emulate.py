@@ -53,6 +53,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--role", choices=["all", "sandbox", "assistant"], default="all",
                    help="the processes this invocation runs (with --rdzv-endpoint): all, the sandbox "
                         "ranks, or the assistant")
+    p.add_argument("--timing", choices=["auto", "fast", "real"], default="auto",
+                   help="how the virtual ranks are replayed: real (in real time with the graph's calibrated "
+                        "durations, the sandbox's real completions fed back), fast (as fast as dependencies "
+                        "allow, as slice timing does); auto (default): real for a calibrated graph "
+                        "(`prism calibrate --write-graph`: CAL/graph), else fast")
     p.add_argument("--force", action="store_true", help="replace DIR if it holds an emulation")
     p.add_argument("--tee", action="store_true",
                    help="also write each process's stdout/stderr to DIR/logs")
@@ -61,13 +66,36 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+def _ms(ns: int | None) -> str:
+    return "-" if ns is None or ns < 0 else f"{ns / 1e6:.3f} ms"
+
+
+def _print_figures(res) -> None:
+    """Per sandbox rank: measured iteration times and peak memory; beside them the
+    calibration's prediction for all ranks and the virtual ranks' replayed times."""
+    pred = (res.prediction or {}).get("predicted_iteration_ns")
+    for r, m in sorted(res.sandbox_results.items()):
+        its = ", ".join(_ms(t) for t in m["iteration_ns"])
+        mem = m["peak_memory_bytes"]
+        med = m["median_steady_iteration_ns"]
+        line = (f"prism emulate: sandbox rank {r}: iterations [{its}]; median steady {_ms(med)}"
+                + (f"; peak memory {mem:,} B" if mem >= 0 else ""))
+        if pred and med:
+            line += f"; calibrated prediction {_ms(pred)} ({(med - pred) / pred * 100:+.2f} %)"
+        print(line, file=sys.stderr)
+    rep = res.replay or {}
+    if rep.get("median_steady_iteration_ns") is not None:
+        print(f"prism emulate: virtual ranks ({rep['virtual_ranks']}, {res.timing} timing): median steady "
+              f"iteration {_ms(rep['median_steady_iteration_ns'])}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     script_args = program_args(args)
     opts = EmulateOptions(
         graph=args.graph, sandbox=args.sandbox, out=args.out, script=args.script, args=script_args,
         tensors=args.tensors, timeout=args.timeout, force=args.force, tee=args.tee,
         line_prefix=line_prefix(args), check=args.check, devices=args.devices, inputs=args.inputs,
-        rdzv_endpoint=args.rdzv_endpoint, role=args.role,
+        rdzv_endpoint=args.rdzv_endpoint, role=args.role, timing=args.timing,
     )
     try:
         res = emulate(opts)
@@ -87,5 +115,6 @@ def run(args: argparse.Namespace) -> int:
                   + (f"; {c['missing']} not in the store" if c['missing'] else "")
                   + (f"; {c['unfinished']} never finished" if c.get('unfinished') else "")
                   + (f"; {c['errors']} could not be compared" if c.get('errors') else ""), file=sys.stderr)
+    _print_figures(res)
     print(f"prism emulate: done in {res.wall_s:.1f} s; output in {res.out}", file=sys.stderr)
     return 0

@@ -27,6 +27,7 @@ import dataclasses
 import json
 import os
 import re
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,7 @@ from prismllm.errors import PrismError
 RANKLOGS_DIR = "ranklogs"
 RESULT_FILE = "emulate.json"
 PIDS_FILE = "pids.json"
+REPLAY_FILE = "replay.json"  # the assistant's replay of the virtual ranks
 # After the first failure, how long the other processes may take to exit on their own: a
 # sandbox rank that raised closes its sockets before it exits, and the assistant, seeing them
 # close, may exit first; with its own exit status kept, the launcher names the cause.
@@ -83,6 +85,10 @@ class EmulateOptions:
     # invocation runs: "all", "sandbox" (the sandbox ranks) or "assistant".
     rdzv_endpoint: str | None = None
     role: str = "all"
+    # How the assistant replays the virtual ranks: "fast" (as fast as dependencies allow: slice
+    # timing), "real" (in real time with the graph's durations, the sandbox's real completions
+    # fed back: emulation with a calibrated graph), "auto" (real for a calibrated graph, else fast).
+    timing: str = "auto"
 
 
 @dataclasses.dataclass
@@ -94,20 +100,76 @@ class EmulateResult:
     wall_s: float
     launch: LaunchResult
     checks: dict[int, dict] = dataclasses.field(default_factory=dict)  # --check: per sandbox rank
+    timing: str = "fast"
+    sandbox_results: dict[int, dict] = dataclasses.field(default_factory=dict)  # per sandbox rank, see _measured
+    prediction: dict | None = None  # the calibration's, when the graph is a calibrated one
+    replay: dict | None = None  # the assistant's replay of the virtual ranks (replay.json)
 
 
-def _world_size(graph: Path) -> int:
-    """N from the graph's manifest (no need to load the node tables here)."""
+def _manifest(graph: Path) -> dict[str, Any]:
+    """The graph's manifest (no need to load the node tables here), with a valid world_size."""
     mf = graph / MANIFEST_FILE
     if not mf.is_file():
         raise PrismError(f"{graph} holds no graph ({MANIFEST_FILE} missing)")
     try:
-        ws = json.loads(mf.read_text()).get("world_size")
+        manifest = json.loads(mf.read_text())
     except (OSError, ValueError) as e:
         raise PrismError(f"cannot read {mf}: {e}") from None
+    ws = manifest.get("world_size") if isinstance(manifest, dict) else None
     if not isinstance(ws, int) or ws < 1:
         raise PrismError(f"{mf} has no world_size")
-    return ws
+    return manifest
+
+
+def _timing(opts: EmulateOptions, manifest: dict[str, Any], graph: Path) -> str:
+    """The replay timing: "real" needs measured durations (a calibrated, timed or recorded graph)."""
+    mode = manifest.get("mode")
+    if opts.timing == "auto":
+        return "real" if mode == "calibrated" else "fast"
+    if opts.timing not in ("fast", "real"):
+        raise PrismError(f"--timing must be auto, fast or real, not {opts.timing!r}")
+    if opts.timing == "real" and mode not in ("calibrated", "timed", "record"):
+        raise PrismError(f"--timing real replays the graph's durations, and {graph} is a {mode!r} graph "
+                         f"without measured ones: time and calibrate it first (`prism time`, "
+                         f"`prism calibrate --write-graph`) and emulate CAL/graph")
+    return opts.timing
+
+
+def _calibration(graph: Path) -> dict | None:
+    """The calibration's prediction when ``graph`` is CAL/graph of `prism calibrate --write-graph`."""
+    f = graph.parent / "summary.json"
+    try:
+        s = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(s, dict) or s.get("format") != "prism-calibration":
+        return None
+    keys = ("predicted_iteration_ns", "steady_iterations", "world_size", "pipeline_bubble", "busy_fraction")
+    return {"summary": str(f.resolve()), **{k: s.get(k) for k in keys},
+            "iterations": [{"iteration": it.get("iteration"), "predicted_ns": it.get("predicted_ns")}
+                           for it in s.get("iterations", [])]}
+
+
+def _measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
+    """Per sandbox rank, from its rank log: each iteration's time (its own begin to end),
+    the median over the steady ones (all but the first when there are two or more) and the
+    peak device memory (torch.cuda.max_memory_allocated; -1 on CPU)."""
+    from prismllm.trace.ranklog import ranklog_path, read_ranklog
+
+    out = {}
+    for r in sandbox:
+        path = ranklog_path(ranklogs, r)
+        if not path.is_file():
+            continue
+        log = read_ranklog(path)
+        its = sorted((it for it in log.iterations if it.get("end_ns", -1) >= it.get("start_ns", -1) >= 0),
+                     key=lambda it: it["iteration"])
+        times = [int(it["end_ns"] - it["start_ns"]) for it in its]
+        steady = times[1:] if len(times) >= 2 else times
+        med = int(statistics.median(steady)) if steady else None
+        out[r] = {"iterations": [int(it["iteration"]) for it in its], "iteration_ns": times,
+                  "median_steady_iteration_ns": med, "peak_memory_bytes": int(log.peak_memory_bytes)}
+    return out
 
 
 def _endpoint(opts: EmulateOptions) -> tuple[str, int]:
@@ -133,7 +195,12 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
 
     t0 = time.monotonic()
     graph = Path(opts.graph)
-    world = _world_size(graph)
+    manifest = _manifest(graph)
+    world = manifest["world_size"]
+    from prismllm.emulate.fingerprint import check_program
+
+    check_program(manifest, opts.script, opts.args, world)  # a graph of another program: refuse
+    timing = _timing(opts, manifest, graph)
     try:
         if isinstance(opts.sandbox, str):
             sandbox = parse_ranks(opts.sandbox)
@@ -202,7 +269,8 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         env["PRISM_CHECK_TENSORS"] = str(tensors.resolve())
         env["PRISM_CHECK_OUT"] = str(out.resolve())
     env.update(opts.env)
-    aenv = {**common, **gpu_env, "PRISM_INPUTS": opts.inputs,
+    aenv = {**common, **gpu_env, "PRISM_INPUTS": opts.inputs, "PRISM_REPLAY_TIMING": timing,
+            "PRISM_REPLAY_OUT": str((out / REPLAY_FILE).resolve()),
             "PRISM_EMULATE_BACKEND": "nccl" if opts.devices == "cuda" else "gloo"}
     if opts.inputs == "recorded":
         aenv["PRISM_TENSOR_STORE"] = str(tensors.resolve())
@@ -235,6 +303,12 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         if opts.check and f.exists():
             checks[r] = json.loads(f.read_text())
     failure = None if result.ok else _failure(result, sandbox, world)
+    measured = _measured(ranklogs, local)
+    prediction = _calibration(graph)
+    try:
+        replay = json.loads((out / REPLAY_FILE).read_text())
+    except (OSError, ValueError):
+        replay = None
     record: dict[str, Any] = {
         "graph": str(graph.resolve()), "tensors": str(tensors.resolve()) if opts.inputs == "recorded" else None,
         "inputs": opts.inputs, "devices": opts.devices, "world_size": world, "role": opts.role,
@@ -244,7 +318,8 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
                     "out_of_memory" if isinstance(failure, SandboxOutOfMemory) else "failed"),
         "returncodes": {str(r): c for r, c in codes.items()},
         "assistant_returncode": result.returncodes.get(-1), "wall_s": round(wall, 3),
-        "message": "" if failure is None else str(failure), "pids": _pids(result.pids),
+        "message": "" if failure is None else str(failure), "pids": _pids(result.pids), "timing": timing,
+        "sandbox_results": {str(r): m for r, m in measured.items()}, "prediction": prediction, "replay": replay,
     }
     if opts.check:
         record["checks"] = {str(r): c for r, c in checks.items()}
@@ -252,7 +327,8 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
     if failure is not None:
         raise failure
     return EmulateResult(out=out, world_size=world, sandbox=sandbox, returncodes=codes, wall_s=wall,
-                         launch=result, checks=checks)
+                         launch=result, checks=checks, timing=timing, sandbox_results=measured,
+                         prediction=prediction, replay=replay)
 
 
 def _pids(pids: dict[int, int]) -> dict[str, Any]:

@@ -8,7 +8,8 @@ Environment: ``MASTER_ADDR``/``MASTER_PORT`` (the launcher's TCPStore), ``PRISM_
 ``PRISM_INPUTS=generated`` (zeros for the virtual members' inputs), optional
 ``PRISM_TIMEOUT`` (seconds for a small group's creation and ops; default 1800),
 ``PRISM_EMULATE_BACKEND`` (``gloo``, the default, or ``nccl``: the small groups are NCCL and
-the proxy's buffers live on this process's GPU).
+the proxy's buffers live on this process's GPU), ``PRISM_REPLAY_TIMING`` (``fast``, the
+default, or ``real``), ``PRISM_STAGE_AHEAD`` (calls staged ahead per group, default 1).
 
 What it does (docs/emulate.md):
 
@@ -22,12 +23,26 @@ What it does (docs/emulate.md):
    has not made yet would otherwise hold up the group it is making now (seen: a hang in
    about 5 runs out of 6 with one shared client).
 2. It replays the virtual ranks with :class:`~prismllm.replay.engine.Replay`, the sandbox
-   ranks external, "as fast as dependencies allow" (compute, transfer and issue all zero).
-   Each pending external instance (every virtual member arrived) is handed to its group's
-   worker, which issues the proxy's part (``compensate.proxy_call`` from the virtual members'
-   recorded inputs), waits for it and runs the proxy's post step; the main loop then reports
-   the completion to the replay (``external_done`` at the instance's ready time: logical
-   time, zero transfer).
+   ranks external. Each pending external instance (every virtual member arrived) is handed
+   to its group's worker, which issues the proxy's part (``compensate.proxy_call`` from the
+   virtual members' recorded inputs), waits for it and runs the proxy's post step; the main
+   loop then reports the completion to the replay (``external_done``). Two timings:
+
+   - ``fast`` (slice timing): compute, transfer and issue all zero, "as fast as
+     dependencies allow"; a completion is reported at the instance's ready time.
+   - ``real`` (emulation with a calibrated graph): the virtual ranks keep the graph's
+     durations (the calibration's: compute spans, each instance's transfer as the member
+     that waited least measured it, issue gaps; ``prismllm.calibrate.solve.durations_for``)
+     and the replay runs against the wall clock: logical time 0 is pinned when the proxy
+     enters its first call, each later call is entered when the wall clock reaches its
+     ready time, and its real completion time is fed back into the replay, so the virtual
+     ranks go on from when the sandbox really finished (a slow sandbox delays them, as a
+     slow rank delays its peers).
+
+3. Staging: each worker prepares the proxy's buffers of its group's next call(s) (inputs
+   read, reduced and copied to the device; on GPU on a staging stream of its own) while the
+   current call is in flight, and its first call as soon as the small group exists, so a
+   call is entered without preparation on its path.
 
 Per group the proxy issues in the group's call order (seq; point-to-point in the virtual rank's
 program order) and waits for each call before the next: gloo matches collectives by their
@@ -51,6 +66,7 @@ import time
 from datetime import timedelta
 from typing import Any, Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -60,6 +76,9 @@ from prismllm.replay import compensate as C
 from prismllm.replay.engine import ExternalEvent, Replay, ReplayGraph
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import P2P_OPS
+
+
+TIMINGS = ("fast", "real")
 
 
 class AssistantError(PrismError):
@@ -75,6 +94,9 @@ class _Group:
     ranks: list[int]  # global ranks in group-rank order
     pruned: C.Pruned
     jobs: "queue.Queue[ExternalEvent | None]"
+    upcoming: list[int] = dataclasses.field(default_factory=list)  # external instances, call order
+    staged: dict[int, C.SmallCall] = dataclasses.field(default_factory=dict)  # instance -> prepared
+    stream: Any = None  # CUDA stream the staged buffers are written on
     pg: Any = None
     thread: threading.Thread | None = None
 
@@ -98,8 +120,14 @@ class Assistant:
     ``tensors``: the directory of the recorded-tensor store."""
 
     def __init__(self, trace: PrismTrace, sandbox: tuple[int, ...], tensors: str | None, connect: Callable[[], Any],
-                 timeout: timedelta = timedelta(minutes=30), backend: str = "gloo") -> None:
+                 timeout: timedelta = timedelta(minutes=30), backend: str = "gloo", timing: str = "fast",
+                 stage_ahead: int = 1) -> None:
+        if timing not in TIMINGS:
+            raise AssistantError(f"replay timing {timing!r}: expected one of {', '.join(TIMINGS)}")
+        if stage_ahead < 0:
+            raise AssistantError(f"stage ahead {stage_ahead}: expected 0 or more calls")
         self.trace = trace
+        self.timing, self.stage_ahead = timing, stage_ahead
         # "nccl": small groups are NCCL, the proxy's buffers on this process's GPU
         self.backend = backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
@@ -108,18 +136,40 @@ class Assistant:
         self.connect = connect
         self.timeout = timeout
         self.graph = ReplayGraph(trace, external=list(self.sandbox))
-        self.replay = Replay(self.graph, compute="zero", transfer="zero", issue="zero")
+        if timing == "real":  # the calibration's durations (it solved this graph with the same rules)
+            from prismllm.calibrate.solve import durations_for, measured
+
+            d = durations_for(self.graph, measured(trace, self.graph.row))
+            self.replay = Replay(self.graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)
+        else:
+            self.replay = Replay(self.graph, compute="zero", transfer="zero", issue="zero")
+        # the wall clock (perf_counter ns) at logical time 0 of the replay ("real" timing),
+        # pinned by the first call a proxy enters
+        self._origin: int | None = None
+        self._origin_lock = threading.Lock()
         self._stores: dict[int, TensorStore] = {}
         self._zeros: dict[tuple, torch.Tensor] = {}
         self._done: "queue.Queue[tuple[ExternalEvent, BaseException | None]]" = queue.Queue()
         self.groups: dict[int, _Group] = {}
         self.answered = 0
+        self.staged_hits = 0  # calls whose buffers were ready when they came due
         real = set(self.sandbox)
         for gid, info in sorted(trace.group_info().items()):
             ranks = list(info["ranks"])
             mine = tuple(g for g, r in enumerate(ranks) if r in real)
             if 0 < len(mine) < len(ranks):
                 self.groups[gid] = _Group(gid, info["name"], ranks, C.Pruned(len(ranks), mine), queue.Queue())
+        g = self.graph
+        ext = np.flatnonzero(g.inst_external)
+        first = g.inst_nodes[g.inst_ptr[ext]]
+        # each group's external instances in the order its worker serves them (see _order)
+        order = np.lexsort((g.index[first], g.rank_pos[first], np.where(g.inst_kind[ext] == 0, g.inst_seq[ext], 0),
+                            g.inst_kind[ext], g.inst_group[ext]))
+        for i in ext[order]:
+            grp = self.groups.get(int(g.inst_group[i]))
+            if grp is not None:
+                grp.upcoming.append(int(i))
+        self._place = {i: k for grp in self.groups.values() for k, i in enumerate(grp.upcoming)}
         # node columns the proxy's plans read (by trace row, via graph.row)
         cols = trace.nodes.select(["shape", "dtype", "reduce_op", "tag", "in_splits", "out_splits",
                                    "out_bytes"]).to_pydict()
@@ -137,21 +187,23 @@ class Assistant:
                 try:
                     if self.device is not None:  # the worker thread's current device
                         torch.cuda.set_device(self.device)
+                        grp.stream = torch.cuda.Stream(self.device)
                     grp.pg = small_group(self.connect(), grp.name, grp.pruned.proxy, grp.pruned.size,
                                          self.timeout, self.backend)
                 except BaseException as e:  # noqa: BLE001 - reported by the main loop
                     self._done.put((None, AssistantError(f"group {grp.name} {grp.ranks}: could not make the "
-                                                         f"small group with the sandbox: {e}")))
+                                                         f"small group with the sandbox: {e}"), -1))
                     return
+                ev = None
                 while True:
-                    ev = grp.jobs.get()
-                    if ev is None:
-                        return
                     try:
-                        self._serve(grp, ev)
-                        self._done.put((ev, None))
+                        self._stage(grp, -1 if ev is None else None)  # the first call, before it is due
+                        ev = grp.jobs.get()
+                        if ev is None:
+                            return
+                        self._done.put((ev, None, self._serve(grp, ev)))
                     except BaseException as e:  # noqa: BLE001
-                        self._done.put((ev, e))
+                        self._done.put((ev, e, -1))
                         return
             grp.thread = threading.Thread(target=work, daemon=True, name=f"prism-proxy-{grp.name}")
             grp.thread.start()
@@ -176,7 +228,10 @@ class Assistant:
             z = self._zeros.get(key)
             if z is None:
                 dt = dtype_from_name(key[1]) if key[1] else torch.uint8
-                z = self._zeros[key] = torch.zeros(key[0], dtype=dt)
+                z = torch.zeros(key[0], dtype=dt, device=self.device)
+                if self.device is not None:  # filled before another group's stream reads it
+                    torch.cuda.current_stream(self.device).synchronize()
+                z = self._zeros.setdefault(key, z)
             return z
         ts = self._store(rank).get(grp.name, grp.ranks, op, seq, peer, io="in")
         if not ts:
@@ -236,15 +291,64 @@ class Assistant:
                                      dtype=dtype), ins
         raise AssistantError(f"{g.describe(p0)}: {op} is not supported in emulation yet")
 
-    def _serve(self, grp: _Group, ev: ExternalEvent) -> None:
-        """Issue the proxy's part of ``ev`` on the small group, wait, run its post step."""
+    def _event(self, inst: int) -> ExternalEvent:
+        """An external instance as the plan needs it (its virtual members' nodes and op), before
+        the replay made it pending (for staging)."""
+        g = self.graph
+        return ExternalEvent(instance=inst, ready_ns=-1, op=g.op_names[g.inst_op[inst]], group=int(g.inst_group[inst]),
+                             virtual_ranks=(), external_ranks=(),
+                             nodes=tuple(int(x) for x in g.inst_nodes[g.inst_ptr[inst]:g.inst_ptr[inst + 1]]))
+
+    def _prepare(self, grp: _Group, ev: ExternalEvent) -> C.SmallCall:
         p, ins = self.plan(grp, ev)
-        call = C.proxy_call(p, ins, self.device)
-        for w in C.issue(grp.pg, call):
+        if grp.stream is None:
+            return C.proxy_call(p, ins, self.device)
+        with torch.cuda.stream(grp.stream):
+            return C.proxy_call(p, ins, self.device)
+
+    def _stage(self, grp: _Group, after: int | None) -> None:
+        """Prepare the proxy's buffers of the group's next ``stage_ahead`` calls after the
+        instance ``after`` (-1: from the first); drop what was staged for calls before it."""
+        if after is None or not self.stage_ahead:
+            return
+        k = self._place[after] if after >= 0 else -1
+        for i in [i for i in grp.staged if self._place[i] <= k]:
+            del grp.staged[i]
+        for i in grp.upcoming[k + 1:k + 1 + self.stage_ahead]:
+            if i not in grp.staged:
+                grp.staged[i] = self._prepare(grp, self._event(i))
+
+    def _now(self) -> int:
+        return time.perf_counter_ns()
+
+    def _serve(self, grp: _Group, ev: ExternalEvent) -> int:
+        """Enter the proxy's part of ``ev`` on the small group (with "real" timing: when the
+        wall clock reaches its ready time), prepare the next call while it is in flight, wait,
+        run its post step. Returns the logical time the call completed ("fast": its ready time)."""
+        call = grp.staged.pop(ev.instance, None)
+        if call is None:
+            call = self._prepare(grp, ev)
+        else:
+            self.staged_hits += 1  # one worker per group: += under the GIL is enough for a count
+        if grp.stream is not None:  # the NCCL op (after the current stream) reads what staging wrote
+            torch.cuda.current_stream(self.device).wait_stream(grp.stream)
+        if self.timing == "real":
+            with self._origin_lock:
+                if self._origin is None:
+                    self._origin = self._now() - ev.ready_ns
+            delay = self._origin + ev.ready_ns - self._now()
+            if delay > 0:
+                time.sleep(delay / 1e9)
+        works = C.issue(grp.pg, call)
+        self._stage(grp, ev.instance)
+        for w in works:
             w.wait()
         call.finish()
         if self.device is not None:  # done on the device before the replay hears of it
             torch.cuda.current_stream(self.device).synchronize()
+        if self.timing == "real":
+            return max(ev.ready_ns, self._now() - self._origin)
+        return ev.ready_ns
 
     # ------------------------------------------------------------------ the loop
     def _order(self, ev: ExternalEvent) -> tuple:
@@ -273,7 +377,7 @@ class Assistant:
                 inflight += 1
             if st.finished:
                 break
-            ev, err = self._done.get()
+            ev, err, end = self._done.get()
             while True:
                 if err is not None:
                     if isinstance(err, PrismError) or ev is None:
@@ -281,14 +385,32 @@ class Assistant:
                     raise AssistantError(f"{self.graph.describe(ev.nodes[0])}: the proxy's call "
                                          f"failed: {err}") from err
                 inflight -= 1
-                rep.external_done(ev.instance, ev.ready_ns)
+                rep.external_done(ev.instance, end)
                 self.answered += 1
                 try:
-                    ev, err = self._done.get_nowait()
+                    ev, err, end = self._done.get_nowait()
                 except queue.Empty:
                     break
         for grp in self.groups.values():
             grp.jobs.put(None)
+
+
+    def write_result(self, path: str) -> None:
+        """The virtual ranks' iteration times as the replay ran them (``real`` timing: with
+        the sandbox's real completions fed back), as JSON."""
+        import json
+
+        res = self.replay.result()
+        its = self.graph.iterations
+        doc = {"timing": self.timing, "virtual_ranks": len(self.graph.ranks),
+               "iterations": [int(k) for k in its], "iteration_ns": [int(x) for x in res.iteration_ns],
+               "steady_iterations": [int(k) for k in res.steady_iterations],
+               "median_steady_iteration_ns": res.predicted_iteration_ns, "answered": self.answered,
+               "staged_ahead": self.staged_hits}
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
 
 
 def main() -> int:
@@ -322,8 +444,15 @@ def main() -> int:
         if backend == "nccl" and not torch.cuda.is_available():
             raise AssistantError("PRISM_EMULATE_BACKEND=nccl but this assistant sees no GPU")
         store = os.environ["PRISM_TENSOR_STORE"] if inputs == "recorded" else None
-        a = Assistant(trace, sandbox, store, connect, timeout, backend)
+        timing = os.environ.get("PRISM_REPLAY_TIMING", "fast")
+        try:
+            ahead = int(os.environ.get("PRISM_STAGE_AHEAD", "1"))
+        except ValueError:
+            raise AssistantError(f"PRISM_STAGE_AHEAD={os.environ['PRISM_STAGE_AHEAD']!r}: expected a number of calls") from None
+        a = Assistant(trace, sandbox, store, connect, timeout, backend, timing, ahead)
         a.run()
+        if os.environ.get("PRISM_REPLAY_OUT"):
+            a.write_result(os.environ["PRISM_REPLAY_OUT"])
     except (PrismError, ValueError, OSError, RuntimeError) as e:
         print(f"prism assistant: error: {e}", file=sys.stderr, flush=True)
         return 1
@@ -335,8 +464,8 @@ def main() -> int:
     if a.device is not None:  # the whole device as this process uses it: context, NCCL, tensors
         free, total = torch.cuda.mem_get_info(a.device)
         gpu = f", GPU memory in use {(total - free) / 2**20:.0f} MiB"
-    print(f"prism assistant: replayed {len(virt)} virtual rank(s) ({a.graph.num_nodes} nodes), answered "
-          f"{a.answered} collective(s) with the sandbox on {len(a.groups)} group(s) in "
+    print(f"prism assistant: replayed {len(virt)} virtual rank(s) ({a.graph.num_nodes} nodes, {a.timing} timing), answered "
+          f"{a.answered} collective(s) with the sandbox ({a.staged_hits} staged ahead) on {len(a.groups)} group(s) in "
           f"{time.monotonic() - t0:.1f} s; peak RSS {rss / 2**20:.0f} MiB{gpu}", flush=True)
     return 0
 

@@ -1,0 +1,109 @@
+"""`prism emulate --timing real`: the assistant replays the virtual ranks in real time with the
+graph's durations and feeds the sandbox's real completions back (the emulation stage with a
+calibrated graph), and stages the proxy's next call while the current one is in flight.
+
+The check that real timing is real: a copy of a recorded PP2 graph whose virtual rank 0 is
+made slow (every compute span 15 ms) must slow the sandbox rank 1 down to about the solved
+iteration time of that graph, while fast timing (as fast as dependencies allow) must not;
+the numbers the sandbox computes stay the real run's either way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from prismllm.calibrate.solve import solve
+from prismllm.emulate import EmulateOptions, emulate
+from prismllm.errors import PrismError
+from prismllm.trace.graph import PrismTrace
+
+ROOT = Path(__file__).resolve().parents[1]
+PRISM = str(Path(sys.executable).with_name("prism"))
+GPT3D = str(ROOT / "examples" / "gpt3d.py")
+ARGS = ["--pp", "2", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
+        "--micro-batch", "1", "--global-batch", "4", "--iters", "3"]
+SLOW_NS = 15_000_000  # each compute span of the slowed virtual rank
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory) -> tuple[Path, list[dict]]:
+    out = tmp_path_factory.mktemp("realtime") / "real"
+    log = out.with_suffix(".json")
+    proc = subprocess.run([PRISM, "record", "--nproc", "2", "--devices", "cpu", "--out", str(out), "--save-tensors",
+                           "all,inputs", "--timeout", "120", "--", GPT3D, *ARGS, "--json-log", str(log)],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, json.loads(log.read_text())
+
+
+@pytest.fixture(scope="module")
+def slowed(recorded, tmp_path_factory) -> tuple[Path, int]:
+    """The recorded graph with rank 0's compute spans set to SLOW_NS, and its solved iteration time."""
+    real, _ = recorded
+    t = PrismTrace.load(real)
+    nodes = t.nodes
+    rank = nodes.column("rank").to_numpy()
+    compute = np.array([k != "comm" for k in nodes.column("kind").to_pylist()])
+    dur = nodes.column("duration_ns").to_numpy().copy()
+    dur[(rank == 0) & compute] = SLOW_NS
+    i = nodes.schema.get_field_index("duration_ns")
+    t.nodes = nodes.set_column(i, nodes.schema.field(i), pa.array(dur, type=nodes.schema.field(i).type))
+    out = tmp_path_factory.mktemp("realtime") / "slow"
+    t.save(out)
+    predicted = solve(PrismTrace.load(out)).result.predicted_iteration_ns
+    return out, predicted
+
+
+def run(graph: Path, tensors: Path, out: Path, timing: str, env: dict | None = None):
+    return emulate(EmulateOptions(graph=graph, sandbox="1", out=out, script=GPT3D,
+                                  args=[*ARGS, "--json-log", str(out.with_suffix(".json"))], tensors=tensors,
+                                  timeout=240, timing=timing, env=env or {}))
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for r in json.loads(out.with_suffix(".json").read_text())]
+
+
+def test_real_timing_follows_the_graph_durations(recorded, slowed, tmp_path):
+    real, real_log = recorded
+    graph, predicted = slowed
+    assert predicted > 8 * SLOW_NS  # the slowed rank dominates: ~2 x 4 micro-batches of compute
+    res = run(graph, real / "tensors", tmp_path / "real", "real")
+    assert res.timing == "real"
+    med = res.sandbox_results[1]["median_steady_iteration_ns"]
+    # the sandbox waits for the slow virtual rank as for a real one (real completions fed back)
+    assert 0.85 * predicted < med < 1.5 * predicted, (med, predicted)
+    replay = res.replay
+    assert replay["timing"] == "real" and replay["staged_ahead"] > 0
+    assert 0.85 * predicted < replay["median_steady_iteration_ns"] < 1.5 * predicted
+    assert losses(tmp_path / "real") == [r["loss"] for r in real_log]
+
+    fast = run(graph, real / "tensors", tmp_path / "fast", "fast")
+    assert fast.timing == "fast"
+    assert fast.sandbox_results[1]["median_steady_iteration_ns"] < 0.5 * predicted
+    assert losses(tmp_path / "fast") == [r["loss"] for r in real_log]
+
+
+def test_staging_off_gives_the_same_numbers(recorded, tmp_path):
+    real, real_log = recorded
+    res = run(real, real / "tensors", tmp_path / "nostage", "fast", env={"PRISM_STAGE_AHEAD": "0"})
+    assert res.replay["staged_ahead"] == 0 and res.replay["answered"] > 0
+    assert losses(tmp_path / "nostage") == [r["loss"] for r in real_log]
+
+
+def test_real_timing_needs_durations(recorded, tmp_path):
+    real, _ = recorded
+    bare = tmp_path / "bare"
+    t = PrismTrace.load(real)
+    t.manifest = {**t.manifest, "mode": "solo"}
+    t.save(bare)
+    with pytest.raises(PrismError, match="without measured ones: time and calibrate it first"):
+        run(bare, real / "tensors", tmp_path / "out", "real")
