@@ -146,6 +146,7 @@ class Assistant:
         # the wall clock (perf_counter ns) at logical time 0 of the replay ("real" timing),
         # pinned by the first call a proxy enters
         self._origin: int | None = None
+        self._issue_ns = 0  # how long entering a call on a small group takes (running mean)
         self._origin_lock = threading.Lock()
         self._stores: dict[int, TensorStore] = {}
         self._zeros: dict[tuple, torch.Tensor] = {}
@@ -336,10 +337,14 @@ class Assistant:
             with self._origin_lock:
                 if self._origin is None:
                     self._origin = self._now() - ev.ready_ns
-            delay = self._origin + ev.ready_ns - self._now()
+            # enter early by what entering costs (the Python call and the launch), so that the
+            # op starts on the link when the virtual members would have arrived
+            delay = self._origin + ev.ready_ns - self._issue_ns - self._now()
             if delay > 0:
                 time.sleep(delay / 1e9)
+        t0 = self._now()
         works = C.issue(grp.pg, call)
+        self._issue_ns += (self._now() - t0 - self._issue_ns) // 8  # running mean (shared: a rough figure)
         self._stage(grp, ev.instance)
         for w in works:
             w.wait()
