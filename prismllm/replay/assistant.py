@@ -23,34 +23,41 @@ What it does (docs/emulate.md):
    has not made yet would otherwise hold up the group it is making now (seen: a hang in
    about 5 runs out of 6 with one shared client).
 2. It replays the virtual ranks with :class:`~prismllm.replay.engine.Replay`, the sandbox
-   ranks external. Each pending external instance (every virtual member arrived) is handed
-   to its group's worker, which issues the proxy's part (``compensate.proxy_call`` from the
-   virtual members' recorded inputs), waits for it and runs the proxy's post step; the main
-   loop then reports the completion to the replay (``external_done``). Two timings:
+   ranks external, and never waits there for a real call: an instance with the sandbox is
+   completed in the replay as soon as its virtual members have all arrived, at a planned
+   end, so the whole schedule of calls with the sandbox is known at once. Each call is handed
+   to its group's worker, which enters the proxy's part (``compensate.proxy_call`` from the
+   virtual members' recorded or generated inputs); a completer thread per group waits for
+   the calls in order and runs the proxy's post steps. Two timings:
 
    - ``fast`` (slice timing): compute, transfer and issue all zero, "as fast as
-     dependencies allow"; a completion is reported at the instance's ready time.
+     dependencies allow": planned end = ready time; the worker enters its calls back to
+     back (at most ``IN_FLIGHT`` outstanding), so the proxy is always there before the
+     sandbox and the sandbox measures its calls as the last member to arrive would.
    - ``real`` (emulation with a calibrated graph): the virtual ranks keep the graph's
      durations (the calibration's: compute spans, each instance's transfer as the member
-     that waited least measured it, issue gaps; ``prismllm.calibrate.solve.durations_for``)
-     and the replay runs against the wall clock: logical time 0 is pinned when the proxy
-     enters its first call, each later call is entered when the wall clock reaches its
-     ready time, and its real completion time is fed back into the replay, so the virtual
-     ranks go on from when the sandbox really finished (a slow sandbox delays them, as a
-     slow rank delays its peers).
+     that waited least measured it, issue gaps; ``prismllm.calibrate.solve.durations_for``);
+     planned end = where the solve of the whole graph (the sandbox ranks with their calibrated
+     times too) ends the instance. The worker enters each
+     call when the wall clock reaches its ready time (logical time 0 is pinned by the first
+     call), less what entering costs; each real completion moves the clock of every later
+     call by how late (or early) it came against its planned end, so a sandbox slower than
+     the calibrated graph delays its virtual peers, as a slow rank delays its real ones.
+     (A model choice: one shift for all virtual ranks, not a re-solve of who depends on it.)
 
 3. Staging: each worker prepares the proxy's buffers of its group's next call(s) (inputs
    read, reduced and copied to the device; on GPU on a staging stream of its own) while the
    current call is in flight, and its first call as soon as the small group exists, so a
    call is entered without preparation on its path.
 
-Per group the proxy issues in the group's call order (seq; point-to-point in the virtual rank's
-program order) and waits for each call before the next: gloo matches collectives by their
-order on a group, and the sandbox issues them in that same order. Calls on different groups
-run concurrently (one worker each), so a sandbox rank that waits on group A while an op on
+Per group the proxy enters calls in the group's call order (seq; point-to-point in the
+virtual rank's program order; the ops of one coalesced batch together, in one NCCL group as
+the sandbox's ``batch_isend_irecv`` does): gloo and NCCL match collectives by their order on
+a group, and the sandbox issues them in that same order. Calls on different groups run
+concurrently (one worker each), so a sandbox rank that waits on group A while an op on
 group B is outstanding does not deadlock the assistant.
 
-It ends when the replay has finished (every virtual node ran, every instance completed);
+It ends when every call with the sandbox completed for real;
 exit status 0, or 1 with one line ``prism assistant: error: ...``.
 """
 
@@ -79,6 +86,7 @@ from prismllm.trace.schema import P2P_OPS
 
 
 TIMINGS = ("fast", "real")
+IN_FLIGHT = 16  # calls a proxy may have entered on a group and not seen complete
 
 
 class AssistantError(PrismError):
@@ -93,12 +101,21 @@ class _Group:
     name: str
     ranks: list[int]  # global ranks in group-rank order
     pruned: C.Pruned
-    jobs: "queue.Queue[ExternalEvent | None]"
+    jobs: "queue.Queue[list[_Job] | None]"
     upcoming: list[int] = dataclasses.field(default_factory=list)  # external instances, call order
     staged: dict[int, C.SmallCall] = dataclasses.field(default_factory=dict)  # instance -> prepared
     stream: Any = None  # CUDA stream the staged buffers are written on
     pg: Any = None
     thread: threading.Thread | None = None
+
+
+@dataclasses.dataclass
+class _Job:
+    """One external instance handed to its group's worker, with the logical time the replay
+    completed it at (``fast``: its ready time; ``real``: the whole graph's solved end)."""
+
+    event: ExternalEvent
+    end_ns: int
 
 
 class _Inputs:
@@ -137,23 +154,34 @@ class Assistant:
         self.timeout = timeout
         self.graph = ReplayGraph(trace, external=list(self.sandbox))
         if timing == "real":  # the calibration's durations (it solved this graph with the same rules)
-            from prismllm.calibrate.solve import durations_for, measured
+            from prismllm.calibrate.solve import durations_for, measured, solve
 
             d = durations_for(self.graph, measured(trace, self.graph.row))
             self.replay = Replay(self.graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)
+            # the planned end of each instance with the sandbox: where the solve of the whole
+            # graph (sandbox ranks with their calibrated times) ends it
+            sol = solve(trace, validate_graph=False)
+            full = sol.graph
+            pos = np.empty(trace.num_nodes, dtype=np.int64)
+            pos[full.row] = np.arange(full.num_nodes)
+            first = self.graph.inst_nodes[self.graph.inst_ptr[:-1]]
+            self._planned_end = sol.result.instance_end_ns[full.inst_of[pos[self.graph.row[first]]]]
         else:
             self.replay = Replay(self.graph, compute="zero", transfer="zero", issue="zero")
         # the wall clock (perf_counter ns) at logical time 0 of the replay ("real" timing),
         # pinned by the first call a proxy enters
         self._origin: int | None = None
+        self._first: _Job | None = None  # the earliest call with the sandbox (real timing)
+        self._pinned = threading.Event()  # set once its completion pinned the origin
+        self._drift = 0  # ns the sandbox's real completions moved the schedule by (real timing)
         self._issue_ns = 0  # how long entering a call on a small group takes (running mean)
-        self._origin_lock = threading.Lock()
         self._stores: dict[int, TensorStore] = {}
         self._zeros: dict[tuple, torch.Tensor] = {}
-        self._done: "queue.Queue[tuple[ExternalEvent, BaseException | None]]" = queue.Queue()
+        self._done: "queue.Queue[tuple[_Group, BaseException | None]]" = queue.Queue()  # workers' ends
         self.groups: dict[int, _Group] = {}
         self.answered = 0
         self.staged_hits = 0  # calls whose buffers were ready when they came due
+        self.completed = 0  # calls the sandbox and the proxies completed for real
         real = set(self.sandbox)
         for gid, info in sorted(trace.group_info().items()):
             ranks = list(info["ranks"])
@@ -180,34 +208,109 @@ class Assistant:
 
     # ------------------------------------------------------------------ groups
     def start(self) -> None:
-        """Start one worker per pruned group; each first makes its side of the small group."""
+        """Start one worker per pruned group; each first makes its side of the small group,
+        then enters the group's calls as :meth:`run` hands them over (see :meth:`_work`)."""
+        for grp in self.groups.values():
+            grp.thread = threading.Thread(target=self._work, args=(grp,), daemon=True, name=f"prism-proxy-{grp.name}")
+            grp.thread.start()
+
+    def _work(self, grp: _Group) -> None:
+        """A group's worker: enter each job (a call, or the calls of one coalesced batch) on the
+        small group in order, without waiting for the one before (a completer thread waits, at
+        most ``IN_FLIGHT`` calls behind); ``real`` timing: not before its wall-clock time."""
         from prismllm.comm.emulate import small_group
 
-        for grp in self.groups.values():
-            def work(grp: _Group = grp) -> None:
-                try:
-                    if self.device is not None:  # the worker thread's current device
-                        torch.cuda.set_device(self.device)
-                        grp.stream = torch.cuda.Stream(self.device)
-                    grp.pg = small_group(self.connect(), grp.name, grp.pruned.proxy, grp.pruned.size,
-                                         self.timeout, self.backend)
-                except BaseException as e:  # noqa: BLE001 - reported by the main loop
-                    self._done.put((None, AssistantError(f"group {grp.name} {grp.ranks}: could not make the "
-                                                         f"small group with the sandbox: {e}"), -1))
-                    return
-                ev = None
-                while True:
-                    try:
-                        self._stage(grp, -1 if ev is None else None)  # the first call, before it is due
-                        ev = grp.jobs.get()
-                        if ev is None:
-                            return
-                        self._done.put((ev, None, self._serve(grp, ev)))
-                    except BaseException as e:  # noqa: BLE001
-                        self._done.put((ev, e, -1))
-                        return
-            grp.thread = threading.Thread(target=work, daemon=True, name=f"prism-proxy-{grp.name}")
-            grp.thread.start()
+        inflight: "queue.Queue[tuple[list[_Job], list[C.SmallCall], list] | None]" = queue.Queue(IN_FLIGHT)
+        completer = None
+        try:
+            if self.device is not None:  # the worker thread's current device
+                torch.cuda.set_device(self.device)
+                grp.stream = torch.cuda.Stream(self.device)
+            try:
+                grp.pg = small_group(self.connect(), grp.name, grp.pruned.proxy, grp.pruned.size, self.timeout,
+                                     self.backend)
+            except BaseException as e:  # noqa: BLE001
+                raise AssistantError(f"group {grp.name} {grp.ranks}: could not make the small group with the "
+                                     f"sandbox: {e}") from e
+            completer = threading.Thread(target=self._complete, args=(grp, inflight), daemon=True,
+                                         name=f"prism-done-{grp.name}")
+            completer.start()
+            self._stage(grp, -1)  # the first call, before it is due
+            while True:
+                jobs = grp.jobs.get()
+                if jobs is None:
+                    break
+                calls = [self._staged_or_prepared(grp, j.event) for j in jobs]
+                if grp.stream is not None:  # the NCCL op (after the current stream) reads what staging wrote
+                    torch.cuda.current_stream(self.device).wait_stream(grp.stream)
+                if self.timing == "real":
+                    self._wait_until(jobs[0])
+                t0 = self._now()
+                works = C.issue(grp.pg, calls[0]) if len(calls) == 1 else C.issue_batch(grp.pg, calls)
+                self._issue_ns += (self._now() - t0 - self._issue_ns) // 8  # running mean (a rough figure)
+                inflight.put((jobs, calls, works))  # blocks while IN_FLIGHT calls are outstanding
+                self._stage(grp, jobs[-1].event.instance)
+                if self.timing == "real":
+                    # the group's next call waits for this one's real end: a virtual rank cannot
+                    # go on before the op it is in completes, and the drift must include it
+                    inflight.join()
+        except BaseException as e:  # noqa: BLE001 - reported by the main loop
+            self._done.put((grp, e))
+            return
+        inflight.put(None)
+        completer.join()
+        self._done.put((grp, None))
+
+    def _complete(self, grp: _Group, inflight: "queue.Queue") -> None:
+        """Wait for a group's calls in order; run their post steps; with ``real`` timing, move
+        the replay's clock by how late (or early) the call really completed."""
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
+        while True:
+            item = inflight.get()
+            if item is None:
+                return
+            jobs, calls, works = item
+            try:
+                self._finish(grp, jobs, calls, works)
+            except BaseException as e:  # noqa: BLE001
+                self._done.put((grp, AssistantError(f"{self.graph.describe(jobs[0].event.nodes[0])}: the proxy's "
+                                                    f"call failed: {e}")))
+                return
+            finally:
+                inflight.task_done()
+
+    def _finish(self, grp: _Group, jobs: list[_Job], calls: list[C.SmallCall], works: list) -> None:
+        """Wait for one entered job, run its post steps; ``real`` timing: pin or move the clock."""
+        for w in works:
+            w.wait()
+        for c in calls:
+            c.finish()
+        if self.device is not None:  # done on the device, as this thread's stream now waits on it
+            torch.cuda.current_stream(self.device).synchronize()
+        if self.timing == "real":
+            if jobs[0] is self._first:  # the sandbox's first call: logical time meets the wall clock
+                self._origin = self._now() - jobs[-1].end_ns
+                self._pinned.set()
+            else:
+                # the virtual ranks' later calls move by what this one's real end says: the
+                # replay planned it to end at ``end_ns``; a sandbox that is slower than the
+                # calibrated graph delays them, a faster one lets them go earlier
+                self._drift = self._now() - self._origin - jobs[-1].end_ns
+        self.completed += len(calls)
+
+    def _wait_until(self, job: _Job) -> None:
+        """Sleep until the wall clock reaches the job's logical ready time (moved by the drift),
+        less what entering a call costs, so the op starts on the link then. The earliest call
+        of all is entered at once: its real completion pins logical time to the wall clock
+        (``_complete``), and every other call waits for that."""
+        if job is self._first:
+            return
+        self._pinned.wait()
+        ready_ns = job.event.ready_ns
+        delay = self._origin + ready_ns + self._drift - self._issue_ns - self._now()
+        if delay > 0:
+            time.sleep(delay / 1e9)
 
     # ------------------------------------------------------------------ one call
     def _store(self, rank: int) -> TensorStore:
@@ -322,38 +425,12 @@ class Assistant:
     def _now(self) -> int:
         return time.perf_counter_ns()
 
-    def _serve(self, grp: _Group, ev: ExternalEvent) -> int:
-        """Enter the proxy's part of ``ev`` on the small group (with "real" timing: when the
-        wall clock reaches its ready time), prepare the next call while it is in flight, wait,
-        run its post step. Returns the logical time the call completed ("fast": its ready time)."""
+    def _staged_or_prepared(self, grp: _Group, ev: ExternalEvent) -> C.SmallCall:
         call = grp.staged.pop(ev.instance, None)
         if call is None:
-            call = self._prepare(grp, ev)
-        else:
-            self.staged_hits += 1  # one worker per group: += under the GIL is enough for a count
-        if grp.stream is not None:  # the NCCL op (after the current stream) reads what staging wrote
-            torch.cuda.current_stream(self.device).wait_stream(grp.stream)
-        if self.timing == "real":
-            with self._origin_lock:
-                if self._origin is None:
-                    self._origin = self._now() - ev.ready_ns
-            # enter early by what entering costs (the Python call and the launch), so that the
-            # op starts on the link when the virtual members would have arrived
-            delay = self._origin + ev.ready_ns - self._issue_ns - self._now()
-            if delay > 0:
-                time.sleep(delay / 1e9)
-        t0 = self._now()
-        works = C.issue(grp.pg, call)
-        self._issue_ns += (self._now() - t0 - self._issue_ns) // 8  # running mean (shared: a rough figure)
-        self._stage(grp, ev.instance)
-        for w in works:
-            w.wait()
-        call.finish()
-        if self.device is not None:  # done on the device before the replay hears of it
-            torch.cuda.current_stream(self.device).synchronize()
-        if self.timing == "real":
-            return max(ev.ready_ns, self._now() - self._origin)
-        return ev.ready_ns
+            return self._prepare(grp, ev)
+        self.staged_hits += 1  # one worker per group: += under the GIL is enough for a count
+        return call
 
     # ------------------------------------------------------------------ the loop
     def _order(self, ev: ExternalEvent) -> tuple:
@@ -364,41 +441,48 @@ class Assistant:
         return (ev.group, 0, int(self.graph.seq[p]), 0)
 
     def run(self) -> None:
-        """Replay to the end, answering every external instance for real."""
+        """Plan every call with the sandbox, hand it to its group's worker, wait for the workers.
+
+        The replay never waits for a real call: an external instance is completed in the replay
+        when its virtual members have all arrived, at its ready time (``fast``), or at the end
+        the solve of the whole calibrated graph gives it (``real``). So the whole schedule is known before the sandbox reaches its first call,
+        and each worker enters its group's calls back to back (``fast``), or each at its time
+        (``real``), where the sandbox's real completions move the clock (``_complete``)."""
         self.start()
         rep = self.replay
-        handed: set[int] = set()
-        inflight = 0
+        g = self.graph
+        plan: list[list[_Job]] = []
         while True:
             st = rep.advance()
-            new = sorted((ev for ev in st.pending if ev.instance not in handed), key=self._order)
-            for ev in new:
+            batches: dict[tuple, list[_Job]] = {}
+            for ev in sorted(st.pending, key=self._order):
                 grp = self.groups.get(ev.group)
                 if grp is None:
-                    raise AssistantError(f"{self.graph.describe(ev.nodes[0])}: its group has no small "
-                                         f"group with the sandbox")
-                handed.add(ev.instance)
-                grp.jobs.put(ev)
-                inflight += 1
-            if st.finished:
-                break
-            ev, err, end = self._done.get()
-            while True:
-                if err is not None:
-                    if isinstance(err, PrismError) or ev is None:
-                        raise err
-                    raise AssistantError(f"{self.graph.describe(ev.nodes[0])}: the proxy's call "
-                                         f"failed: {err}") from err
-                inflight -= 1
+                    raise AssistantError(f"{g.describe(ev.nodes[0])}: its group has no small group with the sandbox")
+                end = ev.ready_ns if self.timing == "fast" else max(ev.ready_ns, int(self._planned_end[ev.instance]))
+                b = int(g.batch_of[ev.nodes[0]]) if ev.op in P2P_OPS else -1
+                # the point-to-point ops of one coalesced batch are entered together (one NCCL
+                # group on both sides: ops posted one by one could wait on each other)
+                batches.setdefault((ev.group, b) if b >= 0 else (ev.group, -1, ev.instance), []).append(_Job(ev, end))
                 rep.external_done(ev.instance, end)
                 self.answered += 1
-                try:
-                    ev, err, end = self._done.get_nowait()
-                except queue.Empty:
-                    break
+            plan.extend(batches[k] for k in sorted(batches, key=lambda k: self._order(batches[k][0].event)))
+            if st.finished:
+                break
+        if plan:
+            self._first = min((jobs[0] for jobs in plan), key=lambda j: (j.event.ready_ns, j.event.instance))
+        for jobs in plan:
+            self.groups[jobs[0].event.group].jobs.put(jobs)
         for grp in self.groups.values():
             grp.jobs.put(None)
-
+        left = len(self.groups)
+        while left:
+            grp, err = self._done.get()
+            if err is not None:
+                if isinstance(err, PrismError):
+                    raise err
+                raise AssistantError(f"group {grp.name} {grp.ranks}: {err}") from err
+            left -= 1
 
     def write_result(self, path: str) -> None:
         """The virtual ranks' iteration times as the replay ran them (``real`` timing: with
@@ -411,7 +495,7 @@ class Assistant:
                "iterations": [int(k) for k in its], "iteration_ns": [int(x) for x in res.iteration_ns],
                "steady_iterations": [int(k) for k in res.steady_iterations],
                "median_steady_iteration_ns": res.predicted_iteration_ns, "answered": self.answered,
-               "staged_ahead": self.staged_hits}
+               "staged_ahead": self.staged_hits, "completed": self.completed}
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
