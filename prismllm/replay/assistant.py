@@ -86,7 +86,7 @@ from prismllm.trace.schema import P2P_OPS
 
 
 TIMINGS = ("fast", "real")
-IN_FLIGHT = 16  # calls a proxy may have entered on a group and not seen complete
+IN_FLIGHT = 16  # calls a proxy may have entered on a group and not seen complete (PRISM_IN_FLIGHT)
 
 
 class AssistantError(PrismError):
@@ -145,6 +145,7 @@ class Assistant:
             raise AssistantError(f"stage ahead {stage_ahead}: expected 0 or more calls")
         self.trace = trace
         self.timing, self.stage_ahead = timing, stage_ahead
+        self.in_flight = max(1, int(os.environ.get("PRISM_IN_FLIGHT", IN_FLIGHT)))
         # "nccl": small groups are NCCL, the proxy's buffers on this process's GPU
         self.backend = backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
@@ -220,12 +221,16 @@ class Assistant:
         most ``IN_FLIGHT`` calls behind); ``real`` timing: not before its wall-clock time."""
         from prismllm.comm.emulate import small_group
 
-        inflight: "queue.Queue[tuple[list[_Job], list[C.SmallCall], list] | None]" = queue.Queue(IN_FLIGHT)
+        inflight: "queue.Queue[tuple[list[_Job], list[C.SmallCall], list] | None]" = queue.Queue(self.in_flight)
         completer = None
         try:
             if self.device is not None:  # the worker thread's current device
                 torch.cuda.set_device(self.device)
                 grp.stream = torch.cuda.Stream(self.device)
+                # a stream of its own to issue from: on the shared default stream, another
+                # group's completer waiting for its call would hold this group's next call back
+                # on the device (a deadlock when the sandbox needs this call first)
+                torch.cuda.set_stream(torch.cuda.Stream(self.device))
             try:
                 grp.pg = small_group(self.connect(), grp.name, grp.pruned.proxy, grp.pruned.size, self.timeout,
                                      self.backend)
@@ -264,8 +269,9 @@ class Assistant:
     def _complete(self, grp: _Group, inflight: "queue.Queue") -> None:
         """Wait for a group's calls in order; run their post steps; with ``real`` timing, move
         the replay's clock by how late (or early) the call really completed."""
-        if self.device is not None:
+        if self.device is not None:  # its own stream to wait on (see _work)
             torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))
         while True:
             item = inflight.get()
             if item is None:
