@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -39,15 +40,41 @@ ASSIST = re.compile(r"prism assistant: replayed (\d+) virtual.* in ([\d.]+) s; p
                     r"(?:, GPU memory in use (\d+) MiB)?")
 
 
+def _end_group(p: subprocess.Popen, grace: float = 10.0) -> None:
+    """End the process group of a child started with start_new_session (its own children
+    too: torchrun's workers outlive a SIGKILLed torchrun): SIGTERM, SIGKILL after ``grace``."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, None)):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            p.wait(timeout=wait)
+            if sig == signal.SIGTERM:
+                os.killpg(p.pid, signal.SIGKILL)  # what is left of the group
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except ProcessLookupError:
+            return
+
+
 def run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, float]:
+    """Run ``cmd`` (its own process group), output captured; on timeout or interruption its
+    whole group is ended. (rc, stdout + stderr, wall s); rc 124 on timeout."""
     t0 = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, **(env or {})}, start_new_session=True)
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, **(env or {})})
-        return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return 124, out + f"\n(timed out after {timeout:g} s)", time.perf_counter() - t0
+        out, err = p.communicate(timeout=timeout)
+        return p.returncode, out + err, time.perf_counter() - t0
+    except subprocess.TimeoutExpired:
+        _end_group(p)
+        out, err = p.communicate()
+        return 124, (out or "") + (err or "") + f"\n(timed out after {timeout:g} s)", time.perf_counter() - t0
+    except BaseException:
+        _end_group(p)
+        raise
 
 
 def boot_fields(out: str) -> dict:
@@ -81,12 +108,22 @@ def emulated(n: int, devices: str, work: Path) -> dict:
     return res
 
 
-def vanilla(n: int, devices: str) -> dict:
-    env = {"PRISM_VANILLA_HOSTS": "1", "OMP_NUM_THREADS": "1"}
+def vanilla_run(n: int, devices: str, program: str = PROGRAM, args: tuple | list = (),
+                timeout: float = 1800) -> tuple[int, str, float]:
+    """The vanilla way: a real process per rank (`torch.distributed.run`); on GPU several per
+    device, each told by NCCL_HOSTID that it is its own host (the program does that when
+    PRISM_VANILLA_HOSTS=1), NVLink multicast off in every child. (rc, output, wall s)."""
+    from prismllm.capture.launcher import NVLS_OFF_ENV
+
+    env = {"PRISM_VANILLA_HOSTS": "1", "OMP_NUM_THREADS": "1", **NVLS_OFF_ENV}
     if devices == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    rc, text, wall = run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", str(n), PROGRAM], 1800, env)
+    return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc-per-node", str(n), program, *args], timeout, env)
+
+
+def vanilla(n: int, devices: str) -> dict:
+    rc, text, wall = vanilla_run(n, devices)
     res = {"world": n, "wall_s": round(wall, 2), "ok": rc == 0}
     if rc:
         res["error"] = text[-800:]
