@@ -58,6 +58,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "durations, the sandbox's real completions fed back), fast (as fast as dependencies "
                         "allow, as slice timing does); auto (default): real for a calibrated graph "
                         "(`prism calibrate --write-graph`: CAL/graph), else fast")
+    p.add_argument("--assistants", type=int, default=1, metavar="K",
+                   help="assistant processes (on GPU one GPU each, after the sandbox's): each plays the "
+                        "proxy of a share of the groups that mix sandbox and virtual ranks (default 1)")
     p.add_argument("--force", action="store_true", help="replace DIR if it holds an emulation")
     p.add_argument("--tee", action="store_true",
                    help="also write each process's stdout/stderr to DIR/logs")
@@ -95,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         graph=args.graph, sandbox=args.sandbox, out=args.out, script=args.script, args=script_args,
         tensors=args.tensors, timeout=args.timeout, force=args.force, tee=args.tee,
         line_prefix=line_prefix(args), check=args.check, devices=args.devices, inputs=args.inputs,
-        rdzv_endpoint=args.rdzv_endpoint, role=args.role, timing=args.timing,
+        rdzv_endpoint=args.rdzv_endpoint, role=args.role, timing=args.timing, assistants=args.assistants,
     )
     try:
         res = emulate(opts)

@@ -89,6 +89,9 @@ class EmulateOptions:
     # timing), "real" (in real time with the graph's durations, the sandbox's real completions
     # fed back: emulation with a calibrated graph), "auto" (real for a calibrated graph, else fast).
     timing: str = "auto"
+    # Assistant processes (on GPU: one GPU each, after the sandbox's): each plays the proxy of
+    # a share of the pruned groups (every one replays all virtual ranks: the plan is cheap).
+    assistants: int = 1
 
 
 @dataclasses.dataclass
@@ -194,6 +197,8 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
     from prismllm.comm.emulate import parse_ranks
 
     t0 = time.monotonic()
+    if not isinstance(opts.assistants, int) or opts.assistants < 1:
+        raise PrismError(f"--assistants must be 1 or more, not {opts.assistants!r}")
     graph = Path(opts.graph)
     manifest = _manifest(graph)
     world = manifest["world_size"]
@@ -225,16 +230,18 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         raise PrismError("--check compares with recorded outputs: it needs --inputs recorded")
     host, port = _endpoint(opts)
     run_sandbox, run_assistant = opts.role in ("all", "sandbox"), opts.role in ("all", "assistant")
-    gpu_env: dict[str, str] = {}
     if opts.devices == "cuda":
         import torch
 
-        need = (len(sandbox) if run_sandbox else 0) + (1 if run_assistant else 0)
+        need = (len(sandbox) if run_sandbox else 0) + (opts.assistants if run_assistant else 0)
         if torch.cuda.device_count() < need:
             raise PrismError(f"--devices cuda: this invocation's {opts.role} process(es) need {need} GPU(s), "
                              f"{torch.cuda.device_count()} visible")
-        a_gpu = len(sandbox) if run_sandbox else 0  # the assistant's: the next GPU on this host
-        gpu_env = device_env([a_gpu], 1, os.environ) or {"CUDA_VISIBLE_DEVICES": str(a_gpu)}
+        a_gpu0 = len(sandbox) if run_sandbox else 0  # the assistants': the next GPUs on this host
+        gpu_envs = [device_env([a_gpu0 + a], 1, os.environ) or {"CUDA_VISIBLE_DEVICES": str(a_gpu0 + a)}
+                    for a in range(opts.assistants)]
+    else:
+        gpu_envs = [{} for _ in range(opts.assistants)]
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     if opts.timeout is not None and opts.timeout <= 0:
@@ -269,12 +276,17 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         env["PRISM_CHECK_TENSORS"] = str(tensors.resolve())
         env["PRISM_CHECK_OUT"] = str(out.resolve())
     env.update(opts.env)
-    aenv = {**common, **gpu_env, "PRISM_INPUTS": opts.inputs, "PRISM_REPLAY_TIMING": timing,
-            "PRISM_REPLAY_OUT": str((out / REPLAY_FILE).resolve()),
-            "PRISM_EMULATE_BACKEND": "nccl" if opts.devices == "cuda" else "gloo"}
+    aenv = {**common, "PRISM_INPUTS": opts.inputs, "PRISM_REPLAY_TIMING": timing,
+            "PRISM_EMULATE_BACKEND": "nccl" if opts.devices == "cuda" else "gloo",
+            "PRISM_ASSISTANTS": str(opts.assistants)}
     if opts.inputs == "recorded":
         aenv["PRISM_TENSOR_STORE"] = str(tensors.resolve())
-    assistant = ExtraProcess("assistant", [sys.executable, "-m", "prismllm.replay.assistant"], env=aenv)
+    assistants = [ExtraProcess("assistant" if opts.assistants == 1 else f"assistant {a}",
+                               [sys.executable, "-m", "prismllm.replay.assistant"],
+                               env={**aenv, **gpu_envs[a], "PRISM_ASSISTANT_INDEX": str(a),
+                                    # every assistant replays the same plan: the first one writes it
+                                    **({"PRISM_REPLAY_OUT": str((out / REPLAY_FILE).resolve())} if a == 0 else {})})
+                  for a in range(opts.assistants)]
 
     def publish(pids: dict[int, int]) -> None:
         tmp = out / f".{PIDS_FILE}.tmp"
@@ -290,7 +302,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         devices="cpu" if opts.devices == "cpu" else list(range(len(local))),
         ranks=local, world_size=world, timeout=opts.timeout,
         log_dir=out / LOGS_DIR if opts.tee else None, line_prefix=opts.line_prefix, sink=opts.sink,
-        extra=[assistant] if run_assistant else [], extra_grace=opts.extra_grace, on_start=publish,
+        extra=assistants if run_assistant else [], extra_grace=opts.extra_grace, on_start=publish,
         settle=SETTLE_S, master_addr=host, store_port=port if run_sandbox else 0,
         master_port=None if run_sandbox else port,
     )
@@ -317,7 +329,9 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         "outcome": ("ok" if failure is None else
                     "out_of_memory" if isinstance(failure, SandboxOutOfMemory) else "failed"),
         "returncodes": {str(r): c for r, c in codes.items()},
-        "assistant_returncode": result.returncodes.get(-1), "wall_s": round(wall, 3),
+        "assistant_returncode": result.returncodes.get(-1), "assistants": opts.assistants,
+        "assistant_returncodes": [result.returncodes.get(-(a + 1)) for a in range(opts.assistants)],
+        "wall_s": round(wall, 3),
         "message": "" if failure is None else str(failure), "pids": _pids(result.pids), "timing": timing,
         "sandbox_results": {str(r): m for r, m in measured.items()}, "prediction": prediction, "replay": replay,
     }
@@ -332,9 +346,9 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
 
 
 def _pids(pids: dict[int, int]) -> dict[str, Any]:
-    """The run's processes by role (launcher ids: ranks >= 0, the assistant -1)."""
+    """The run's processes by role (launcher ids: ranks >= 0, assistant a: -(a + 1))."""
     return {"launcher": os.getpid(), "sandbox": {str(r): p for r, p in sorted(pids.items()) if r >= 0},
-            "assistant": pids.get(-1)}
+            "assistant": pids.get(-1), "assistants": [p for r, p in sorted(pids.items(), reverse=True) if r < 0]}
 
 
 def _failure(result: LaunchResult, sandbox: tuple[int, ...], world: int) -> LaunchError:

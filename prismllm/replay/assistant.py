@@ -138,7 +138,7 @@ class Assistant:
 
     def __init__(self, trace: PrismTrace, sandbox: tuple[int, ...], tensors: str | None, connect: Callable[[], Any],
                  timeout: timedelta = timedelta(minutes=30), backend: str = "gloo", timing: str = "fast",
-                 stage_ahead: int = 1) -> None:
+                 stage_ahead: int = 1, index: int = 0, count: int = 1) -> None:
         if timing not in TIMINGS:
             raise AssistantError(f"replay timing {timing!r}: expected one of {', '.join(TIMINGS)}")
         if stage_ahead < 0:
@@ -184,11 +184,20 @@ class Assistant:
         self.staged_hits = 0  # calls whose buffers were ready when they came due
         self.completed = 0  # calls the sandbox and the proxies completed for real
         real = set(self.sandbox)
+        if not 0 <= index < count:
+            raise AssistantError(f"assistant {index} of {count}: expected 0 <= index < count")
+        self.index, self.count = index, count
+        self.others: set[int] = set()  # pruned groups another assistant plays
+        pruned = 0
         for gid, info in sorted(trace.group_info().items()):
             ranks = list(info["ranks"])
             mine = tuple(g for g, r in enumerate(ranks) if r in real)
             if 0 < len(mine) < len(ranks):
-                self.groups[gid] = _Group(gid, info["name"], ranks, C.Pruned(len(ranks), mine), queue.Queue())
+                if pruned % count == index:  # round robin over the pruned groups, in creation order
+                    self.groups[gid] = _Group(gid, info["name"], ranks, C.Pruned(len(ranks), mine), queue.Queue())
+                else:
+                    self.others.add(gid)
+                pruned += 1
         g = self.graph
         ext = np.flatnonzero(g.inst_external)
         first = g.inst_nodes[g.inst_ptr[ext]]
@@ -462,10 +471,12 @@ class Assistant:
             st = rep.advance()
             batches: dict[tuple, list[_Job]] = {}
             for ev in sorted(st.pending, key=self._order):
-                grp = self.groups.get(ev.group)
-                if grp is None:
-                    raise AssistantError(f"{g.describe(ev.nodes[0])}: its group has no small group with the sandbox")
                 end = ev.ready_ns if self.timing == "fast" else max(ev.ready_ns, int(self._planned_end[ev.instance]))
+                if ev.group in self.others:  # another assistant plays it, on the same plan
+                    rep.external_done(ev.instance, end)
+                    continue
+                if ev.group not in self.groups:
+                    raise AssistantError(f"{g.describe(ev.nodes[0])}: its group has no small group with the sandbox")
                 b = int(g.batch_of[ev.nodes[0]]) if ev.op in P2P_OPS else -1
                 # the point-to-point ops of one coalesced batch are entered together (one NCCL
                 # group on both sides: ops posted one by one could wait on each other)
@@ -544,7 +555,11 @@ def main() -> int:
             ahead = int(os.environ.get("PRISM_STAGE_AHEAD", "1"))
         except ValueError:
             raise AssistantError(f"PRISM_STAGE_AHEAD={os.environ['PRISM_STAGE_AHEAD']!r}: expected a number of calls") from None
-        a = Assistant(trace, sandbox, store, connect, timeout, backend, timing, ahead)
+        try:
+            index, count = int(os.environ.get("PRISM_ASSISTANT_INDEX", "0")), int(os.environ.get("PRISM_ASSISTANTS", "1"))
+        except ValueError:
+            raise AssistantError("PRISM_ASSISTANT_INDEX / PRISM_ASSISTANTS: expected numbers") from None
+        a = Assistant(trace, sandbox, store, connect, timeout, backend, timing, ahead, index, count)
         a.run()
         if os.environ.get("PRISM_REPLAY_OUT"):
             a.write_result(os.environ["PRISM_REPLAY_OUT"])
@@ -559,7 +574,8 @@ def main() -> int:
     if a.device is not None:  # the whole device as this process uses it: context, NCCL, tensors
         free, total = torch.cuda.mem_get_info(a.device)
         gpu = f", GPU memory in use {(total - free) / 2**20:.0f} MiB"
-    print(f"prism assistant: replayed {len(virt)} virtual rank(s) ({a.graph.num_nodes} nodes, {a.timing} timing), answered "
+    who = "prism assistant" if a.count == 1 else f"prism assistant {a.index} of {a.count}"
+    print(f"{who}: replayed {len(virt)} virtual rank(s) ({a.graph.num_nodes} nodes, {a.timing} timing), answered "
           f"{a.answered} collective(s) with the sandbox ({a.staged_hits} staged ahead) on {len(a.groups)} group(s) in "
           f"{time.monotonic() - t0:.1f} s; peak RSS {rss / 2**20:.0f} MiB{gpu}", flush=True)
     return 0
