@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +14,7 @@ import pyarrow.parquet as pq
 
 from prismllm.calibrate.analyze import Timeline
 from prismllm.calibrate.solve import CalibrationError, Solution
+from prismllm.fsutil import write_dir_atomically
 from prismllm.replay.engine import INST_P2P
 from prismllm.trace.graph import PrismTrace
 
@@ -219,36 +219,15 @@ def write(out_dir: str | os.PathLike, table: pa.Table, summary: dict[str, Any],
           graph: PrismTrace | None = None) -> Path:
     """Write CAL atomically (a temp directory beside it, then a rename). An existing CAL is
     replaced; any other non-empty directory, or a file, is refused."""
-    path = Path(out_dir)
-    if path.exists():
-        if not path.is_dir():
-            raise CalibrationError(f"cannot write the calibration to {path}: a file is in the way")
-        if any(path.iterdir()) and not (path / SUMMARY_FILE).exists():
-            raise CalibrationError(f"cannot write the calibration to {path}: the directory is not empty and holds "
-                                   f"no calibration; choose another --out or remove it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    def fill(tmp: Path) -> None:
         pq.write_table(table, tmp / CALIBRATED_FILE, compression="zstd", row_group_size=1 << 20)
         with open(tmp / SUMMARY_FILE, "w") as f:
             json.dump(summary, f, indent=1)
             f.write("\n")
         if graph is not None:
             graph.save(tmp / GRAPH_DIR)
-        old = None
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{os.getpid()}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
+
+    return write_dir_atomically(out_dir, SUMMARY_FILE, fill, CalibrationError, "calibration")
 
 
 # ---------------------------------------------------------------------- the table

@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prismllm.errors import PrismError
+from prismllm.fsutil import write_dir_atomically
 from prismllm.trace.schema import (
     EDGE_SCHEMA,
     FILES,
@@ -156,21 +156,7 @@ class PrismTrace:
 
         An existing graph at ``path`` is replaced; any other non-empty directory is refused.
         """
-        path = Path(path)
-        if path.exists():
-            if not path.is_dir():
-                raise TraceError(f"cannot write graph to {path}: a file is in the way")
-            if any(path.iterdir()) and not (path / MANIFEST_FILE).exists():
-                raise TraceError(
-                    f"cannot write graph to {path}: the directory is not empty and holds no "
-                    f"graph; choose another path or remove it"
-                )
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-        try:
+        def fill(tmp: Path) -> None:
             for name, (fname, schema) in FILES.items():
                 table = _conform(getattr(self, name), schema, name)
                 pq.write_table(table, tmp / fname, compression="zstd", row_group_size=1 << 20)
@@ -180,19 +166,8 @@ class PrismTrace:
             with open(tmp / MANIFEST_FILE, "w") as f:
                 json.dump(manifest, f, indent=2, sort_keys=True, default=_json_default)
                 f.write("\n")
-            old = None
-            if path.exists():
-                old = path.parent / f".{path.name}.old-{os.getpid()}"
-                if old.exists():
-                    shutil.rmtree(old)
-                os.replace(path, old)
-            os.replace(tmp, path)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-        return path
+
+        return write_dir_atomically(path, MANIFEST_FILE, fill, TraceError, "graph")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "PrismTrace":

@@ -1,0 +1,42 @@
+"""Writing an output directory so that a crash never leaves half of one behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+
+def write_dir_atomically(path: str | os.PathLike, marker: str, fill: Callable[[Path], None],
+                         refuse: Callable[[str], Exception], what: str) -> Path:
+    """Fill a temp directory beside ``path`` with ``fill(tmp)``, then rename it into place.
+
+    An existing directory is replaced only when it holds ``marker`` (one of ours: a graph's
+    manifest, a calibration's summary); any other non-empty directory, or a file, is refused
+    with ``refuse(message)`` naming ``what`` is being written."""
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise refuse(f"cannot write {what} to {path}: a file is in the way")
+        if any(path.iterdir()) and not (path / marker).exists():
+            raise refuse(f"cannot write {what} to {path}: the directory is not empty and holds no {what}; "
+                         f"choose another path or remove it")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        old = None
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{os.getpid()}"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
