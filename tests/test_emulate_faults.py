@@ -71,8 +71,9 @@ def setup(tmp_path_factory):
 
 def start(setup, out: Path, fault: str, mark: Path | None = None) -> subprocess.Popen:
     graph, wrapper = setup
+    # the wrapper is a deliberate variant of the graph's program: past the start-up check
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": fault, "FAULT_RANK": "1",
-           "FAULT_MARK": str(mark or "")}
+           "FAULT_MARK": str(mark or ""), "PRISM_PROGRAM_CHECK": "off"}
     return subprocess.Popen(
         [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", "120",
          "--", str(wrapper), *LAYOUTS["tp2"], *SIZES],
@@ -234,9 +235,17 @@ def test_program_that_deviates_from_its_graph_is_one_clear_error(setup, tmp_path
     args = list(SIZES)
     args[args.index("--hidden") + 1] = "64"
     out = tmp_path / "deviates"
-    p = subprocess.run([PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out),
-                        "--timeout", "120", "--", GPT3D, *LAYOUTS["tp2"], *args],
-                       capture_output=True, text=True, timeout=150, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", "120",
+           "--", GPT3D, *LAYOUTS["tp2"], *args]
+    # refused at the start: the launched arguments are not the graph's (the fingerprint)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 2
+    line = verdict(p.stderr)
+    assert "with --hidden 32 but you launched --hidden 64" in line and "PRISM_PROGRAM_CHECK=off" in line, line
+    assert not (out / "pids.json").exists()  # nothing was started
+    # past the start-up check, the program deviates at its first differing call
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
+                       env={**os.environ, "OMP_NUM_THREADS": "1", "PRISM_PROGRAM_CHECK": "off"})
     assert p.returncode != 0
     line = verdict(p.stderr)
     assert "rank 1 deviates from its graph at all_reduce" in line, line

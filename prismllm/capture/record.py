@@ -244,6 +244,15 @@ def collect_versions(device: str) -> dict[str, str]:
     return versions
 
 
+def _program(script: str, args: Sequence[str]) -> dict[str, Any]:
+    """What ``prism emulate`` and ``prism time`` check a launch against (the script's name,
+    content digest and arguments). Imported here, not at the top: prismllm.emulate imports
+    this module."""
+    from prismllm.emulate.fingerprint import program_fingerprint
+
+    return program_fingerprint(script, args)
+
+
 def build_manifest(
     *,
     world_size: int,
@@ -253,11 +262,18 @@ def build_manifest(
     argv: Sequence[str] | None,
     device: str,
     gpus: list[int] | None = None,
+    program: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The graph's manifest. ``program`` is the fingerprint of SCRIPT ARGS
+    (``prismllm.emulate.fingerprint.program_fingerprint``), best taken before the program ran;
+    None: taken now."""
+    if program is None:
+        program = _program(script, args)
     manifest: dict[str, Any] = {
         "world_size": world_size,
         "layout": layout,
         "command": [script, *args],
+        "program": program,
         "argv": list(argv) if argv is not None else None,
         "versions": collect_versions(device),
         "device": device,
@@ -366,6 +382,7 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
         line_prefix=opts.line_prefix,
         sink=opts.sink,
     )
+    program = _program(script, opts.args)  # before the run: files it writes are not its inputs
     if on_start is not None:
         on_start(device, opts.nproc)
     result = launch(spec)
@@ -389,6 +406,7 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
         argv=opts.argv,
         device=device,
         gpus=devices if isinstance(devices, list) else None,
+        program=program,
     )
     trace = assemble_spool(spool, manifest)
     problems = validate(trace)

@@ -43,6 +43,7 @@ from prismllm.capture.record import (
     MANIFEST_FILE,
     SPOOL_DIR,
     _check_importable,
+    _program,
     _save_into,
     _trace_counts,
     build_manifest,
@@ -428,6 +429,10 @@ def capture(
         spool.mkdir(exist_ok=True)
         state = {"version": STATE_VERSION, "fingerprint": fp, "done": [], "run_s": 0.0, "runs": 0}
     assert state is not None
+    # the program's fingerprint before any rank ran (files it writes are not its inputs); a
+    # resumed capture keeps the first run's
+    if not isinstance(state.get("program"), dict):
+        state["program"] = _program(opts.script, opts.args)
     state["runs"] = int(state.get("runs", 0)) + 1
     state["done"] = sorted(plan.resumed)
     _write_state(spool, state)
@@ -504,6 +509,7 @@ def capture(
         argv=opts.argv,
         device=plan.device,
         gpus=plan.devices if isinstance(plan.devices, list) else None,
+        program=state["program"],
     )
     manifest["mode"] = opts.mode
     reps = plan.replicas.representatives

@@ -36,6 +36,7 @@ from typing import Any, Sequence
 from prismllm.capture.launcher import (ExtraProcess, LaunchError, LaunchResult, LaunchSpec, LineSink,
                                       describe_returncode, device_env, error_line, format_ranks, launch)
 from prismllm.capture.record import LOGS_DIR, MANIFEST_FILE, TENSORS_DIR
+from prismllm.emulate.fingerprint import check_program
 from prismllm.errors import PrismError
 
 RANKLOGS_DIR = "ranklogs"
@@ -202,9 +203,6 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
     graph = Path(opts.graph)
     manifest = _manifest(graph)
     world = manifest["world_size"]
-    from prismllm.emulate.fingerprint import check_program
-
-    check_program(manifest, opts.script, opts.args, world)  # a graph of another program: refuse
     timing = _timing(opts, manifest, graph)
     try:
         if isinstance(opts.sandbox, str):
@@ -244,6 +242,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         gpu_envs = [{} for _ in range(opts.assistants)]
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
+    check_program(manifest, opts.script, opts.args, world)  # a graph of another program: refuse
     if opts.timeout is not None and opts.timeout <= 0:
         raise PrismError(f"--timeout must be positive, not {opts.timeout:g}")
     out = Path(opts.out)

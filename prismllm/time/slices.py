@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from prismllm.emulate.fingerprint import check_program
 from prismllm.errors import PrismError
 
 SLICES_DIR = "slices"
@@ -149,6 +150,7 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
         raise PrismError(f"--parallel must be at least 1, not {opts.parallel}")
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
+    check_program(manifest, opts.script, opts.args, world)  # the graph's program, or refuse
     reps = _replicas(manifest, opts.every_rank)
     ranks = reps.representatives if reps is not None else list(range(world))
     if opts.slice_size >= world:
@@ -222,6 +224,8 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
         for r in s:
             name = f"rank-{r:06d}.msgpack"
             shutil.copyfile(out / SLICES_DIR / f"slice-{k:05d}" / "ranklogs" / name, spool / name)
+    # the bare graph's manifest, its program fingerprint and command included (what
+    # `prism emulate` checks a launch of the timed or calibrated graph against)
     tm = {k: v for k, v in manifest.items() if k not in ("peak_memory_bytes", "capture")}
     tm.update(mode="timed", timing={"bare_graph": str(graph.resolve()), "slice_size": opts.slice_size,
                                    "slices": len(slices), "timed_ranks": len(ranks), "devices": opts.devices,
