@@ -18,10 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# The whole pipeline (capture -> time -> calibrate -> emulate) on a 32-rank gpt3d job.
 demo: venv
-	$(VENV)/bin/prism record --nproc 8 --out $(DEMO_OUT) --force --devices cpu -- \
-		examples/gpt3d.py --tp 2 --pp 2 --iters 4
-	$(VENV)/bin/prism show $(DEMO_OUT)
+	$(VENV)/bin/prism demo --out $(DEMO_OUT) --force
 
 test: venv
 	$(PY) -m pytest -q

@@ -247,6 +247,8 @@ def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
     if len(real) == size:
         return None
     pruned = C.Pruned(size, real)
+    # the graph's name of this group (the assistant makes its side under that name)
+    group_name = (_EXPECT.name_of(granks, group_name) if _EXPECT is not None else None) or group_name
     small = small_group(_store(), group_name, pruned.small(rank), pruned.size, dist_opts.timeout, backend)
     inner = PrunedBackend(rank, size, granks, devmap, group_name, pruned, small, backend)
     _BACKENDS.append(inner)

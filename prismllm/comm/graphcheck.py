@@ -70,9 +70,12 @@ class GraphExpectation:
         g = groups.to_pydict()
         self._groups: dict[str, tuple[int, list[int], str]] = {}
         self._others: set[str] = set()
+        self._by_ranks: dict[tuple, list[str]] = {}  # members in group-rank order -> the graph's names
+        self._named: dict[tuple, int] = {}  # how many of them name_of handed out
         for gid, name, desc, ranks in zip(g["group_id"], g["name"], g["desc"], g["ranks"]):
             if self.rank in ranks:
                 self._groups[name] = (int(gid), list(ranks), group_desc({"desc": desc}))
+                self._by_ranks.setdefault(tuple(ranks), []).append(name)  # gid order: creation order
             else:
                 self._others.add(name)
         nodes = nodes.combine_chunks()
@@ -102,6 +105,20 @@ class GraphExpectation:
     def __len__(self) -> int:
         """The rank's communication calls in the graph (all that was read of it)."""
         return len(self._order)
+
+    def name_of(self, ranks: list[int], torch_name: str) -> str | None:
+        """The graph's name of the group the program just made (torch's name ``torch_name``,
+        these members in group-rank order). A DP replica's groups in a solo-captured graph
+        carry derived names (``13@1``, see trace.assemble), not the ones torch gives the
+        program: such a group is found by its members, the k-th group the program makes with
+        these members being the graph's k-th (two groups may have the same members)."""
+        key = tuple(int(r) for r in ranks)
+        names = self._by_ranks.get(key, [])
+        if torch_name in names:
+            return torch_name
+        k = self._named.get(key, 0)
+        self._named[key] = k + 1
+        return names[k] if k < len(names) else None
 
     def check(self, group_name: str, op: str, seq: int, in_bytes: int, out_bytes: int, peer: int = -1) -> None:
         """Raise GraphDeviation unless the graph has this call of the rank: ``op`` #``seq`` on

@@ -105,6 +105,7 @@ class _Group:
     upcoming: list[int] = dataclasses.field(default_factory=list)  # external instances, call order
     staged: dict[int, C.SmallCall] = dataclasses.field(default_factory=dict)  # instance -> prepared
     stream: Any = None  # CUDA stream the staged buffers are written on
+    entered: bool = False  # a call was entered on it (real timing: the first goes at once)
     pg: Any = None
     thread: threading.Thread | None = None
 
@@ -172,8 +173,8 @@ class Assistant:
         # the wall clock (perf_counter ns) at logical time 0 of the replay ("real" timing),
         # pinned by the first call a proxy enters
         self._origin: int | None = None
-        self._first: _Job | None = None  # the earliest call with the sandbox (real timing)
-        self._pinned = threading.Event()  # set once its completion pinned the origin
+        self._pinned = threading.Event()  # set once a first real completion pinned the origin
+        self._pin_lock = threading.Lock()
         self._drift = 0  # ns the sandbox's real completions moved the schedule by (real timing)
         self._issue_ns = 0  # how long entering a call on a small group takes (running mean)
         self._stores: dict[int, TensorStore] = {}
@@ -258,7 +259,7 @@ class Assistant:
                 if grp.stream is not None:  # the NCCL op (after the current stream) reads what staging wrote
                     torch.cuda.current_stream(self.device).wait_stream(grp.stream)
                 if self.timing == "real":
-                    self._wait_until(jobs[0])
+                    self._wait_until(grp, jobs[0])
                 t0 = self._now()
                 works = C.issue(grp.pg, calls[0]) if len(calls) == 1 else C.issue_batch(grp.pg, calls)
                 self._issue_ns += (self._now() - t0 - self._issue_ns) // 8  # running mean (a rough figure)
@@ -304,23 +305,29 @@ class Assistant:
         if self.device is not None:  # done on the device, as this thread's stream now waits on it
             torch.cuda.current_stream(self.device).synchronize()
         if self.timing == "real":
-            if jobs[0] is self._first:  # the sandbox's first call: logical time meets the wall clock
-                self._origin = self._now() - jobs[-1].end_ns
-                self._pinned.set()
-            else:
+            with self._pin_lock:
+                first = not self._pinned.is_set()
+                if first:  # the first real completion: logical time meets the wall clock
+                    self._origin = self._now() - jobs[-1].end_ns
+                    self._pinned.set()
+            if not first:
                 # the virtual ranks' later calls move by what this one's real end says: the
                 # replay planned it to end at ``end_ns``; a sandbox that is slower than the
                 # calibrated graph delays them, a faster one lets them go earlier
                 self._drift = self._now() - self._origin - jobs[-1].end_ns
         self.completed += len(calls)
 
-    def _wait_until(self, job: _Job) -> None:
+    def _wait_until(self, grp: _Group, job: _Job) -> None:
         """Sleep until the wall clock reaches the job's logical ready time (moved by the drift),
-        less what entering a call costs, so the op starts on the link then. The earliest call
-        of all is entered at once: its real completion pins logical time to the wall clock
-        (``_complete``), and every other call waits for that."""
-        if job is self._first:
-            return
+        less what entering a call costs, so the op starts on the link then. Until a first call
+        completed for real, each group's first call is entered at once (the sandbox's first call
+        is one of them, whatever its order: waiting for a designated one could deadlock); that
+        first completion pins logical time to the wall clock (``_finish``), and every later
+        call waits for it."""
+        if not grp.entered:
+            grp.entered = True
+            if not self._pinned.is_set():
+                return
         self._pinned.wait()
         ready_ns = job.event.ready_ns
         delay = self._origin + ready_ns + self._drift - self._issue_ns - self._now()
@@ -486,8 +493,6 @@ class Assistant:
             plan.extend(batches[k] for k in sorted(batches, key=lambda k: self._order(batches[k][0].event)))
             if st.finished:
                 break
-        if plan:
-            self._first = min((jobs[0] for jobs in plan), key=lambda j: (j.event.ready_ns, j.event.instance))
         for jobs in plan:
             self.groups[jobs[0].event.group].jobs.put(jobs)
         for grp in self.groups.values():
