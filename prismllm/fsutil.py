@@ -1,7 +1,9 @@
-"""Writing an output directory so that a crash never leaves half of one behind."""
+"""File helpers: writing an output directory so that a crash never leaves half of one behind;
+digests of files."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -40,3 +42,12 @@ def write_dir_atomically(path: str | os.PathLike, marker: str, fill: Callable[[P
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """The SHA-256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

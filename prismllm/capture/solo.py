@@ -20,7 +20,6 @@ into ``<out>`` and the spool is removed.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
@@ -50,6 +49,7 @@ from prismllm.capture.record import (
     resolve_devices,
 )
 from prismllm.errors import PrismError
+from prismllm.fsutil import sha256_file
 from prismllm.trace.ranklog import ranklog_path
 
 STATE_FILE = "capture.json"
@@ -117,14 +117,6 @@ class CaptureResult:
 # Fingerprint and state
 
 
-def _sha256(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _path_digest(path: str | os.PathLike | None) -> dict[str, str] | None:
     """A file's path and content digest; a directory (tensor store): its path only."""
     if path is None:
@@ -132,7 +124,7 @@ def _path_digest(path: str | os.PathLike | None) -> dict[str, str] | None:
     p = Path(path).resolve()
     d = {"path": str(p)}
     if p.is_file():
-        d["sha256"] = _sha256(p)
+        d["sha256"] = sha256_file(p)
     return d
 
 
@@ -142,7 +134,7 @@ def fingerprint(opts: CaptureOptions, layout: Layout | None, device: str) -> dic
         "world": int(opts.world),
         "layout": layout.canonical() if layout is not None else None,
         "command": [str(Path(opts.script).resolve()), *map(str, opts.args)],
-        "script_sha256": _sha256(opts.script),
+        "script_sha256": sha256_file(opts.script),
         "rules": _path_digest(opts.rules),
         "tensors": _path_digest(opts.tensors),
         "device": device,

@@ -38,26 +38,18 @@ the graph's program (e.g. a wrapper that imports it and injects a fault).
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import shlex
 from typing import Any, Callable, Sequence
 
 from prismllm.errors import PrismError
+from prismllm.fsutil import sha256_file
 
 HASH_LIMIT = 64 << 20  # argument files larger than this are compared by size only
 _NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 _PATHLIKE = re.compile(r"\S*\.[A-Za-z][A-Za-z0-9]{0,7}")
 ENV_SWITCH = "PRISM_PROGRAM_CHECK"
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _is_flag(tok: str) -> bool:
