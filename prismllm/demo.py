@@ -26,7 +26,7 @@ from prismllm.errors import PrismError
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt3d.py"
 # a model that runs in seconds on two CPU cores, with every kind of parallelism of the layout
 DEFAULT_ARGS = ["--tp", "2", "--pp", "2", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16",
-                "--vocab", "128", "--micro-batch", "1", "--global-batch", "32", "--iters", "3"]
+                "--vocab", "128", "--micro-batch", "1", "--iters", "3"]  # + --global-batch max(32, N): 4+ micro-batches
 DEFAULT_LAYOUT = "tp=2,pp=2"
 RESULT_FILE = "demo.json"
 
@@ -38,7 +38,7 @@ class DemoOptions:
     force: bool = False
     devices: str | None = None  # "cpu" or "cuda"; None: cuda with two GPUs or more
     script: str = str(EXAMPLE)
-    args: list[str] = dataclasses.field(default_factory=lambda: list(DEFAULT_ARGS))
+    args: list[str] | None = None  # None: DEFAULT_ARGS with a global batch for the world
     layout: str = DEFAULT_LAYOUT
 
 
@@ -54,7 +54,7 @@ def _devices(opts: DemoOptions) -> str:
 
 
 def _prism(*args: str, log: Path) -> tuple[float, str]:
-    """Run one ``prism`` stage; its output goes to the terminal and to ``log``."""
+    """Run one ``prism`` stage; its output goes to the terminal (stderr) and to ``log``."""
     cmd = [sys.executable, "-m", "prismllm.cli.main", *args]
     t0 = time.monotonic()
     with open(log, "w") as f:
@@ -62,9 +62,10 @@ def _prism(*args: str, log: Path) -> tuple[float, str]:
                              env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
         assert p.stdout is not None
         out = []
-        for line in p.stdout:
+        for line in p.stdout:  # the stage's own output and progress, as it goes
             f.write(line)
             out.append(line)
+            sys.stderr.write(line)
         rc = p.wait()
     if rc != 0:
         tail = "".join(out[-5:]).strip()
@@ -86,7 +87,8 @@ def run_demo(opts: DemoOptions, stage: Callable[[str], None] = lambda s: None) -
     logs = out / "logs"
     logs.mkdir(parents=True)
     dev = _devices(opts)
-    prog = ["--", opts.script, *opts.args]
+    args = opts.args if opts.args is not None else [*DEFAULT_ARGS, "--global-batch", str(max(32, opts.world))]
+    prog = ["--", opts.script, *args]
     sandbox = str(opts.world - 1)  # gpt3d's reporting rank (the last pipeline stage)
     walls: dict[str, float] = {}
 
@@ -109,7 +111,7 @@ def run_demo(opts: DemoOptions, stage: Callable[[str], None] = lambda s: None) -
     measured = emu["sandbox_results"].get(sandbox, {})
     crit = cal.get("critical_path") or {}
     figures = {
-        "world": opts.world, "devices": dev, "layout": opts.layout, "command": [opts.script, *opts.args],
+        "world": opts.world, "devices": dev, "layout": opts.layout, "command": [opts.script, *args],
         "stage_wall_s": {k: round(v, 2) for k, v in walls.items()}, "total_wall_s": round(sum(walls.values()), 2),
         "predicted_iteration_ns": cal.get("predicted_iteration_ns"),
         "pipeline_bubble": (cal.get("pipeline_bubble") or {}).get("fraction"),
