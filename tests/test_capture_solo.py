@@ -360,19 +360,21 @@ GPT3D_TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", 
               "--micro-batch", "1", "--global-batch", "8", "--iters", "2", "--bucket-mb", "0.01"]
 
 
-def test_gpt3d_solo_capture_matches_record(tmp_path):
+def test_gpt3d_solo_capture_matches_record(tmp_path, gpt3d_recording):
+    """The real 8-rank TP2·PP2·DP2 recording (test_record_gpt3d's, shared) against a solo
+    capture of the same command, 2 ranks at a time."""
+    from test_record_gpt3d import program, recording
+
     prism = PRISM
     gpt3d = str(ROOT / "examples" / "gpt3d.py")
-    prog = [gpt3d, "--tp", "2", "--pp", "2", *GPT3D_TINY]
+    prog = [gpt3d, *program("tp2pp2dp2")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    rec = subprocess.run([prism, "record", "--nproc", "8", "--devices", "cpu", "--out", str(tmp_path / "rec"),
-                          "--", *prog], capture_output=True, text=True, env=env, timeout=900)
-    assert rec.returncode == 0, rec.stderr[-3000:]
+    rec = recording(gpt3d_recording, "tp2pp2dp2").out
     cap = subprocess.run([prism, "capture", "--mode", "solo", "--world", "8", "--devices", "2", "--device", "cpu",
                           "--layout", "tp=2,pp=2", "--out", str(tmp_path / "cap"), "--", *prog],
                          capture_output=True, text=True, env=env, timeout=900)
     assert cap.returncode == 0, cap.stderr[-3000:]
-    a, b = PrismTrace.load(tmp_path / "rec"), PrismTrace.load(tmp_path / "cap")
+    a, b = PrismTrace.load(rec), PrismTrace.load(tmp_path / "cap")
     res = compare_traces(a, b, timing=False)
     assert res.structure_equal, json.dumps(res.first_difference, indent=1, default=str)
     assert b.manifest["capture"]["ranks_run"] == 4

@@ -99,9 +99,16 @@ def comm_outputs(graph: Path, rank: int, pruned_only: bool = False, sandbox: tup
                and (not pruned_only or r["group"] in pruned))
 
 
+def shared_record(gpt3d_recording, layout: str, nproc: int = 2) -> tuple[Path, list[dict]]:
+    """What record() makes, from the session's shared recordings (conftest.gpt3d_recording):
+    the 2-rank TP2 one is test_emulate_faults' too, the 4-rank one test_emulate_assistants'."""
+    rec = gpt3d_recording(nproc, [*LAYOUTS[layout], *SIZES], save_tensors="all,inputs")
+    return rec.out, rec.log
+
+
 @pytest.fixture(scope="module")
-def tp2(tmp_path_factory):
-    return record(tmp_path_factory.mktemp("emulate") / "real-tp2", "tp2")
+def tp2(gpt3d_recording):
+    return shared_record(gpt3d_recording, "tp2")
 
 
 def test_parse_ranks():
@@ -177,11 +184,11 @@ def test_other_layouts_sandbox_last_rank_losses_equal_the_real_run(layout, tmp_p
 
 
 @pytest.mark.slow
-def test_n4_two_sandbox_ranks(tmp_path):
+def test_n4_two_sandbox_ranks(tmp_path, gpt3d_recording):
     """TP2 x DP2 at N = 4 with two sandbox processes: {2, 3} holds a whole TP group (a real
     gloo group of the two) and the reporting rank; {1, 2} splits both TP groups and both DP
     groups (k = 1 of 2) and the default group (k = 2 of 4)."""
-    graph, real = record(tmp_path / "real-tp2dp2", "tp2", nproc=4)
+    graph, real = shared_record(gpt3d_recording, "tp2", nproc=4)
     res, emu = run_emulation(graph, tmp_path / "emu23", "tp2", "2,3")
     assert res.returncodes == {2: 0, 3: 0}
     assert_same_losses(real, emu)

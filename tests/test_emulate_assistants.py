@@ -8,37 +8,28 @@ and every process ended.
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from prismllm.emulate import EmulateOptions, emulate
 from prismllm.errors import PrismError
+from test_emulate import GPT3D, LAYOUTS, SIZES
 
-ROOT = Path(__file__).resolve().parents[1]
-PRISM = str(Path(sys.executable).with_name("prism"))
-GPT3D = str(ROOT / "examples" / "gpt3d.py")
-ARGS = ["--tp", "2", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
-        "--micro-batch", "1", "--global-batch", "4", "--iters", "2"]
+# test_emulate's TP2 program at N = 4: its real recording is shared (conftest.gpt3d_recording)
+ARGS = [*LAYOUTS["tp2"], *SIZES]
 
 
-def test_two_assistants_share_the_groups(tmp_path, capfd):
-    real = tmp_path / "real"
-    proc = subprocess.run([PRISM, "record", "--nproc", "4", "--devices", "cpu", "--out", str(real), "--save-tensors",
-                           "all,inputs", "--timeout", "180", "--", GPT3D, *ARGS, "--json-log", str(tmp_path / "real.json")],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    real_loss = [r["loss"] for r in json.loads((tmp_path / "real.json").read_text())]
+def test_two_assistants_share_the_groups(tmp_path, capfd, gpt3d_recording):
+    rec = gpt3d_recording(4, ARGS, save_tensors="all,inputs")
+    real = rec.out
+    real_loss = [r["loss"] for r in rec.log]
 
     out = tmp_path / "emu"
     res = emulate(EmulateOptions(graph=real, sandbox="3", out=out, script=GPT3D,
-                                 args=[*ARGS, "--json-log", str(tmp_path / "real.json")], timeout=240,
+                                 args=[*ARGS, "--json-log", str(tmp_path / "emu.json")], timeout=240,
                                  assistants=2))
-    emu_loss = [r["loss"] for r in json.loads((tmp_path / "real.json").read_text())]
+    emu_loss = [r["loss"] for r in json.loads((tmp_path / "emu.json").read_text())]
     assert emu_loss == pytest.approx(real_loss, rel=1e-5)
     info = json.loads((out / "emulate.json").read_text())
     assert info["assistants"] == 2 and info["assistant_returncodes"] == [0, 0]

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from prismllm.capture.launcher import LaunchSpec, launch
-from test_emulate import GPT3D, LAYOUTS, PRISM, SIZES, assert_all_ended, pid_alive, record
+from test_emulate import GPT3D, LAYOUTS, PRISM, SIZES, assert_all_ended, pid_alive, shared_record
 
 WRAPPER = textwrap.dedent(f"""
     import os
@@ -60,10 +60,10 @@ WRAPPER = textwrap.dedent(f"""
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    """(the recorded TP2 graph, the wrapper script)."""
+def setup(tmp_path_factory, gpt3d_recording):
+    """(the recorded TP2 graph, the wrapper script). The graph is test_emulate's (shared)."""
     d = tmp_path_factory.mktemp("faults")
-    graph, _ = record(d / "real-tp2", "tp2")
+    graph, _ = shared_record(gpt3d_recording, "tp2")
     wrapper = d / "faulty_gpt3d.py"
     wrapper.write_text(WRAPPER)
     return graph, wrapper

@@ -48,27 +48,26 @@ def load_params(directory: Path, rank: int) -> dict[str, np.ndarray]:
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
-def real(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    _run([PRISM, "record", "--nproc", str(WORLD), "--devices", "cpu", "--out", str(tmp / "rec"),
-          "--save-tensors", "all,inputs", "--timeout", "300", "--", GPT3D, *LAYOUTS[request.param],
-          *SIZES, "--save-params", str(tmp / "params")])
-    return request.param, tmp
+def real(request, tmp_path_factory, gpt3d_recording):
+    """(layout, the real run's recording, a directory for the emulations). The recording is
+    shared (conftest.gpt3d_recording): at N = 8 test_record_gpt3d checks the MoE one's graph."""
+    rec = gpt3d_recording(WORLD, [*LAYOUTS[request.param], *SIZES], save_tensors="all,inputs", save_params=True)
+    return request.param, rec, tmp_path_factory.mktemp(request.param)
 
 
 @pytest.mark.parametrize("sandbox", [(0, 1), (3, 6)], ids=["0,1", "3,6"])
 def test_emulated_ranks_end_with_the_real_parameters(real, sandbox):
-    layout, tmp = real
+    layout, rec, tmp = real
     spec = ",".join(map(str, sandbox))
     out, params = tmp / f"emu-{spec}", tmp / f"params-{spec}"
-    _run([PRISM, "emulate", "--graph", str(tmp / "rec"), "--sandbox", spec, "--out", str(out),
+    _run([PRISM, "emulate", "--graph", str(rec.out), "--sandbox", spec, "--out", str(out),
           "--check", "--timeout", "300", "--", GPT3D, *LAYOUTS[layout], *SIZES,
           "--save-params", str(params)])
     for r in sandbox:
         chk = json.loads((out / f"check-rank-{r}.json").read_text())
         assert chk["compared"] > 20 and chk["missing"] == 0 and chk["unfinished"] == 0, chk
         assert chk["errors"] == 0, chk
-        want, got = load_params(tmp / "params", r), load_params(params, r)
+        want, got = load_params(rec.params, r), load_params(params, r)
         assert got.keys() == want.keys()
         if layout == "tp2pp2dp2" and WORLD == 8:  # DP groups of 2: sums of two terms
             assert chk["max_abs_diff"] == 0, chk

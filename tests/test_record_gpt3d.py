@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -24,38 +23,46 @@ import pytest
 
 from prismllm.trace import PrismTrace, validate
 
-ROOT = Path(__file__).resolve().parents[1]
 PRISM = str(Path(sys.executable).with_name("prism"))
-GPT3D = str(ROOT / "examples" / "gpt3d.py")
-ITERS = 2
+ITERS = 3
 # Tiny sizes: the cost is starting 8 processes on a 2-core machine.
 SIZES = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
          "--micro-batch", "1", "--iters", str(ITERS), "--bucket-mb", "0.01"]
 
+# Each layout's full gpt3d command line and `prism record` options. The recordings are shared
+# through conftest.gpt3d_recording with every test that records the same command: TP2·PP2·DP2
+# with test_replay_engine and test_capture_solo (see program()), the MoE layout with
+# test_emulate_n8 (its command at N = 8, hence its own sizes, 2 iterations, and the saved
+# tensors and parameters that the emulation compares with).
 LAYOUTS = {
-    "tp2pp2dp2": ["--tp", "2", "--pp", "2", "--global-batch", "8"],
-    "pp4": ["--pp", "4", "--global-batch", "8"],  # dp 2, m 4: a steady 1F1B phase on stage 0
-    "pp2vpp2dp2_distopt": ["--pp", "2", "--vpp", "2", "--global-batch", "8", "--dist-opt"],
-    "tp2ep4_moe": ["--tp", "2", "--num-experts", "4", "--topk", "2", "--ep", "4",
-                   "--global-batch", "8"],
+    "tp2pp2dp2": [*SIZES, "--tp", "2", "--pp", "2", "--global-batch", "8"],
+    "pp4": [*SIZES, "--pp", "4", "--global-batch", "8"],  # dp 2, m 4: a steady 1F1B phase on stage 0
+    "pp2vpp2dp2_distopt": [*SIZES, "--pp", "2", "--vpp", "2", "--global-batch", "8", "--dist-opt"],
+    "tp2ep4_moe": ["--tp", "2", "--ep", "4", "--num-experts", "4", "--topk", "2",
+                   "--layers", "4", "--hidden", "32", "--heads", "4", "--vocab", "64", "--seq", "8",
+                   "--micro-batch", "1", "--global-batch", "8", "--iters", "2", "--bucket-mb", "0.002"],
 }
+RECORD_OPTIONS = {"tp2ep4_moe": {"save_tensors": "all,inputs", "save_params": True}}
+ITERATIONS = {name: int(args[args.index("--iters") + 1]) for name, args in LAYOUTS.items()}
 
 
-def record(out: Path, args: list[str]) -> tuple[PrismTrace, list[dict], Path]:
-    log = out.with_suffix(".json")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [PRISM, "record", "--nproc", "8", "--devices", "cpu", "--out", str(out), "--", GPT3D,
-         *SIZES, *args, "--json-log", str(log)],
-        capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return PrismTrace.load(out), json.loads(log.read_text()), out
+def program(name: str) -> list[str]:
+    """gpt3d's arguments for layout ``name``."""
+    return list(LAYOUTS[name])
+
+
+def recording(gpt3d_recording, name: str):
+    """The shared 8-rank CPU recording of layout ``name`` (conftest.Recording)."""
+    return gpt3d_recording(8, program(name), timeout=600, **RECORD_OPTIONS.get(name, {}))
 
 
 @pytest.fixture(scope="module")
-def graphs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("gpt3d-graphs")
-    return {name: record(base / name, args) for name, args in LAYOUTS.items()}
+def graphs(gpt3d_recording):
+    out = {}
+    for name in LAYOUTS:
+        rec = recording(gpt3d_recording, name)
+        out[name] = (PrismTrace.load(rec.out), rec.log, rec.out)
+    return out
 
 
 class Rank:
@@ -101,12 +108,13 @@ def expected_p2p(stage: int, pp: int, m: int, vpp: int = 1) -> dict[str, int]:
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_graph_validates_and_every_iteration_is_found(graphs, name):
     trace, printed, _ = graphs[name]
+    iters = ITERATIONS[name]
     validate(trace)
     assert trace.world_size == 8 and trace.manifest["mode"] == "record"
     it = trace.iterations.to_pydict()
-    assert sorted(set(it["iteration"])) == list(range(ITERS))
-    assert collections.Counter(it["rank"]) == {r: ITERS for r in range(8)}
-    assert [p["iteration"] for p in printed] == list(range(1, ITERS + 1))
+    assert sorted(set(it["iteration"])) == list(range(iters))
+    assert collections.Counter(it["rank"]) == {r: iters for r in range(8)}
+    assert [p["iteration"] for p in printed] == list(range(1, iters + 1))
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
@@ -132,7 +140,7 @@ def test_pipeline_p2p_counts_follow_the_schedule(graphs, name, tp, pp, vpp):
         r = Rank(trace, rank)
         stage = coords(rank, tp, dp)[2]
         group = pp_group(rank, tp, dp, pp)
-        for i in range(ITERS):
+        for i in range(ITERATIONS[name]):
             counts = {op: len(r.comm(i, op, group)) for op in ("send", "recv")}
             assert counts == expected_p2p(stage, pp, m, vpp), (name, rank, i)
             for row in r.comm(i, "send", group) + r.comm(i, "recv", group):
@@ -145,7 +153,7 @@ def test_distributed_optimizer_one_reduce_scatter_and_all_gather_per_bucket(grap
     for rank in range(8):
         r = Rank(trace, rank)
         group = dp_group(rank, 1, 4)
-        for i in range(ITERS):
+        for i in range(ITERATIONS["pp2vpp2dp2_distopt"]):
             rs, ag = r.comm(i, "reduce_scatter", group), r.comm(i, "all_gather", group)
             assert len(rs) == len(ag) >= 2  # at least one bucket per model chunk; the all-gather
             # runs inside the optimizer step, so in the same iteration as the reduce-scatter
@@ -174,7 +182,7 @@ def test_moe_all_to_all_records_split_sizes(graphs):
         r = Rank(trace, rank)
         t, d, _ = coords(rank, 2, 4)
         ep = tuple(dd * 2 + t for dd in range(4))  # EP is all of DP here (ep 4 = dp 4)
-        for i in range(ITERS):
+        for i in range(ITERATIONS["tp2ep4_moe"]):
             a2a = r.comm(i, "all_to_all", ep)
             assert len(a2a) == 4 * layers * m
             for x in a2a:

@@ -30,6 +30,8 @@ PROGRAMS = Path(__file__).parent / "programs"
 N = 4
 DDP_STEPS = 3
 FSDP_STEPS = 2
+# the recorded DDP and FSDP2 runs (N ranks, these steps) are started by conftest.torch_program_runs
+# and shared with test_solo_backend
 
 
 # ---- launcher (stand-in for `prism record` until the launcher exists) -------------------------
@@ -118,23 +120,23 @@ broken()
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, torch_program_runs):
     tmp = tmp_path_factory.mktemp("rec")
     (tmp / "exit3.py").write_text(textwrap.dedent(EXIT3))
     (tmp / "raise.py").write_text(textwrap.dedent(RAISE))
     launches = {
         "collectives": Launch(PROGRAMS / "collectives.py", N, tmp / "spool_coll"),
-        "ddp": Launch(PROGRAMS / "ddp_train.py", N, tmp / "spool_ddp",
-                      [str(tmp / "ddp_rec"), str(DDP_STEPS)]),
+        "ddp": torch_program_runs["ddp"],  # ddp_train.py OUT DDP_STEPS, recorded
         "ddp_plain": Launch(PROGRAMS / "ddp_train.py", N, tmp / "spool_plain",
                             [str(tmp / "ddp_plain"), str(DDP_STEPS)], record=False),
-        "fsdp2": Launch(PROGRAMS / "fsdp2_train.py", N, tmp / "spool_fsdp", [str(FSDP_STEPS)]),
+        "fsdp2": torch_program_runs["fsdp2"],  # fsdp2_train.py FSDP_STEPS, recorded
         "exit3": Launch(tmp / "exit3.py", 1, tmp / "spool_exit3"),
         "raise": Launch(tmp / "raise.py", 1, tmp / "spool_raise"),
     }  # fmt: skip
     for launch in launches.values():
         launch.wait()
     launches["tmp"] = tmp
+    launches["ddp_out"] = torch_program_runs["ddp_out"]
     return launches
 
 
@@ -405,7 +407,7 @@ def test_ddp_rows(runs):
 def test_ddp_values_unchanged_by_recording(runs):
     runs["ddp_plain"].ok()
     tmp = runs["tmp"]
-    rec = torch.load(tmp / "ddp_rec" / "ddp_params.pt")
+    rec = torch.load(runs["ddp_out"] / "ddp_params.pt")
     plain = torch.load(tmp / "ddp_plain" / "ddp_params.pt")
     assert rec.keys() == plain.keys()
     for k in rec:

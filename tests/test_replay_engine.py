@@ -9,21 +9,13 @@ gap and gate the node at their wait point; coalesced ops complete together.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from prismllm.replay import Replay, ReplayError, ReplayGraph
 from prismllm.trace import PrismTrace, assemble
 from prismllm.trace.ranklog import GroupInfo, RankLog
-
-ROOT = Path(__file__).resolve().parents[1]
-PRISM = str(Path(sys.executable).with_name("prism"))
-GPT3D = str(ROOT / "examples" / "gpt3d.py")
+from test_record_gpt3d import ITERATIONS, recording
 
 
 # ---------------------------------------------------------------------- small graphs
@@ -221,21 +213,15 @@ def test_deadlock_of_two_blocking_recvs():
 
 
 # ---------------------------------------------------------------------- recorded gpt3d
-ITERS = 3
-GPT3D_ARGS = ["--tp", "2", "--pp", "2", "--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16",
-              "--vocab", "128", "--micro-batch", "1", "--global-batch", "8", "--iters", str(ITERS),
-              "--bucket-mb", "0.01"]
+# the TP2·PP2·DP2 recording of test_record_gpt3d (shared: conftest.gpt3d_recording), 3 iterations
+ITERS = ITERATIONS["tp2pp2dp2"]
+assert ITERS == 3  # iteration 0 holds the set-up; the prediction is the median of the steady ones
 
 
 @pytest.fixture(scope="module")
-def gpt3d(tmp_path_factory):
+def gpt3d(gpt3d_recording):
     """An 8-rank CPU recording of gpt3d (tp 2, pp 2, dp 2) and its full replay."""
-    out = tmp_path_factory.mktemp("replay-gpt3d") / "graph"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([PRISM, "record", "--nproc", "8", "--devices", "cpu", "--out", str(out), "--",
-                           GPT3D, *GPT3D_ARGS], capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    trace = PrismTrace.load(out)
+    trace = PrismTrace.load(recording(gpt3d_recording, "tp2pp2dp2").out)
     graph = ReplayGraph(trace)
     return trace, graph, Replay(graph).run_to_end()
 

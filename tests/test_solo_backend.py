@@ -274,16 +274,20 @@ TORCH_RANK = 2  # neither the DDP broadcast source nor the last rank
 
 
 def _torch_args(name, out):
-    return {"ddp": [str(out), "2"], "fsdp2": ["2"]}[name]
+    from test_recording import DDP_STEPS, FSDP_STEPS
+
+    return {"ddp": [str(out), str(DDP_STEPS)], "fsdp2": [str(FSDP_STEPS)]}[name]
 
 
 @pytest.fixture(scope="module")
-def torch_records(tmp):
+def torch_records(torch_program_runs):
+    """The real recorded runs on 4 ranks: test_recording's (shared, conftest.torch_program_runs)."""
     out = {}
     for name in ("ddp", "fsdp2"):
-        rec = tmp / f"{name}-rec"
-        record(PROGRAMS / f"{name}_train.py", 4, _torch_args(name, tmp / f"{name}-out"), rec)
-        out[name] = rec
+        run = torch_program_runs[name]
+        assert run.nproc == 4
+        run.ok()
+        out[name] = run.spool
     return out
 
 

@@ -1,0 +1,100 @@
+"""Shared, session-scoped recordings of real runs: each costs seconds per rank on a small machine
+(every rank is a Python process importing torch), and several modules check different
+properties of the same run, so each distinct run is made once per test session.
+
+``gpt3d_recording``: CPU recordings of examples/gpt3d.py with ``prism record``, shared by every
+test that asks for the same command: test_record_gpt3d, test_replay_engine and
+test_capture_solo share the 8-rank TP2·PP2·DP2 recording; test_record_gpt3d and
+test_emulate_n8 the 8-rank MoE one; test_emulate and test_emulate_faults the 2-rank TP2 one;
+test_emulate and test_emulate_assistants the 4-rank TP2·DP2 one. The cache key is the whole
+recording command: rank count, the program's arguments (order included), ``--save-tensors``
+and whether the program saves its final parameters. Output paths (the graph, ``--json-log``,
+``--save-params``) are chosen by the fixture, so two tests share a recording exactly when they
+would have run the same command.
+
+``torch_program_runs``: the recorded 4-rank runs of tests/programs/ddp_train.py and
+fsdp2_train.py (rank logs in their spools), shared by test_recording and test_solo_backend.
+
+Recordings are read-only for their users: write emulations, calibrations and copies elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PRISM = str(Path(sys.executable).with_name("prism"))
+GPT3D = str(ROOT / "examples" / "gpt3d.py")
+
+
+@dataclass(frozen=True)
+class Recording:
+    """One real run of gpt3d under ``prism record``."""
+
+    out: Path  # the graph (``prism record --out``); with --save-tensors, its tensors/ too
+    log_path: Path  # gpt3d --json-log of the run (written by the last rank)
+    params: Path | None  # gpt3d --save-params of the run, when asked for
+
+    @property
+    def log(self) -> list[dict]:
+        """[{iteration, loss, iter_time_ms, max_mem_bytes, grad_norm}] per iteration (a fresh copy)."""
+        return json.loads(self.log_path.read_text())
+
+
+@pytest.fixture(scope="session")
+def gpt3d_recording(tmp_path_factory):
+    """``record(nproc, args, save_tensors=None, save_params=False, timeout=300) -> Recording``:
+    ``prism record --nproc NPROC --devices cpu [--save-tensors SEL] -- gpt3d.py ARGS --json-log LOG
+    [--save-params DIR]``, run once per session for each distinct command."""
+    done: dict[tuple, Recording | str] = {}
+
+    def record(nproc: int, args: list[str], *, save_tensors: str | None = None, save_params: bool = False,
+               timeout: float = 300) -> Recording:
+        key = (int(nproc), tuple(args), save_tensors, bool(save_params))
+        if key not in done:
+            base = tmp_path_factory.mktemp("gpt3d-recording")
+            rec = Recording(out=base / "rec", log_path=base / "rec.json",
+                            params=base / "params" if save_params else None)
+            cmd = [PRISM, "record", "--nproc", str(nproc), "--devices", "cpu", "--out", str(rec.out)]
+            if save_tensors:
+                cmd += ["--save-tensors", save_tensors]
+            cmd += ["--timeout", str(timeout), "--", GPT3D, *args, "--json-log", str(rec.log_path)]
+            if rec.params is not None:
+                cmd += ["--save-params", str(rec.params)]
+            p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                               timeout=timeout + 120)
+            # a failed recording fails every test that needs it, without running it again
+            done[key] = rec if p.returncode == 0 else (
+                f"{' '.join(cmd)} exited with {p.returncode}:\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
+        rec = done[key]
+        if isinstance(rec, str):
+            pytest.fail(rec)
+        return rec
+
+    return record
+
+
+# ---- PyTorch DDP and FSDP2 programs (tests/programs), recorded ------------------------------------
+@pytest.fixture(scope="session")
+def torch_program_runs(tmp_path_factory):
+    """Recorded runs (PRISM_MODE=record, rank logs kept in their spools) of ddp_train.py OUT
+    DDP_STEPS and fsdp2_train.py FSDP_STEPS on N ranks (test_recording's constants and
+    launcher), started once per session and shared by test_recording (which checks their rows)
+    and test_solo_backend (which compares a solo rank with them). Returned started, not waited
+    for: {"ddp": Launch, "fsdp2": Launch, "ddp_out": OUT, where rank 0 saved the final
+    parameters}."""
+    from test_recording import DDP_STEPS, FSDP_STEPS, PROGRAMS, Launch, N
+
+    tmp = tmp_path_factory.mktemp("torch-programs")
+    return {
+        "ddp": Launch(PROGRAMS / "ddp_train.py", N, tmp / "spool_ddp", [str(tmp / "ddp_rec"), str(DDP_STEPS)]),
+        "fsdp2": Launch(PROGRAMS / "fsdp2_train.py", N, tmp / "spool_fsdp", [str(FSDP_STEPS)]),
+        "ddp_out": tmp / "ddp_rec",
+    }

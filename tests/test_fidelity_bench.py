@@ -1,0 +1,92 @@
+"""benchmarks/fidelity.py (issue 13's fidelity table): the harness runs its smallest case end to
+end on the CPU (N = 2, TP2, 2 iterations: record, record saving tensors, solo capture, time, calibrate, emulate with
+real and fast timing, the pure model) and fills every column of its JSON row; the timing values
+themselves are not judged here (2 shared cores). Plus the parts that need no process: the
+layouts per N, the alpha-beta fit and the per-collective transfer model."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import fidelity  # noqa: E402
+
+SMALL = "--layers 1 --hidden 16 --heads 2 --seq 8 --vocab 64 --micro-batch 1"
+
+
+def test_layouts_divide_every_world():
+    for n in (2, 4, 8, 16, 32):
+        for name in fidelity.CASES:
+            c = fidelity.make_case(name, n)
+            if isinstance(c, str):
+                assert name == "mixed" and n == 2, (name, n, c)
+                continue
+            assert n % (c.tp * c.pp) == 0 and c.dp % c.ep == 0, (name, n)
+            args = c.args(fidelity.SIZES["cpu"], 3)
+            gb = int(args[args.index("--global-batch") + 1])
+            assert gb % c.dp == 0 and (gb // c.dp) % (c.pp if c.vpp > 1 else 1) == 0
+    assert fidelity.make_case("mixed", 8).title == "TP2·PP2·DP2 SP dist-opt 1F1B"
+    assert fidelity.make_case("moe", 8).title == "DP8·EP4 MoE 8 experts"
+    assert fidelity.sandbox_ranks("auto", 2, "cuda", 2) == [1]
+    assert fidelity.sandbox_ranks("auto", 8, "cpu", 0) == [0, 7]
+    assert fidelity.sandbox_ranks("3,last", 8, "cpu", 0) == [3, 7]
+
+
+def test_alpha_beta_fit_and_transfer_model(tmp_path):
+    fit = fidelity.fit_alpha_beta([{"bytes": 4 << 20, "median_us": 4094.0 + 100}, {"bytes": 4096, "median_us": 104.0}])
+    assert fit["bandwidth_Bps"] == pytest.approx(((4 << 20) - 4096) / 4090e-6)
+    assert fit["alpha_s"] == pytest.approx(104e-6 - 4096 / fit["bandwidth_Bps"])
+
+    from prismllm.replay.engine import ReplayGraph
+    from prismllm.trace.assemble import assemble
+    from prismllm.trace.synth import example_logs
+
+    trace = assemble(example_logs(4, iterations=2), {"mode": "record"})
+    g = ReplayGraph(trace)
+    t = fidelity.alpha_beta_transfer(g, trace, 1e-6, 1e9)  # 1 µs + 1 ns a byte
+    want = {("all_reduce", 2): 1000 + 4096, ("all_reduce", 2, "dp"): 1000 + 8192,
+            ("all_gather", 4): 1000 + 3 * 1024, ("reduce_scatter", 4): 1000 + 3 * 1024, ("send", 2): 1000 + 2048}
+    seen = {}
+    for i in range(g.num_instances):
+        op = g.op_names[g.inst_op[i]]
+        seen.setdefault(op, set()).add(int(t[i]))
+    assert seen["all_reduce"] == {want[("all_reduce", 2)], want[("all_reduce", 2, "dp")]}
+    assert seen["all_gather"] == {want[("all_gather", 4)]} and seen["reduce_scatter"] == {want[("reduce_scatter", 4)]}
+    assert seen["send"] == {want[("send", 2)]}
+    # all_to_all: the busiest member's send or receive volume (rank 3 receives 34 rows of 64 B), x 3/4
+    assert seen["all_to_all"] == {1000 + 3 * 34 * 64 // 4}
+    # the pure model solves the graph: every rank's iterations timed
+    trace.save(tmp_path / "g")
+    res = fidelity.pure_model(tmp_path / "g", tmp_path / "g", {"alpha_s": 1e-6, "bandwidth_Bps": 1e9}, [0, 3], 1)
+    assert res["rank_ns"]["0"] > 0 and res["job_ns"] >= res["rank_ns"]["3"] > 0 and res["unknown_compute"] == 0
+
+
+def test_harness_smallest_case_fills_every_column(tmp_path):
+    out = tmp_path / "fidelity.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "fidelity.py"), "--devices", "cpu", "--worlds", "2",
+           "--cases", "tp", "--iters", "2", "--micro-batches", "1", "--model-args", SMALL, "--time-parallel", "2",
+           "--alpha-beta", "1e-4,1e9", "--json", str(out), "--keep", str(tmp_path / "work")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    (case,) = res["cases"]
+    assert case["error"] is None and case["sandbox"] == [1]
+    assert set(case["stage_wall_s"]) == {"record", "record_tensors", "capture", "time", "calibrate", "emulate", "emulate_fast",
+                                         "pure_model"}
+    (row,) = case["rows"]
+    missing = [k for k, v in row.items() if v is None and k != "error"]
+    assert not missing, missing
+    assert all(row[k] == "n/a" for k in row if k.startswith("peak_"))  # device memory: CPU has none
+    assert case["emulated"]["timing"] == "real" and case["baseline_b"]["timing"] == "fast"
+    assert case["emulated"]["losses_equal_recorded"] is True  # recorded inputs: the real run's numbers
+    assert case["baseline_a"]["compute_from"] == "solo capture"
+    md = out.with_suffix(".md").read_text()
+    assert "| tp | 2 | TP2 | 1 |" in md and "Whole job" in md
