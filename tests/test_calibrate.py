@@ -225,6 +225,32 @@ def test_transfer_rules_min_never_exceeds_last(recorded):
     assert a.result.predicted_iteration_ns <= b.result.predicted_iteration_ns * 1.001
 
 
+def test_slice_rule_averages_the_slices_of_a_timed_graph():
+    """A timed graph of four ranks measured in two slices, {0, 1} and {2, 3}: each slice's
+    members measured one all-reduce of the four (the virtual members were there first). Within
+    a slice the member that waited least saw the transfer (slice 0: min(30, 10) = 10; slice 1:
+    min(50, 70) = 50); across slices the measurements are independent, so the transfer is their
+    mean, 30, where the minimum over all members (10) keeps only the low tail. ``auto`` picks
+    ``slice`` for a timed graph that names its slices and ``min`` for a recording."""
+    durs = [30, 10, 50, 70]
+    progs = [[C(0, 100, iteration=0), M("all_reduce", 100, d, reduce_op="sum", iteration=0)] for d in durs]
+    rec = make_trace(progs, 1)
+    timed = PrismTrace(manifest={**rec.manifest, "mode": "timed", "timing": {"slice_of_rank": [0, 0, 1, 1]}},
+                       nodes=rec.nodes, edges=rec.edges, groups=rec.groups, iterations=rec.iterations)
+    assert solve(timed).rule == "slice" and solve(rec).rule == "min"
+    assert solve(timed).durations.transfer_ns.tolist() == [30]
+    assert solve(timed, rule="min").durations.transfer_ns.tolist() == [10]
+    assert solve(timed).result.predicted_iteration_ns == 130
+    # replicas measured in one slice count once: ranks 0-2 all copies of slice 0
+    one = PrismTrace(manifest={**timed.manifest, "timing": {"slice_of_rank": [0, 0, 0, 1]}}, nodes=rec.nodes,
+                     edges=rec.edges, groups=rec.groups, iterations=rec.iterations)
+    assert solve(one).durations.transfer_ns.tolist() == [(10 + 70) // 2]
+    from prismllm.calibrate import CalibrationError
+
+    with pytest.raises(CalibrationError, match="needs a timed graph"):
+        solve(rec, rule="slice")
+
+
 # ---------------------------------------------------------------------- --durations
 def scaled_copy(src: Path, dst: Path, compute: float, comm: float) -> Path:
     """GRAPH with compute durations x ``compute`` and communication durations x ``comm``; with

@@ -48,6 +48,8 @@ def test_time_slices_every_representative_once_and_resumes(bare, tmp_path):
     assert state["slices"] == [[0], [1]]  # the representatives (dp coordinate 0)
     timed, ref = PrismTrace.load(out / "graph"), PrismTrace.load(bare)
     assert timed.world_size == 4 and timed.manifest["mode"] == "timed"
+    # which slice measured each rank: replicas 2 and 3 take their representatives' (0 and 1)
+    assert timed.manifest["timing"]["slice_of_rank"] == [0, 1, 0, 1]
     assert compare_traces(ref, timed, timing=False).structure_equal
     d = timed.nodes.select(["kind", "duration_ns"]).to_pylist()
     assert sum(n["kind"] == "compute" and n["duration_ns"] > 0 for n in d) > 20

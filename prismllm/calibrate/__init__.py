@@ -22,7 +22,7 @@ from prismllm.trace.graph import PrismTrace
 
 
 def calibrate(graph: str | os.PathLike, out: str | os.PathLike | None = None, *,
-              durations: str | os.PathLike | None = None, rule: str = "min",
+              durations: str | os.PathLike | None = None, rule: str = "auto",
               validate_graph: bool = True, write_graph: bool = False) -> dict[str, Any]:
     """Load GRAPH (and OTHER), solve, write CAL when ``out`` is given (with ``write_graph``
     also CAL/graph, the calibrated PrismTrace); return the summary."""

@@ -7,12 +7,18 @@ member arrives) in logical time. This module only decides what durations it is f
 the times it records back:
 
 - compute span: its measured ``duration_ns`` (else ``end_ns - start_ns`` where both are known);
-- communication instance (collective, or a send/recv pair): the *minimum* over its members of
-  the measured duration (``duration_ns``, else ``end_ns - start_ns``). Every member's
-  measurement is "from my arrival to the end", so everyone but the last to arrive also counts
-  the wait for late peers; the minimum is the one that waited least. Unlike the engine's
+- communication instance (collective, or a send/recv pair), rule ``min``: the *minimum* over
+  its members of the measured duration (``duration_ns``, else ``end_ns - start_ns``). Every
+  member's measurement is "from my arrival to the end", so everyone but the last to arrive also
+  counts the wait for late peers; the minimum is the one that waited least. Unlike the engine's
   default ("the duration of the member whose ``start_ns`` is latest") it compares no clock
-  readings across ranks, so it holds for ranks on different hosts (docs/calibrate.md);
+  readings across ranks, so it holds for ranks on different hosts (docs/calibrate.md).
+  Rule ``slice``, for a timed graph: the members measured in one slice give one measurement
+  (their minimum, as above: the virtual members were there first), and the instance's transfer
+  is the *mean* over the slices that measured it: each slice measured the transfer alone, and
+  the minimum of several independent measurements would keep only their low tail. ``auto``
+  (the default) is ``slice`` for a timed graph that says which slice measured each rank, else
+  ``min``;
 - issue of an asynchronous call (host time it holds the rank): the gap from the call to the
   next node in the recording, as the engine measures it (0 before a wait point).
 
@@ -34,7 +40,7 @@ from prismllm.trace.graph import PrismTrace
 
 _I64 = np.int64
 
-TRANSFER_RULES = ("min", "last")
+TRANSFER_RULES = ("auto", "min", "slice", "last")
 
 
 class CalibrationError(PrismError):
@@ -157,16 +163,53 @@ class Durations:
     unknown_transfer: int  # instances with no member measured (counted as 0)
 
 
-def instance_transfer(graph: ReplayGraph, m: Measured, rule: str = "min") -> tuple[np.ndarray, int]:
+def slice_of_rank(trace: PrismTrace) -> list[int] | None:
+    """Which slice measured each rank of a timed graph (``prism time``'s manifest), else None."""
+    timing = trace.manifest.get("timing") or {}
+    s = timing.get("slice_of_rank")
+    if trace.manifest.get("mode") != "timed" or not isinstance(s, list) or len(s) != trace.world_size:
+        return None
+    return [int(x) for x in s]
+
+
+def resolve_rule(rule: str, measured_in: PrismTrace) -> str:
+    """``auto`` -> ``slice`` for a timed graph that names its slices, else ``min``."""
+    if rule not in TRANSFER_RULES:
+        raise CalibrationError(f"transfer rule {rule!r}: expected one of {', '.join(TRANSFER_RULES)}")
+    if rule == "auto":
+        return "slice" if slice_of_rank(measured_in) is not None else "min"
+    if rule == "slice" and slice_of_rank(measured_in) is None:
+        raise CalibrationError("transfer rule 'slice' needs a timed graph (`prism time`) that names the slice of "
+                               "each rank; use --transfer min for a recording")
+    return rule
+
+
+def instance_transfer(graph: ReplayGraph, m: Measured, rule: str = "min",
+                      slice_of: list[int] | None = None) -> tuple[np.ndarray, int]:
     """Transfer time of every instance from its members' measurements: ``min`` (the member that
-    waited least) or ``last`` (the member whose recorded start is latest, the engine's rule).
-    Members without a measurement are ignored; an instance with none gets 0."""
+    waited least), ``slice`` (the mean over the slices that measured the instance of each
+    slice's minimum; ``slice_of``: the slice of every rank) or ``last`` (the member whose
+    recorded start is latest, the engine's rule). Members without a measurement are ignored;
+    an instance with none gets 0."""
     ni = graph.num_instances
     if not ni:
         return np.zeros(0, dtype=_I64), 0
     d = m.duration_ns[graph.inst_nodes]
     cnt = np.diff(graph.inst_ptr)
-    if rule == "min":
+    if rule == "slice":
+        if slice_of is None:
+            raise ValueError("transfer rule 'slice' needs the slice of every rank")
+        seg = np.repeat(np.arange(ni), cnt)
+        key = np.asarray(slice_of, dtype=_I64)[graph.ranks[graph.rank_pos[graph.inst_nodes]]]
+        ok = d >= 0
+        seg, key, dv = seg[ok], key[ok], d[ok]
+        o = np.lexsort((dv, key, seg))  # by instance, then slice, smallest first
+        seg, key, dv = seg[o], key[o], dv[o]
+        first = np.r_[True, (seg[1:] != seg[:-1]) | (key[1:] != key[:-1])] if len(seg) else np.zeros(0, bool)
+        total = np.bincount(seg[first], weights=dv[first].astype(np.float64), minlength=ni)
+        count = np.bincount(seg[first], minlength=ni)
+        out = np.where(count > 0, np.rint(total / np.maximum(count, 1)), -1).astype(_I64)
+    elif rule == "min":
         big = np.iinfo(_I64).max
         out = np.minimum.reduceat(np.where(d >= 0, d, big), graph.inst_ptr[:-1])
         out[cnt == 0] = big
@@ -192,9 +235,9 @@ def issue_gaps(graph: ReplayGraph, start: np.ndarray) -> np.ndarray:
     return np.where(ok, np.maximum(nxt - start, 0), 0).astype(_I64)
 
 
-def durations_for(graph: ReplayGraph, m: Measured, rule: str = "min") -> Durations:
+def durations_for(graph: ReplayGraph, m: Measured, rule: str = "min", slice_of: list[int] | None = None) -> Durations:
     compute = np.where(graph.is_comm, 0, np.maximum(m.duration_ns, 0)).astype(_I64)
-    transfer, unknown_t = instance_transfer(graph, m, rule)
+    transfer, unknown_t = instance_transfer(graph, m, rule, slice_of)
     return Durations(compute_ns=compute, transfer_ns=transfer, issue_ns=issue_gaps(graph, m.start_ns),
                      unknown_compute=int((~graph.is_comm & ~m.known).sum()), unknown_transfer=unknown_t)
 
@@ -215,12 +258,13 @@ class Solution:
     durations_from: str | None = None
 
 
-def solve(trace: PrismTrace, *, durations: PrismTrace | None = None, rule: str = "min",
+def solve(trace: PrismTrace, *, durations: PrismTrace | None = None, rule: str = "auto",
           names: tuple[str, str] = ("GRAPH", "OTHER"), validate_graph: bool = True) -> Solution:
     """Solve ``trace`` with its own measured durations, or with those of ``durations`` (a graph
-    of the same structure)."""
-    if rule not in TRANSFER_RULES:
-        raise CalibrationError(f"transfer rule {rule!r}: expected one of {', '.join(TRANSFER_RULES)}")
+    of the same structure). ``rule``: see :func:`instance_transfer`; ``auto`` picks it from the
+    graph the durations come from (:func:`resolve_rule`)."""
+    source = durations if durations is not None else trace
+    rule = resolve_rule(rule, source)
     t = {}
     t0 = time.perf_counter()
     if validate_graph:
@@ -242,7 +286,7 @@ def solve(trace: PrismTrace, *, durations: PrismTrace | None = None, rule: str =
         check_same_structure(graph, durations, rows, names)
         m = measured(durations, rows)
         check_has_durations(durations, m, graph.is_comm, names[1])
-    d = durations_for(graph, m, rule)
+    d = durations_for(graph, m, rule, slice_of_rank(source))
     t["durations"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     rep = Replay(graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)
@@ -252,4 +296,5 @@ def solve(trace: PrismTrace, *, durations: PrismTrace | None = None, rule: str =
 
 
 __all__ = ["CalibrationError", "Durations", "Measured", "Solution", "TRANSFER_RULES", "check_same_structure",
-           "durations_for", "instance_transfer", "issue_gaps", "measured", "rank_order", "solve"]
+           "durations_for", "instance_transfer", "issue_gaps", "measured", "rank_order", "resolve_rule",
+           "slice_of_rank", "solve"]

@@ -33,9 +33,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="CAL", help="output directory (replaced if it holds a calibration)")
     p.add_argument("--durations", metavar="OTHER", default=None,
                    help="take the node durations from OTHER, a graph of the same structure")
-    p.add_argument("--transfer", choices=TRANSFER_RULES, default="min",
-                   help="transfer time of an instance: the minimum of its members' measured durations "
-                        "(default), or the duration of the member that arrived last (needs one clock)")
+    p.add_argument("--transfer", choices=TRANSFER_RULES, default="auto",
+                   help="transfer time of an instance: min (the smallest of its members' measured durations), "
+                        "slice (per slice the smallest, then the mean over the slices: timed graphs), last (the "
+                        "member that arrived last; needs one clock); auto (default): slice for a timed graph, "
+                        "else min")
     p.add_argument("--write-graph", action="store_true",
                    help="also write CAL/graph: GRAPH with the solved times (a PrismTrace, mode calibrated)")
     p.add_argument("--no-validate", action="store_true", help="skip the static graph check (faster at scale)")

@@ -156,9 +156,10 @@ class Assistant:
         self.timeout = timeout
         self.graph = ReplayGraph(trace, external=list(self.sandbox))
         if timing == "real":  # the calibration's durations (it solved this graph with the same rules)
-            from prismllm.calibrate.solve import durations_for, measured, solve
+            from prismllm.calibrate.solve import durations_for, measured, resolve_rule, slice_of_rank, solve
 
-            d = durations_for(self.graph, measured(trace, self.graph.row))
+            d = durations_for(self.graph, measured(trace, self.graph.row), resolve_rule("auto", trace),
+                              slice_of_rank(trace))
             self.replay = Replay(self.graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)
             # the planned end of each instance with the sandbox: where the solve of the whole
             # graph (sandbox ranks with their calibrated times) ends it

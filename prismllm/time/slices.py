@@ -227,9 +227,17 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
     # the bare graph's manifest, its program fingerprint and command included (what
     # `prism emulate` checks a launch of the timed or calibrated graph against)
     tm = {k: v for k, v in manifest.items() if k not in ("peak_memory_bytes", "capture")}
+    # which slice measured each rank (a replica: its representative's): calibration takes an
+    # instance's transfer per slice, the members measured together sharing one measurement
+    slice_of = [-1] * world
+    for k, s in enumerate(slices):
+        for r in s:
+            slice_of[r] = k
+    if reps is not None:
+        slice_of = [slice_of[int(rep)] for rep in reps.replica_of.tolist()]
     tm.update(mode="timed", timing={"bare_graph": str(graph.resolve()), "slice_size": opts.slice_size,
                                    "slices": len(slices), "timed_ranks": len(ranks), "devices": opts.devices,
-                                   "inputs": opts.inputs})
+                                   "inputs": opts.inputs, "slice_of_rank": slice_of})
     if reps is not None:
         trace = assemble_replicated(spool, tm, replica_of=reps.replica_of, map_of=reps.map_of, rename=reps.rename)
     else:
