@@ -68,9 +68,12 @@ PRISM = [sys.executable, "-m", "prismllm.cli.main"]
 ALLREDUCE = str(ROOT / "benchmarks" / "programs" / "allreduce_sizes.py")
 FAKE_PG = str(ROOT / "benchmarks" / "programs" / "fake_pg.py")
 CASES = ("tp", "pp", "vpp", "dpopt", "moe", "mixed")
-# model sizes: seconds per run on a CPU core; tens of ms an iteration on an H100/H200
+# model sizes: on a CPU core a few hundred ms an iteration, compute-bound enough that a gloo call's
+# latency (about 1 ms on a 2-vCPU VM, with a wide scatter) is not most of it; tens of ms an
+# iteration on an H100/H200
 SIZES = {
-    "cpu": ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128", "--micro-batch", "1"],
+    "cpu": ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--vocab", "512",
+            "--micro-batch", "2"],
     "cuda": ["--layers", "4", "--hidden", "1024", "--heads", "16", "--seq", "512", "--vocab", "32000",
              "--micro-batch", "2"],
 }
@@ -624,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--worlds", default="8,16,32", help="comma list of N")
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
-    ap.add_argument("--iters", type=int, default=None, help="training iterations (default 5 on cpu, 10 on cuda)")
+    ap.add_argument("--iters", type=int, default=None, help="training iterations (default 10)")
     ap.add_argument("--warmup", type=int, default=1, help="leading iterations left out of every median")
     ap.add_argument("--sandbox", default="auto", help="auto, last, or ranks such as 0,last")
     ap.add_argument("--inputs", choices=["auto", "recorded", "generated"], default="auto",
@@ -647,7 +650,7 @@ def main(argv: list[str] | None = None) -> int:
                          "long suite over several invocations")
     ap.add_argument("--keep", default=None, help="keep every stage's output (graphs, logs) in this directory")
     a = ap.parse_args(argv)
-    a.iters = a.iters or (10 if a.devices == "cuda" else 5)
+    a.iters = a.iters or 10
     if a.iters <= a.warmup:
         ap.error("--iters must exceed --warmup")
     names = [c.strip() for c in a.cases.split(",") if c.strip()]

@@ -417,8 +417,18 @@ class PrunedBackend(solo.GeneratedBackend):
             return p, C.sandbox_call(p, g, output=out, input=c.input)
         if op == "all_to_all":
             x = c.input if isinstance(c.input, torch.Tensor) else None
-            if x is None:
-                raise EmulateError("all_to_all with tensor lists is not supported in emulation yet")
+            if x is None:  # alltoall(outputs, inputs): one tensor per member, as the recording's
+                # rows (first dimension) and row size (the first input's trailing dimensions)
+                ins, outs = list(c.input), list(c.output)
+                row_numel = math.prod(ins[0].shape[1:]) if ins and ins[0].dim() else 1
+                rows = [t.shape[0] if t.dim() else 1 for t in ins]
+                cols = [t.shape[0] if t.dim() else 1 for t in outs]
+                if any(t.numel() != r * row_numel for t, r in zip([*ins, *outs], [*rows, *cols])):
+                    raise EmulateError(f"{c.where()}: all_to_all tensors whose trailing dimensions differ "
+                                       f"are not supported in emulation")
+                sp = C.splits_matrix(n, rows={g: rows}, cols={g: cols})
+                p = C.plan_all_to_all(n, G, sp, row_numel=row_numel, dtype=ins[0].dtype)
+                return p, C.sandbox_call(p, g, output=outs, input=ins)
             if not (c.in_splits or c.out_splits):
                 p = C.plan_all_to_all(n, G, None, numel=x.numel(), dtype=x.dtype)
                 return p, C.sandbox_call(p, g, output=c.output, input=x)

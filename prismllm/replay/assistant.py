@@ -365,7 +365,9 @@ class Assistant:
             raise AssistantError(
                 f"no recorded input for {g.describe(pos)} in {self.tensors} (record the graph with "
                 f"`prism record --save-tensors all,inputs`, or emulate with generated inputs)")
-        return ts[0]
+        # a list form (reduce_scatter's n input chunks, scatter's root list) stays a list:
+        # the plans take a list of n tensors where they take a buffer of n chunks
+        return ts[0] if len(ts) == 1 else ts
 
     def plan(self, grp: _Group, ev: ExternalEvent) -> tuple[C.Plan, dict]:
         """The plan of an external instance, as the sandbox makes it from its own call, and
@@ -395,11 +397,18 @@ class Assistant:
             return C.plan_reduce(n, G, shape, gr[int(g.peer[p0])], red, dtype=dtype), ins
         if op == "all_gather":
             return C.plan_all_gather(n, G, shape, dtype=dtype), ins
-        if op == "reduce_scatter":  # the recorded shape is the input's: n chunks
-            numel = 1
-            for s in shape:
-                numel *= int(s)
-            return C.plan_reduce_scatter(n, G, numel // n, red, dtype=dtype), ins
+        if op == "reduce_scatter":  # a member's output is one chunk (the recorded shape is the
+            # whole input of the tensor form, one chunk of the list form)
+            return C.plan_reduce_scatter(n, G, int(self._out_bytes[row]) // dtype.itemsize, red, dtype=dtype), ins
+        if op == "gather":  # the recorded shape is a member's input
+            return C.plan_gather(n, G, shape, gr[int(g.peer[p0])], dtype=dtype), ins
+        if op == "scatter":  # the recorded shape is one chunk; the root's input is the list of n
+            root = gr[int(g.peer[p0])]
+
+            def root_list(v: int) -> Any:
+                x = self._input(grp, members[v], op)
+                return [x] * n if isinstance(x, torch.Tensor) else x  # generated: zeros of one chunk
+            return C.plan_scatter(n, G, shape, root, dtype=dtype), _Inputs(root_list, members)
         if op == "all_to_all":
             numel = math.prod(int(x) for x in shape)
             if not any(self._in_splits[int(g.row[q])] or self._out_splits[int(g.row[q])] for q in ev.nodes):
@@ -427,11 +436,17 @@ class Assistant:
                              nodes=tuple(int(x) for x in g.inst_nodes[g.inst_ptr[inst]:g.inst_ptr[inst + 1]]))
 
     def _prepare(self, grp: _Group, ev: ExternalEvent) -> C.SmallCall:
-        p, ins = self.plan(grp, ev)
-        if grp.stream is None:
-            return C.proxy_call(p, ins, self.device)
-        with torch.cuda.stream(grp.stream):
-            return C.proxy_call(p, ins, self.device)
+        try:
+            p, ins = self.plan(grp, ev)
+            if grp.stream is None:
+                return C.proxy_call(p, ins, self.device)
+            with torch.cuda.stream(grp.stream):
+                return C.proxy_call(p, ins, self.device)
+        except AssistantError:
+            raise
+        except Exception as e:  # noqa: BLE001 - named with the call it failed on
+            raise AssistantError(f"{self.graph.describe(ev.nodes[0])}: the proxy could not prepare its part: "
+                                 f"{e}") from e
 
     def _stage(self, grp: _Group, after: int | None) -> None:
         """Prepare the proxy's buffers of the group's next ``stage_ahead`` calls after the
