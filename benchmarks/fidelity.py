@@ -203,6 +203,27 @@ def per_rank_iterations(graph: Path) -> dict[int, list[int]]:
     return out
 
 
+def per_rank_compute(graph: Path) -> dict[int, list[int]]:
+    """Each rank's compute time per iteration (ns, iteration order): the sum of its compute
+    spans' durations. Beside the iteration time it says whether a difference is the compute
+    itself (e.g. processes sharing a machine's caches and memory bandwidth) or the waits."""
+    import numpy as np
+
+    from prismllm.trace.graph import PrismTrace
+
+    t = PrismTrace.load(graph)
+    rank, it = t.column("rank").astype(np.int64), t.column("iteration").astype(np.int64)
+    comp = (np.asarray(t.nodes.column("kind").to_pylist()) == "compute") & (t.column("duration_ns") >= 0)
+    out: dict[int, list[int]] = {}
+    for r in np.unique(rank).tolist():
+        m = comp & (rank == r)
+        its = np.unique(it[rank == r])
+        sums = np.bincount(it[m] - its.min(), weights=t.column("duration_ns")[m].astype(np.float64),
+                           minlength=len(its))
+        out[int(r)] = [int(x) for x in sums[:len(its)]]
+    return out
+
+
 def job_iterations(per_rank: dict[int, list[int]]) -> list[int]:
     """Per iteration the maximum over ranks (the job's iteration time)."""
     k = min((len(v) for v in per_rank.values()), default=0)
@@ -389,8 +410,10 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
         peaks = manifest.get("peak_memory_bytes") or {}
         job = job_iterations(per)
         pr = printed(text)
+        comp = per_rank_compute(real)
         res["real"] = {"rank_iteration_ns": {str(r): per.get(r, []) for r in sandbox},
                        "rank_ns": {str(r): steady_median(per.get(r, []), opts.warmup) for r in sandbox},
+                       "rank_compute_ns": {str(r): steady_median(comp.get(r, []), opts.warmup) for r in sandbox},
                        "job_iteration_ns": job, "job_ns": steady_median(job, opts.warmup),
                        "printed_iter_time_ms": pr["iter_time_ms"],
                        "printed_ms": steady_median(pr["iter_time_ms"], opts.warmup),
@@ -441,6 +464,8 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
                  "rank_iteration_ns": {str(r): (sr.get(str(r)) or {}).get("iteration_ns", []) for r in sandbox},
                  "peak_memory_bytes": {str(r): int((sr.get(str(r)) or {}).get("peak_memory_bytes", -1))
                                        for r in sandbox},
+                 "rank_compute_ns": {str(r): steady_median((sr.get(str(r)) or {}).get("compute_ns", []), opts.warmup)
+                                     for r in sandbox},
                  "virtual_ranks_ns": (emu.get("replay") or {}).get("median_steady_iteration_ns"),
                  "printed_iter_time_ms": pr_e["iter_time_ms"]}
             d["rank_ns"] = {r: steady_median(v, opts.warmup) for r, v in d["rank_iteration_ns"].items()}
@@ -519,7 +544,10 @@ def rows(res: dict) -> list[dict]:
                "real_job_ms": ms(ref_job), "predicted_job_ms": ms(pred_job), "predicted_job_err": rel(pred_job, ref_job),
                "baseline_a_ms": ms(pure), "baseline_a_err": rel(pure, ref),
                "baseline_a_job_ms": ms(pure_job), "baseline_a_job_err": rel(pure_job, ref_job),
-               "baseline_b_ms": ms(fast), "baseline_b_err": rel(fast, ref)}
+               "baseline_b_ms": ms(fast), "baseline_b_err": rel(fast, ref),
+               "real_compute_ms": ms(get("real", "rank_compute_ns")),
+               "emulated_compute_ms": ms(get("emulated", "rank_compute_ns")),
+               "emulated_compute_err": rel(get("emulated", "rank_compute_ns"), get("real", "rank_compute_ns"))}
         if "real_again" in res or res.get("noise"):
             again = get("real_again")
             row.update(real_again_ms=ms(again), real_again_err=rel(again, ref))
@@ -586,19 +614,20 @@ def markdown(result: dict) -> str:
              "",
              "| case | N | layout | sandbox rank | real ms | emulated ms (err) | calibrated prediction ms (err) "
              "| (a) pure model ms (err) | (b) fast replay ms (err) | peak mem real (bytes) | emulated (diff) "
-             "| (c) fake PG (diff) |" + (" real again ms (noise) |" if noise else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if noise else "")]
+             "| (c) fake PG (diff) | compute ms real → emulated (diff) |" + (" real again ms (noise) |" if noise else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if noise else "")]
     for c in result["cases"]:
         for row in c["rows"]:
             if row["real_ms"] is None and c.get("error"):
                 lines.append(f"| {c['case']} | {c['world']} | {c['layout']} | {row['sandbox_rank']} | failed: "
-                             f"{c['error'][:160]} | | | | | | | |" + (" |" if noise else ""))
+                             f"{c['error'][:160]} | | | | | | | | |" + (" |" if noise else ""))
                 continue
             cell = lambda k: f"{_f(row.get(k + '_ms'))} ({_pct(row.get(k + '_err'))})"  # noqa: E731
             lines.append(f"| {c['case']} | {c['world']} | {c['layout']} | {row['sandbox_rank']} | {_f(row['real_ms'])} "
                          f"| {cell('emulated')} | {cell('predicted')} | {cell('baseline_a')} | {cell('baseline_b')} "
                          f"| {_bytes(row['peak_real'])} | {_diff(row['peak_emulated_diff'], row['peak_emulated_rel'])} "
-                         f"| {fake_cell(row)} |"
+                         f"| {fake_cell(row)} | {_f(row.get('real_compute_ms'))} → {_f(row.get('emulated_compute_ms'))} "
+                         f"({_pct(row.get('emulated_compute_err'))}) |"
                          + (f" {cell('real_again')} |" if noise else ""))
     lines += ["", "Whole job (iteration time: per iteration the slowest rank, median of the steady ones):", "",
               "| case | N | layout | real ms | calibrated prediction ms (err) | (a) pure model ms (err) "

@@ -155,9 +155,10 @@ def _calibration(graph: Path) -> dict | None:
 
 
 def _measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
-    """Per sandbox rank, from its rank log: each iteration's time (its own begin to end),
-    the median over the steady ones (all but the first when there are two or more) and the
-    peak device memory (torch.cuda.max_memory_allocated; -1 on CPU)."""
+    """Per sandbox rank, from its rank log: each iteration's time (its own begin to end) and
+    the time its compute spans took in it, the median over the steady ones (all but the first
+    when there are two or more) and the peak device memory (torch.cuda.max_memory_allocated;
+    -1 on CPU)."""
     from prismllm.trace.ranklog import ranklog_path, read_ranklog
 
     out = {}
@@ -171,7 +172,12 @@ def _measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
         times = [int(it["end_ns"] - it["start_ns"]) for it in its]
         steady = times[1:] if len(times) >= 2 else times
         med = int(statistics.median(steady)) if steady else None
+        compute: dict[int, int] = {}
+        for nd in log.nodes:
+            if nd.get("kind") == "compute" and nd.get("duration_ns", -1) >= 0:
+                compute[nd["iteration"]] = compute.get(nd["iteration"], 0) + int(nd["duration_ns"])
         out[r] = {"iterations": [int(it["iteration"]) for it in its], "iteration_ns": times,
+                  "compute_ns": [compute.get(int(it["iteration"]), 0) for it in its],
                   "median_steady_iteration_ns": med, "peak_memory_bytes": int(log.peak_memory_bytes)}
     return out
 
