@@ -28,7 +28,7 @@ Per case (layout x N), each stage a `prism` command (a child process), in this o
    replay engine (`prismllm.replay.engine.Replay`) with each rank's compute spans from a solo
    measurement (the solo capture's own spans; for MoE, which has no solo capture here, the
    timed graph's) and each collective's time from an alpha-beta model fitted in this
-   invocation (a 2-rank all-reduce at two sizes, benchmarks/programs/allreduce_sizes.py).
+   invocation (a 2-rank all-reduce at several sizes, least squares, benchmarks/programs/allreduce_sizes.py).
 8. baseline (c), GPU only: the program for each sandbox rank alone under PyTorch's fake
    process group (benchmarks/programs/fake_pg.py): torch.cuda.max_memory_allocated at exit.
 
@@ -77,7 +77,7 @@ SIZES = {
     "cuda": ["--layers", "4", "--hidden", "1024", "--heads", "16", "--seq", "512", "--vocab", "32000",
              "--micro-batch", "2"],
 }
-PROBE_SIZES = {"cpu": "4KB,4MB", "cuda": "64KB,64MB"}
+PROBE_SIZES = {"cpu": "4KB,256KB,1MB,4MB,16MB", "cuda": "64KB,1MB,16MB,64MB"}
 # bytes factor of each collective's alpha-beta time (n: group size; S: the larger of a member's
 # input and output bytes, i.e. the full buffer of all-reduce, the gathered output of all-gather,
 # the scattered input of reduce-scatter, a member's send or receive volume of all-to-all)
@@ -289,7 +289,7 @@ class Runner:
 # ---------------------------------------------------------------------------------- alpha-beta
 def probe(devices: str, work: Path, timeout: float, env: dict[str, str]) -> dict:
     """Latency and bandwidth of this machine's link: a 2-rank all-reduce (plain torchrun) at two
-    sizes, median of 20 calls each; t = alpha + S / bw (a 2-rank ring all-reduce moves S)."""
+    sizes, median of 20 calls each; t = alpha + S / bw by least squares (a 2-rank ring all-reduce moves S)."""
     from prismllm.capture.launcher import NVLS_OFF_ENV
 
     sizes = PROBE_SIZES[devices]
@@ -313,13 +313,19 @@ def probe(devices: str, work: Path, timeout: float, env: dict[str, str]) -> dict
 
 
 def fit_alpha_beta(points: list[dict]) -> dict:
-    """alpha (s) and bandwidth (bytes/s) through the smallest and the largest size's median
-    (``bytes``, ``median_us`` of allreduce_sizes.py lines): t = alpha + S / bw. A slope that is
-    not positive (noise) gives an infinite bandwidth; a negative intercept an alpha of 0."""
+    """alpha (s) and bandwidth (bytes/s): the least-squares line t = alpha + S / bw through every
+    size's median (``bytes``, ``median_us`` of allreduce_sizes.py lines); with two sizes, the
+    line through both. A slope that is not positive (noise) gives an infinite bandwidth; a
+    negative intercept an alpha of 0."""
     pts = sorted((int(p["bytes"]), float(p["median_us"]) * 1e-6) for p in points)
-    (s1, t1), (s2, t2) = pts[0], pts[-1]
-    bw = (s2 - s1) / (t2 - t1) if t2 > t1 and s2 > s1 else float("inf")
-    return {"sizes_bytes": [s1, s2], "median_s": [t1, t2], "alpha_s": max(t1 - s1 / bw, 0.0), "bandwidth_Bps": bw}
+    n = len(pts)
+    ms = sum(x for x, _ in pts) / n
+    mt = sum(t for _, t in pts) / n
+    var = sum((x - ms) ** 2 for x, _ in pts)
+    slope = sum((x - ms) * (t - mt) for x, t in pts) / var if var > 0 else 0.0
+    bw = 1.0 / slope if slope > 0 else float("inf")
+    return {"sizes_bytes": [x for x, _ in pts], "median_s": [t for _, t in pts],
+            "alpha_s": max(mt - slope * ms if slope > 0 else min(t for _, t in pts), 0.0), "bandwidth_Bps": bw}
 
 
 def alpha_beta_transfer(graph, trace, alpha_s: float, bw: float):

@@ -395,6 +395,11 @@ class PrunedBackend(solo.GeneratedBackend):
         """The plan of one call and this member's small call, from the program's tensors."""
         G, g, op = self.group, self._rank, c.op
         n = G.n
+        if str(c.reduce_op).lower().replace("_", "") == "premulsum":
+            # the proxy would have to multiply the virtual members' inputs by the factor, which
+            # the ReduceOp object does not expose to Python
+            raise EmulateError(f"{c.where()}: {op} with premul_sum is not supported in emulation (its factor "
+                               f"is not visible from Python); use SUM or AVG in the program")
         if op == "all_reduce":
             t = _one(c.output, "all_reduce")
             p = C.plan_all_reduce(n, G, t.shape, c.reduce_op, dtype=t.dtype)

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# The GPU measurements still open (issues 10, 12, 13), cut into parts that each fit one device
+# call (10 minutes at most), run from the repository root on the device machine:
+#
+#   bash benchmarks/device_suite.sh PART        # results and logs under $OUT (or out/device)
+#
+# PART:
+#   smoke      prism time + prism emulate --timing real on TP2 and PP2, N = 2, small sizes: the
+#              plan-first assistant, batch entry and per-thread CUDA streams, never run on a GPU
+#              before (a hang here is the first thing to know); ~3 min
+#   fid-a      fidelity rows N = 2: tp, pp (with the noise run); ~6 min (an estimate)
+#   fid-b      fidelity rows N = 2: vpp, dpopt, moe, merged into fid-a's JSON (carry it back)
+#   pruning    pruned all-reduce latency vs the real 2-GPU one, 16 MB - 8 GB (issue 12)
+#   overhead   recording overhead, TP2 / PP2 / DP2, three interleaved rounds (issue 10)
+#
+# Every program started here keeps NVLink multicast off (the device tool's rule), and every
+# command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|pruning|overhead}
+OUT=${OUT:-out/device}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+# torch is preinstalled there (python3 may itself be a venv): install prismllm into it
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || {
+    echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$OUT/gpus.csv" 2>&1
+
+SMALL="--layers 2 --hidden 512 --heads 8 --seq 256 --vocab 4096 --micro-batch 2 --global-batch 8 --iters 6"
+
+case "$PART" in
+smoke)
+    for layout in "--tp 2" "--pp 2"; do
+        name=$(echo "$layout" | tr -d ' -')
+        d="$OUT/smoke-$name"
+        timeout 120 prism capture --mode solo --world 2 --devices 2 --layout "${name/2/=2}" --out "$d/bare" \
+            -- examples/gpt3d.py $layout $SMALL >"$d.capture.log" 2>&1
+        echo "$name capture: $?"
+        timeout 150 prism time --graph "$d/bare" --out "$d/time" --devices cuda --inputs generated \
+            -- examples/gpt3d.py $layout $SMALL >"$d.time.log" 2>&1
+        echo "$name time: $?"
+        timeout 20 prism calibrate "$d/time/graph" --out "$d/cal" --write-graph >"$d.cal.log" 2>&1
+        echo "$name calibrate: $?"
+        timeout 120 prism emulate --graph "$d/cal/graph" --sandbox 1 --devices cuda --inputs generated \
+            --out "$d/emu" -- examples/gpt3d.py $layout $SMALL >"$d.emu.log" 2>&1
+        echo "$name emulate: $?"
+        timeout 60 prism record --nproc 2 --out "$d/real" -- examples/gpt3d.py $layout $SMALL >"$d.real.log" 2>&1
+        echo "$name record: $?"
+        grep -h "median steady\|iteration time" "$d.emu.log" "$d.cal.log" | head -6
+        tar czf "$OUT/smoke-$name-logs.tgz" "$d".*.log 2>/dev/null
+    done ;;
+fid-a)
+    timeout 570 python3 benchmarks/fidelity.py --devices cuda --worlds 2 --cases tp,pp --noise \
+        --json "$OUT/fidelity_h200x2.json" --timeout 240 2>&1 | tee "$OUT/fid-a.log" | grep -v "^\[" ;;
+fid-b)
+    [ -f benchmarks/results/fidelity_h200x2.json ] && cp benchmarks/results/fidelity_h200x2.json "$OUT/"
+    timeout 570 python3 benchmarks/fidelity.py --devices cuda --worlds 2 --cases vpp,dpopt,moe --noise --merge \
+        --json "$OUT/fidelity_h200x2.json" --timeout 240 2>&1 | tee "$OUT/fid-b.log" | grep -v "^\[" ;;
+pruning)
+    timeout 570 python3 benchmarks/pruning_latency.py --devices cuda --worlds 2 --rounds 3 \
+        --json "$OUT/pruning_latency_h200x2.json" 2>&1 | tee "$OUT/pruning.log" | tail -40 ;;
+overhead)
+    timeout 570 python3 benchmarks/tracing_overhead.py --nproc 2 --layout tp=2 --layout pp=2 --layout dp=2 \
+        --rounds 3 --json "$OUT/tracing_overhead_h200x2.json" --md "$OUT/tracing_overhead_h200x2.md" \
+        -- --layers 4 --hidden 4096 --heads 32 --seq 1024 --vocab 32000 --micro-batch 1 --global-batch 8 \
+        --iters 24 2>&1 | tee "$OUT/overhead.log" | tail -20 ;;
+*)
+    echo "unknown part $PART"; exit 2 ;;
+esac
