@@ -43,6 +43,13 @@ def test_every_collective_is_exact_under_pruning(recorded, tmp_path, sandbox):
                         "--check", "--timeout", "120", "--", PROGRAM], capture_output=True, text=True, env=ENV,
                        timeout=300)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    # groups: default [0-3], [0, 2], [1, 3], [0, 1], [2, 3]; the ones without a sandbox rank are
+    # never instantiated, the others pruned to their sandbox ranks plus a proxy
+    comms = json.loads((tmp_path / "emu" / "emulate.json").read_text())["communicators"]
+    want = {"1": (3, 2, 2), "0,3": (5, 0, 3), "2": (3, 2, 2)}[sandbox]
+    assert (comms["pruned"], comms["not_instantiated"], comms["largest_communicator"]) == want, comms
+    assert comms["logical_groups"] == 5 and comms["all_real"] == 0 and comms["communicators"] == want[0]
+    assert f"communicators: {want[0]} for 5 logical group(s)" in p.stderr
     for r in sandbox.split(","):
         assert f"COLLECTIVES OK {r}" in p.stdout + p.stderr, p.stdout[-3000:] + p.stderr[-3000:]
         # and every pruned output equals what the rank received in the real run, to the bit

@@ -86,6 +86,12 @@ def _print_figures(res) -> None:
         if pred and med:
             line += f"; calibrated prediction {_ms(pred)} ({(med - pred) / pred * 100:+.2f} %)"
         print(line, file=sys.stderr)
+    c = res.communicators
+    if c:
+        print(f"prism emulate: communicators: {c['communicators']} for {c['logical_groups']} logical group(s) "
+              f"({c['all_real']} of sandbox ranks only, {c['pruned']} pruned to sandbox ranks + a proxy, "
+              f"{c['not_instantiated']} never instantiated); largest {c['largest_communicator']} member(s) "
+              f"against a largest logical group of {c['largest_logical_group']}", file=sys.stderr)
     rep = res.replay or {}
     if rep.get("median_steady_iteration_ns") is not None:
         print(f"prism emulate: virtual ranks ({rep['virtual_ranks']}, {res.timing} timing): median steady "

@@ -107,6 +107,7 @@ class EmulateResult:
     timing: str = "fast"
     sandbox_results: dict[int, dict] = dataclasses.field(default_factory=dict)  # per sandbox rank, see _measured
     prediction: dict | None = None  # the calibration's, when the graph is a calibrated one
+    communicators: dict | None = None  # communicators created against logical groups (communicators())
     replay: dict | None = None  # the assistant's replay of the virtual ranks (replay.json)
 
 
@@ -137,6 +138,31 @@ def _timing(opts: EmulateOptions, manifest: dict[str, Any], graph: Path) -> str:
                          f"without measured ones: time and calibrate it first (`prism time`, "
                          f"`prism calibrate --write-graph`) and emulate CAL/graph")
     return opts.timing
+
+
+def communicators(graph: Path, sandbox: Sequence[int]) -> dict[str, int]:
+    """The communicators this emulation creates against the graph's logical groups (the
+    routing of docs/emulate.md): a group with no sandbox member is never instantiated; one whose
+    members are all sandbox ranks is a real communicator of those; any other is one small
+    communicator of its sandbox members plus a proxy. Read from the groups table alone."""
+    import pyarrow.parquet as pq
+
+    from prismllm.trace.schema import FILES
+
+    real = set(sandbox)
+    ranks = pq.read_table(graph / FILES["groups"][0], columns=["ranks"]).column("ranks").to_pylist()
+    out = {"logical_groups": len(ranks), "not_instantiated": 0, "all_real": 0, "pruned": 0,
+           "largest_logical_group": max((len(m) for m in ranks), default=0), "largest_communicator": 0}
+    for members in ranks:
+        k = sum(1 for r in members if r in real)
+        if k == 0:
+            out["not_instantiated"] += 1
+            continue
+        kind = "all_real" if k == len(members) else "pruned"
+        out[kind] += 1
+        out["largest_communicator"] = max(out["largest_communicator"], k if kind == "all_real" else k + 1)
+    out["communicators"] = out["all_real"] + out["pruned"]
+    return out
 
 
 def _calibration(graph: Path) -> dict | None:
@@ -322,6 +348,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
     failure = None if result.ok else _failure(result, sandbox, world)
     measured = _measured(ranklogs, local)
     prediction = _calibration(graph)
+    comms = communicators(graph, sandbox)
     try:
         replay = json.loads((out / REPLAY_FILE).read_text())
     except (OSError, ValueError):
@@ -339,6 +366,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         "wall_s": round(wall, 3),
         "message": "" if failure is None else str(failure), "pids": _pids(result.pids), "timing": timing,
         "sandbox_results": {str(r): m for r, m in measured.items()}, "prediction": prediction, "replay": replay,
+        "communicators": comms,
     }
     if opts.check:
         record["checks"] = {str(r): c for r, c in checks.items()}
@@ -347,7 +375,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         raise failure
     return EmulateResult(out=out, world_size=world, sandbox=sandbox, returncodes=codes, wall_s=wall,
                          launch=result, checks=checks, timing=timing, sandbox_results=measured,
-                         prediction=prediction, replay=replay)
+                         prediction=prediction, replay=replay, communicators=comms)
 
 
 def _pids(pids: dict[int, int]) -> dict[str, Any]:
