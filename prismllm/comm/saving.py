@@ -102,11 +102,20 @@ class SavingInner:
 
     def __getattr__(self, name):
         attr = getattr(self.__dict__["_real"], name)
+        owner = self.__dict__["_owner"]
+        if name in ("_end_coalescing", "end_coalescing"):
+            def end(*args, **kwargs):
+                work = attr(*args, **kwargs)
+                saves = _BATCHED.pop(id(owner), [])
+                if saves:
+                    _attach(lambda _f=None: [f() for f in saves], work)
+                return work
+
+            return end
         outs_of = _OUTS.get(name)
         ins_of = _INS.get(name) if _SELECTOR.inputs else None
         if outs_of is None and ins_of is None:
             return attr
-        owner = self.__dict__["_owner"]
 
         def call(*args, **kwargs):
             if ins_of is not None:
@@ -156,6 +165,18 @@ def _schedule(owner, outs: list[list], work) -> None:
         for item in items:
             _WRITER.save(*item)
 
+    if work is None and getattr(owner._rec, "coal_depth", 0):
+        # inside a coalesced batch (NCCL's batch_isend_irecv): the op has no Work of its own
+        # and completes with the batch's, which _end_coalescing returns; saving now would read
+        # a receive buffer before the data arrived
+        _BATCHED.setdefault(id(owner), []).append(save)
+        return
+    _attach(save, work)
+
+
+def _attach(save: Callable[..., None], work) -> None:
+    """Run ``save`` once ``work`` completed: through its Future, else when the program waits on
+    it; at once without a Work (the call returned complete)."""
     fut = None
     if work is not None:
         try:
@@ -174,6 +195,7 @@ def _schedule(owner, outs: list[list], work) -> None:
 
 
 _PENDING: dict[int, tuple] = {}
+_BATCHED: dict[int, list] = {}  # id(owner) -> saves of the open coalesced batch
 
 
 def _on_wait(work):
@@ -195,6 +217,13 @@ def close() -> None:
             except Exception:
                 pass
         _PENDING.clear()
+        for saves in list(_BATCHED.values()):  # a batch never ended: its buffers as they are
+            for save in saves:
+                try:
+                    save()
+                except Exception:
+                    pass
+        _BATCHED.clear()
         _WRITER.close()
 
 
