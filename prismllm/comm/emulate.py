@@ -395,7 +395,7 @@ class PrunedBackend(solo.GeneratedBackend):
         """The plan of one call and this member's small call, from the program's tensors."""
         G, g, op = self.group, self._rank, c.op
         n = G.n
-        if str(c.reduce_op).lower().replace("_", "") == "premulsum":
+        if c.reduce_op == "premul_sum":  # the recorder's name of ReduceOp.PREMUL_SUM
             # the proxy would have to multiply the virtual members' inputs by the factor, which
             # the ReduceOp object does not expose to Python
             raise EmulateError(f"{c.where()}: {op} with premul_sum is not supported in emulation (its factor "
