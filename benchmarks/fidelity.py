@@ -187,15 +187,19 @@ def steady_median(values: list[int | float], warmup: int) -> float | None:
     return float(statistics.median(vals)) if vals else None
 
 
+def load(graph: Path):
+    from prismllm.trace.graph import PrismTrace
+
+    return PrismTrace.load(graph)
+
+
 def rel(x: float | None, ref: float | None) -> float | None:
     return None if x is None or not ref or ref <= 0 else (x - ref) / ref
 
 
-def per_rank_iterations(graph: Path) -> dict[int, list[int]]:
+def per_rank_iterations(trace) -> dict[int, list[int]]:
     """Each rank's iteration spans (ns, iteration order) from a graph's iterations table."""
-    from prismllm.trace.graph import PrismTrace
-
-    it = PrismTrace.load(graph).iterations.to_pydict()
+    it = trace.iterations.to_pydict()
     rows = sorted(zip(it["rank"], it["iteration"], it["start_ns"], it["end_ns"]))
     out: dict[int, list[int]] = {}
     for r, _, s, e in rows:
@@ -203,24 +207,20 @@ def per_rank_iterations(graph: Path) -> dict[int, list[int]]:
     return out
 
 
-def per_rank_compute(graph: Path) -> dict[int, list[int]]:
-    """Each rank's compute time per iteration (ns, iteration order): the sum of its compute
-    spans' durations. Beside the iteration time it says whether a difference is the compute
-    itself (e.g. processes sharing a machine's caches and memory bandwidth) or the waits."""
+def per_rank_compute(trace) -> dict[int, list[int]]:
+    """Each rank's compute time per iteration (ns), for the iterations of its iterations table
+    (as per_rank_iterations; the nodes after the last boundary are no iteration): the sum of its
+    compute spans' durations. Beside the iteration time it says whether a difference is the
+    compute itself (e.g. processes sharing a machine's caches and memory bandwidth) or the waits."""
     import numpy as np
 
-    from prismllm.trace.graph import PrismTrace
-
-    t = PrismTrace.load(graph)
-    rank, it = t.column("rank").astype(np.int64), t.column("iteration").astype(np.int64)
-    comp = (np.asarray(t.nodes.column("kind").to_pylist()) == "compute") & (t.column("duration_ns") >= 0)
+    rank, it = trace.column("rank").astype(np.int64), trace.column("iteration").astype(np.int64)
+    dur = trace.column("duration_ns").astype(np.int64)
+    comp = (np.asarray(trace.nodes.column("kind").to_pylist()) == "compute") & (dur >= 0)
+    table = trace.iterations.to_pydict()
     out: dict[int, list[int]] = {}
-    for r in np.unique(rank).tolist():
-        m = comp & (rank == r)
-        its = np.unique(it[rank == r])
-        sums = np.bincount(it[m] - its.min(), weights=t.column("duration_ns")[m].astype(np.float64),
-                           minlength=len(its))
-        out[int(r)] = [int(x) for x in sums[:len(its)]]
+    for r, k in sorted(zip(table["rank"], table["iteration"])):
+        out.setdefault(int(r), []).append(int(dur[comp & (rank == r) & (it == k)].sum()))
     return out
 
 
@@ -411,12 +411,13 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
         # 1. the real run: the reference (timing and memory), recorded without saving tensors
         # (saving copies every selected buffer to the host synchronously: not a timing run)
         text = R.cmd("record", [*PRISM, "record", "--nproc", str(n), "--devices", dev, "--out", str(real), *prog])
-        per = per_rank_iterations(real)
+        real_trace = load(real)
+        per = per_rank_iterations(real_trace)
         manifest = json.loads((real / "manifest.json").read_text())
         peaks = manifest.get("peak_memory_bytes") or {}
         job = job_iterations(per)
         pr = printed(text)
-        comp = per_rank_compute(real)
+        comp = per_rank_compute(real_trace)
         res["real"] = {"rank_iteration_ns": {str(r): per.get(r, []) for r in sandbox},
                        "rank_ns": {str(r): steady_median(per.get(r, []), opts.warmup) for r in sandbox},
                        "rank_compute_ns": {str(r): steady_median(comp.get(r, []), opts.warmup) for r in sandbox},
@@ -449,7 +450,7 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
         text = R.cmd("calibrate", [*PRISM, "calibrate", str(timed / "graph"), "--out", str(cal), "--write-graph",
                                    "--json"])
         summary = json.loads((cal / "summary.json").read_text())
-        cal_rank = per_rank_iterations(cal / "graph")
+        cal_rank = per_rank_iterations(load(cal / "graph"))
         cal_job = [it.get("predicted_ns") for it in summary.get("iterations", [])]
         res["calibrated"] = {"rank_ns": {str(r): steady_median(cal_rank.get(r, []), opts.warmup) for r in sandbox},
                              "job_ns": steady_median(cal_job, opts.warmup), "job_iteration_ns": cal_job,
@@ -509,7 +510,7 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
         if opts.noise:
             R.cmd("record_again", [*PRISM, "record", "--nproc", str(n), "--devices", dev, "--out",
                                    str(work / "real-again"), *prog])
-            per2 = per_rank_iterations(work / "real-again")
+            per2 = per_rank_iterations(load(work / "real-again"))
             res["real_again"] = {"rank_iteration_ns": {str(r): per2.get(r, []) for r in sandbox},
                                  "rank_ns": {str(r): steady_median(per2.get(r, []), opts.warmup) for r in sandbox}}
     except StageError as e:
