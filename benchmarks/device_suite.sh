@@ -12,12 +12,17 @@
 #   fid-b      fidelity rows N = 2: vpp, dpopt, moe, merged into fid-a's JSON (carry it back)
 #   pruning    pruned all-reduce latency vs the real 2-GPU one, 16 MB - 8 GB (issue 12)
 #   overhead   recording overhead, TP2 / PP2 / DP2, three interleaved rounds (issue 10)
+#   gpu1       one GPU (nvidia-h100-x1 / nvidia-h200): `pytest -m gpu` (the emulation's GPU
+#              tests share the GPU between sandbox and assistant, NCCL over sockets) and the
+#              per-call recording cost (call_cost.py: plain / NCCL timing / recorded, 3 rounds)
+#   cpu-fid N  CPU fidelity rows at N ranks (every case N allows) on the host's cores (fair
+#              while N <= cores): merged into $OUT/fidelity_cpu_<cores>c.json
 #
 # Every program started here keeps NVLink multicast off (the device tool's rule), and every
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|pruning|overhead}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|pruning|overhead|gpu1|cpu-fid N}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -64,6 +69,22 @@ overhead)
         --rounds 3 --json "$OUT/tracing_overhead_h200x2.json" --md "$OUT/tracing_overhead_h200x2.md" \
         -- --layers 4 --hidden 4096 --heads 32 --seq 1024 --vocab 32000 --micro-batch 1 --global-batch 8 \
         --iters 24 2>&1 | tee "$OUT/overhead.log" | tail -20 ;;
+gpu1)
+    timeout 420 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_emulate_gpu.py \
+        tests/test_recording_gpu.py tests/test_launcher_gpu.py 2>&1 | tee "$OUT/pytest-gpu.log" | tail -15
+    for round in 1 2 3; do
+        timeout 40 torchrun --nproc-per-node 1 benchmarks/programs/call_cost.py 2>&1 | grep CALLCOST | sed "s/^/plain /"
+        TORCH_NCCL_ENABLE_TIMING=1 timeout 40 torchrun --nproc-per-node 1 benchmarks/programs/call_cost.py 2>&1 \
+            | grep CALLCOST | sed "s/^/nccl-timing /"
+        timeout 60 prism record --nproc 1 --out "/tmp/cc$round" --force -- benchmarks/programs/call_cost.py \
+            --breakdown 2>&1 | grep -E "CALLCOST|BREAKDOWN" | sed "s/^/recorded /"
+    done 2>&1 | tee "$OUT/call_cost.log" ;;
+cpu-fid)
+    N=${2:?usage: device_suite.sh cpu-fid N}
+    cores=$(nproc)
+    [ -f "benchmarks/results/fidelity_cpu_${cores}c.json" ] && cp "benchmarks/results/fidelity_cpu_${cores}c.json" "$OUT/"
+    timeout 570 python3 benchmarks/fidelity.py --devices cpu --worlds "$N" --noise --merge --timeout 300 \
+        --json "$OUT/fidelity_cpu_${cores}c.json" 2>&1 | tee "$OUT/cpu-fid-$N.log" | grep -v "^\[" ;;
 *)
     echo "unknown part $PART"; exit 2 ;;
 esac

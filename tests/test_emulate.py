@@ -232,3 +232,44 @@ def test_two_invocations_meet_at_one_endpoint(tp2, tmp_path):
     for d in ("a", "s"):
         assert_all_ended([p for p in json.loads((tmp_path / d / "emulate.json").read_text())["pids"].values()
                           if isinstance(p, int)])
+
+
+def test_gpu_lists_of_sandbox_and_assistants(monkeypatch):
+    """--devices cuda gives each process its own GPU; cuda:G,... lists them (sandbox ranks, then
+    assistants), a GPU listed twice being shared; a list that does not fit is refused."""
+    import torch
+
+    from prismllm.emulate.run import _gpus
+    from prismllm.time.slices import TimeOptions, _slice_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert _gpus("cpu", 1, 1) == ([], [])
+    assert _gpus("cuda:0,0", 1, 1) == ([0], [0])
+    with pytest.raises(PrismError, match=r"need 2 GPU\(s\), 1 visible .*cuda:0,0"):
+        _gpus("cuda", 1, 1)
+    with pytest.raises(PrismError, match="1 GPU\\(s\\) listed for 1 sandbox rank\\(s\\) and 1 assistant"):
+        _gpus("cuda:0", 1, 1)
+    with pytest.raises(PrismError, match="GPU 1 does not exist"):
+        _gpus("cuda:0,1", 1, 1)
+    # prism time: a listed slice of 2 sandbox GPUs and the assistant's; a short last slice
+    opts = TimeOptions(graph="g", out="o", script="s", args=[], devices="cuda:0,1,0", slice_size=2)
+    assert _slice_devices(opts, 2) == "cuda:0,1,0" and _slice_devices(opts, 1) == "cuda:0,0"
+    with pytest.raises(PrismError, match="a slice is 2 sandbox GPU"):
+        _slice_devices(TimeOptions(graph="g", out="o", script="s", args=[], devices="cuda:0,0", slice_size=2), 2)
+
+
+@pytest.mark.slow
+def test_solo_captured_graph_with_the_recorded_runs_tensors(tmp_path, gpt3d_recording):
+    """The pipeline's pairing: the graph from a solo capture (DP replicas captured once, their
+    groups named after the representative's, e.g. ``3@1``) with the tensors of a real recording
+    (groups named as torch names them). TP2·DP2 at N = 4, sandbox {3}: the virtual ranks 0-2
+    include a replica (2), whose inputs must still be found; the losses are the real run's."""
+    real_graph, real = shared_record(gpt3d_recording, "tp2", nproc=4)
+    bare = tmp_path / "bare"
+    proc = subprocess.run([PRISM, "capture", "--mode", "solo", "--world", "4", "--devices", "2", "--device", "cpu",
+                           "--layout", "tp=2", "--out", str(bare), "--", GPT3D, *LAYOUTS["tp2"], *SIZES],
+                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res, emu = run_emulation(bare, tmp_path / "emu", "tp2", "3", tensors=real_graph / "tensors")
+    assert_same_losses(real, emu)
+    assert res.checks[3]["compared"] > 0 and res.checks[3]["missing"] == 0, res.checks[3]

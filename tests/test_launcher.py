@@ -439,6 +439,27 @@ def test_device_env_selection():
         L.device_env("cuda", 1, {})
 
 
+def test_shared_gpu_env_makes_each_process_its_own_host():
+    """Ranks listed on one GPU: each sees only that GPU as LOCAL_RANK 0 and is its own host to
+    NCCL (a distinct NCCL_HOSTID), which is what lets NCCL accept them in one communicator."""
+    spec = LaunchSpec(nproc=3, script="s.py", devices=[1, 1, 0])
+    parent = {"CUDA_VISIBLE_DEVICES": "4,6"}
+    envs = [L.build_env(spec, rank=r, local_rank=r, master_port=1, run_id="rid", parent=parent)
+            for r in range(3)]
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["6", "6", "4"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "0", "0"]
+    assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"1"}
+    assert len({e["NCCL_HOSTID"] for e in envs}) == 3
+    # distinct GPUs: torchrun's way, no host ids
+    plain = L.build_env(LaunchSpec(nproc=2, script="s.py", devices=[0, 1]), rank=1, local_rank=1,
+                        master_port=1, run_id="rid", parent={})
+    assert plain["LOCAL_RANK"] == "1" and "NCCL_HOSTID" not in plain
+    # own_hosts without sharing among the ranks (an assistant shares a rank's GPU)
+    own = L.build_env(LaunchSpec(nproc=2, script="s.py", devices=[2, 3], own_hosts=True), rank=1,
+                      local_rank=1, master_port=1, run_id="rid", parent={})
+    assert own["CUDA_VISIBLE_DEVICES"] == "3" and own["LOCAL_RANK"] == "0" and own["NCCL_HOSTID"]
+
+
 def test_format_ranks():
     assert L.format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert L.format_ranks([3]) == "3"
@@ -507,6 +528,9 @@ def test_devices_resolution(monkeypatch):
     assert R.resolve_devices("cuda:1,0", 2) == ("cuda", [1, 0])
     with pytest.raises(PrismError, match="4 ranks need 4 GPUs, but 2 are visible"):
         R.resolve_devices("cuda", 4)
+    assert R.resolve_devices("cuda:0,0,1,1", 4) == ("cuda", [0, 0, 1, 1])  # shared GPUs
+    with pytest.raises(PrismError, match="GPU 2 does not exist"):
+        R.resolve_devices("cuda:0,2", 2)
     monkeypatch.setattr(R, "_cuda_info", lambda: (False, 0))
     assert R.resolve_devices(None, 2) == ("cpu", "cpu")
     with pytest.raises(PrismError, match="no CUDA device"):

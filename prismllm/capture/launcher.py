@@ -30,7 +30,11 @@ Devices: ``"cpu"`` hides GPUs from the ranks (``CUDA_VISIBLE_DEVICES=""``; proce
 for devices). A list of GPU indices gives rank ``local_rank`` the GPU ``devices[local_rank]``;
 as with torchrun, LOCAL_RANK selects the GPU: when the list is ``0..nproc-1`` the parent's
 ``CUDA_VISIBLE_DEVICES`` is left alone, otherwise it is narrowed to the listed GPUs (indices
-into the parent's visible list) so that LOCAL_RANK still selects the right one.
+into the parent's visible list) so that LOCAL_RANK still selects the right one. A list that
+names a GPU twice (``[0, 0]``), or ``LaunchSpec.own_hosts``, makes every process its own host
+to NCCL (``NCCL_HOSTID``; LOCAL_RANK 0, its GPU alone visible), so that several may share one
+GPU: NCCL then connects them through its network transport, which gives the right values and
+memory but not the timing of GPUs linked directly (for one-GPU machines: tests, correctness).
 
 Helpers (``LaunchSpec.extra``, e.g. an emulation assistant) are children like the ranks: same
 supervision, output and clean-up; they appear under negative ids and their own names.
@@ -135,6 +139,9 @@ class LaunchSpec:
     env: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
     rank_env: Mapping[int, Mapping[str, str | None]] = dataclasses.field(default_factory=dict)
     devices: str | Sequence[int] = "cpu"  # "cpu" or GPU indices, one per local rank
+    # Every process (ranks and extras) is told it is its own host (``own_host_env``), so that
+    # processes may share a GPU; implied by a GPU list that names a GPU twice.
+    own_hosts: bool = False
     # Global ranks of the processes (default 0..nproc-1) and the world size they see
     # (default nproc): a stage may run a few ranks of a larger logical world.
     ranks: Sequence[int] | None = None
@@ -238,8 +245,25 @@ def _resolve_ranks(spec: LaunchSpec) -> list[int]:
     return ranks
 
 
+def shares_gpu(devices: str | Sequence[int]) -> bool:
+    """Whether a GPU list names a GPU more than once (processes that share it)."""
+    return not isinstance(devices, str) and len(set(devices)) != len(devices)
+
+
+def gpu_ids(gpus: Sequence[int], parent: Mapping[str, str]) -> list[str]:
+    """CUDA_VISIBLE_DEVICES entries of GPU indices (indices into the parent's visible list)."""
+    visible = parent.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() != "":
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if max(gpus) >= len(ids):
+            raise LaunchError(f"GPU {max(gpus)} is not among CUDA_VISIBLE_DEVICES={visible}")
+        return [ids[g] for g in gpus]
+    return [str(g) for g in gpus]
+
+
 def device_env(devices: str | Sequence[int], nproc: int, parent: Mapping[str, str]) -> dict[str, str]:
-    """CUDA_VISIBLE_DEVICES for the children, or {} to leave the parent's as it is."""
+    """CUDA_VISIBLE_DEVICES for the children, or {} to leave the parent's as it is (or, for a
+    list that shares a GPU, to set it per child: ``build_env``)."""
     if isinstance(devices, str):
         if devices == "cpu":
             return {"CUDA_VISIBLE_DEVICES": ""}
@@ -248,17 +272,21 @@ def device_env(devices: str | Sequence[int], nproc: int, parent: Mapping[str, st
     if len(gpus) < nproc:
         raise LaunchError(f"{nproc} ranks need {nproc} GPUs; {len(gpus)} given ({gpus})")
     gpus = gpus[:nproc]
-    if len(set(gpus)) != len(gpus) or any(g < 0 for g in gpus):
-        raise LaunchError(f"GPU indices must be distinct and non-negative: {gpus}")
+    if any(g < 0 for g in gpus):
+        raise LaunchError(f"GPU indices must be non-negative: {gpus}")
+    if shares_gpu(gpus):
+        gpu_ids(gpus, parent)  # validate
+        return {}
     if gpus == list(range(nproc)):
         return {}  # as torchrun: CUDA_VISIBLE_DEVICES left alone, LOCAL_RANK selects the GPU
-    visible = parent.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None and visible.strip() != "":
-        ids = [v.strip() for v in visible.split(",") if v.strip()]
-        if max(gpus) >= len(ids):
-            raise LaunchError(f"GPU {max(gpus)} is not among CUDA_VISIBLE_DEVICES={visible}")
-        return {"CUDA_VISIBLE_DEVICES": ",".join(ids[g] for g in gpus)}
-    return {"CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in gpus)}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(gpu_ids(gpus, parent))}
+
+
+def own_host_env(run_id: str, who: str | int) -> dict[str, str]:
+    """What makes a process its own host to NCCL. NCCL refuses two members of a communicator
+    on one GPU of one host ("Duplicate GPU detected"); members on different hosts may share a
+    GPU, and NCCL then connects them through its network transport (sockets here)."""
+    return {"NCCL_HOSTID": f"prism-{run_id}-{who}"}
 
 
 def torchrun_env(
@@ -311,12 +339,18 @@ def build_env(
     base = dict(os.environ if parent is None else parent)
     env = dict(base)
     env.update(device_env(spec.devices, spec.nproc, base))
+    own_host = own_hosts(spec)
+    if own_host:
+        # Each process its own host with its own GPU (shared or not): LOCAL_RANK 0 selects it.
+        if spec.devices != "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = gpu_ids([int(spec.devices[local_rank])], base)[0]
+        env.update(own_host_env(run_id, rank))
     env.update(
         torchrun_env(
             rank=rank,
-            local_rank=local_rank,
+            local_rank=0 if own_host else local_rank,
             world_size=spec.world_size if spec.world_size is not None else spec.nproc,
-            local_world_size=spec.nproc,
+            local_world_size=1 if own_host else spec.nproc,
             master_addr=spec.master_addr,
             master_port=master_port,
             run_id=run_id,
@@ -336,6 +370,11 @@ def build_env(
                 env[k] = str(v)
     env.update(NVLS_OFF_ENV)
     return env
+
+
+def own_hosts(spec: LaunchSpec) -> bool:
+    """Whether every process of this launch is told it is its own host (``own_host_env``)."""
+    return spec.own_hosts or shares_gpu(spec.devices)
 
 
 def child_command(spec: LaunchSpec) -> list[str]:
@@ -898,6 +937,8 @@ class _Launcher:
                 env["CUDA_VISIBLE_DEVICES"] = ""
             env.update({"MASTER_ADDR": spec.master_addr, "MASTER_PORT": str(port),
                         "TORCHELASTIC_RUN_ID": run_id, "PYTHONUNBUFFERED": "1"})
+            if own_hosts(spec):
+                env.update(own_host_env(run_id, f"x{i}"))
             for k, v in {**spec.env, **ex.env}.items():
                 if v is None:
                     env.pop(k, None)

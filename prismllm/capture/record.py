@@ -142,12 +142,14 @@ def resolve_devices(devices: str | None, nproc: int) -> tuple[str, str | list[in
             if len(gpus) < nproc:
                 raise PrismError(f"--devices {devices}: {nproc} ranks need {nproc} GPUs, {len(gpus)} listed")
             gpus = gpus[:nproc]
-            if len(set(gpus)) != len(gpus):
-                raise PrismError(f"--devices {devices}: a GPU is listed twice")
-        if nproc > count or max(gpus) >= count:
+            if min(gpus) < 0 or max(gpus) >= count:
+                raise PrismError(f"--devices {devices}: GPU {max(gpus) if max(gpus) >= count else min(gpus)} "
+                                 f"does not exist ({count} visible: 0..{count - 1})")
+        if nproc > count and len(set(gpus)) == len(gpus):
             raise PrismError(
                 f"--devices cuda: {nproc} ranks need {nproc} GPUs, but {count} "
-                f"{'is' if count == 1 else 'are'} visible (one rank per GPU; use --devices cpu)"
+                f"{'is' if count == 1 else 'are'} visible (one rank per GPU, or list shared ones: "
+                f"--devices cuda:0,0,...; or use --devices cpu)"
             )
         return "cuda", gpus
     raise PrismError(f"bad --devices {devices!r}: expected cpu, cuda or cuda:0,1,...")

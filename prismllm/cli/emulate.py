@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from prismllm.capture.launcher import LaunchInterrupted
-from prismllm.cli.program import add_program_args, line_prefix, program_args
+from prismllm.cli.program import add_program_args, devices_arg, line_prefix, program_args
 from prismllm.emulate.run import EmulateOptions, SandboxOutOfMemory, emulate
 
 
@@ -42,8 +42,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="compare every pruned collective's output on the sandbox with the recorded "
                         "run's (needs outputs in the store: --save-tensors all,inputs); summary in "
                         "DIR/check-rank-R.json")
-    p.add_argument("--devices", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu (gloo), or cuda: a GPU per sandbox rank plus one for the assistant (NCCL)")
+    p.add_argument("--devices", type=devices_arg, default="cpu", metavar="cpu|cuda|cuda:G,...",
+                   help="cpu (gloo), or cuda: a GPU per sandbox rank plus one per assistant (NCCL); or "
+                        "cuda:G,G,... their GPUs in that order, a GPU listed twice being shared (its "
+                        "processes each NCCL's own host, talking through sockets: right values and "
+                        "memory, communication times not those of linked GPUs)")
     p.add_argument("--inputs", choices=["recorded", "generated"], default="recorded",
                    help="the virtual ranks' inputs: recorded (the tensor store) or generated (zeros: "
                         "the sandbox's numbers then lack the virtual ranks' contributions)")
@@ -125,5 +128,8 @@ def run(args: argparse.Namespace) -> int:
                   + (f"; {c['unfinished']} never finished" if c.get('unfinished') else "")
                   + (f"; {c['errors']} could not be compared" if c.get('errors') else ""), file=sys.stderr)
     _print_figures(res)
+    if res.shared_gpu:
+        print("prism emulate: a GPU was shared by sandbox ranks and assistants (NCCL over sockets): values "
+              "and memory are the program's, iteration times are not those of linked GPUs", file=sys.stderr)
     print(f"prism emulate: done in {res.wall_s:.1f} s; output in {res.out}", file=sys.stderr)
     return 0

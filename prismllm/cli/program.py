@@ -26,5 +26,18 @@ def program_args(args: argparse.Namespace) -> list[str]:
     return script_args
 
 
+def devices_arg(value: str) -> str:
+    """--devices of the commands that run sandbox ranks and assistants: cpu, cuda, or
+    cuda:G,G,... (their GPUs in order; one listed twice is shared)."""
+    v = value.strip().lower()
+    if v in ("cpu", "cuda"):
+        return v
+    if v.startswith("cuda:"):
+        items = v[5:].split(",")
+        if items and all(x.strip().isdigit() for x in items):
+            return "cuda:" + ",".join(x.strip() for x in items)
+    raise argparse.ArgumentTypeError(f"{value!r}: expected cpu, cuda or cuda:G,G,... (GPU indices)")
+
+
 def line_prefix(args: argparse.Namespace) -> str | None:
     return LINE_PREFIX if args.prefix else None

@@ -29,8 +29,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    required=True, metavar="N", help="number of rank processes")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory for the trace")
     p.add_argument("--devices", default=None, metavar="cpu|cuda",
-                   help="cpu (one process per rank) or cuda / cuda:0,1,... (one GPU per rank); "
-                        "default: cuda if there are at least N GPUs, else cpu")
+                   help="cpu (one process per rank) or cuda / cuda:0,1,... (one GPU per rank; a GPU "
+                        "listed twice is shared, its ranks each NCCL's own host: right values and memory, "
+                        "not NVLink timing); default: cuda if there are at least N GPUs, else cpu")
     p.add_argument("--layout", default=None, metavar="K=V,...",
                    help="parallel layout recorded in the manifest, e.g. tp=2,pp=2,dp=2")
     p.add_argument("--save-tensors", default=None, metavar="SELECTOR",

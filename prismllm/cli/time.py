@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prismllm.cli.program import add_program_args, program_args
+from prismllm.cli.program import add_program_args, devices_arg, program_args
 from prismllm.time import TimeOptions, time_slices
 
 
@@ -24,8 +24,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--graph", required=True, metavar="BARE", help="the bare graph")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--devices", choices=["cpu", "cuda"], default="cpu",
-                   help="cpu, or cuda: each slice takes --slice-size sandbox GPUs and one assistant GPU")
+    p.add_argument("--devices", type=devices_arg, default="cpu", metavar="cpu|cuda|cuda:G,...",
+                   help="cpu, or cuda: each slice takes --slice-size sandbox GPUs and one assistant GPU; "
+                        "or cuda:G,G,... the GPUs of one slice (sandbox ranks, then the assistant), a GPU "
+                        "listed twice being shared (right values, not the timing of linked GPUs)")
     p.add_argument("--slice-size", type=int, default=1, metavar="K", help="sandbox ranks per slice (default 1)")
     p.add_argument("--parallel", type=int, default=1, metavar="P", help="slices at a time (default 1)")
     p.add_argument("--tensors", default=None, metavar="STORE", help="the virtual ranks' recorded inputs "

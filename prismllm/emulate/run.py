@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from prismllm.capture.launcher import (ExtraProcess, LaunchError, LaunchResult, LaunchSpec, LineSink,
-                                      describe_returncode, device_env, error_line, format_ranks, launch)
+                                      describe_returncode, error_line, format_ranks, gpu_ids, launch)
 from prismllm.capture.record import LOGS_DIR, MANIFEST_FILE, TENSORS_DIR
 from prismllm.emulate.fingerprint import check_program
 from prismllm.errors import PrismError
@@ -79,7 +79,7 @@ class EmulateOptions:
     env: dict[str, str | None] = dataclasses.field(default_factory=dict)  # extra child env
     extra_grace: float = 30.0  # how long the assistant may outlive the sandbox ranks
     check: bool = False  # compare the sandbox's pruned-call outputs with the recorded ones
-    devices: str = "cpu"  # "cpu" (gloo), or "cuda": a GPU per sandbox rank and one for the assistant (NCCL)
+    devices: str = "cpu"  # "cpu" (gloo); "cuda": a GPU per sandbox rank and assistant (NCCL); "cuda:G,...": theirs, in order
     inputs: str = "recorded"  # virtual ranks' inputs: "recorded" (the tensor store) or "generated" (zeros)
     # Multi-host: "HOST:PORT", where the processes of every invocation meet (the store is
     # hosted by the invocation that runs the sandbox ranks), and which processes this
@@ -109,6 +109,7 @@ class EmulateResult:
     prediction: dict | None = None  # the calibration's, when the graph is a calibrated one
     communicators: dict | None = None  # communicators created against logical groups (communicators())
     replay: dict | None = None  # the assistant's replay of the virtual ranks (replay.json)
+    shared_gpu: bool = False  # a GPU shared by this run's processes (NCCL over sockets)
 
 
 def _manifest(graph: Path) -> dict[str, Any]:
@@ -250,8 +251,9 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         raise PrismError("every rank is in the sandbox: nothing to emulate (use `prism record`)")
     if opts.inputs not in ("recorded", "generated"):
         raise PrismError(f"--inputs must be recorded or generated, not {opts.inputs!r}")
-    if opts.devices not in ("cpu", "cuda"):
-        raise PrismError(f"--devices must be cpu or cuda, not {opts.devices!r}")
+    kind = "cuda" if opts.devices == "cuda" or opts.devices.startswith("cuda:") else opts.devices
+    if kind not in ("cpu", "cuda"):
+        raise PrismError(f"--devices must be cpu, cuda or cuda:G,G,..., not {opts.devices!r}")
     tensors = Path(opts.tensors) if opts.tensors is not None else graph / TENSORS_DIR
     if opts.inputs == "recorded" and (not tensors.is_dir() or not any(tensors.glob("rank-*.idx"))):
         raise PrismError(f"no recorded tensors in {tensors}: the assistant needs the virtual ranks' inputs "
@@ -260,18 +262,11 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         raise PrismError("--check compares with recorded outputs: it needs --inputs recorded")
     host, port = _endpoint(opts)
     run_sandbox, run_assistant = opts.role in ("all", "sandbox"), opts.role in ("all", "assistant")
-    if opts.devices == "cuda":
-        import torch
-
-        need = (len(sandbox) if run_sandbox else 0) + (opts.assistants if run_assistant else 0)
-        if torch.cuda.device_count() < need:
-            raise PrismError(f"--devices cuda: this invocation's {opts.role} process(es) need {need} GPU(s), "
-                             f"{torch.cuda.device_count()} visible")
-        a_gpu0 = len(sandbox) if run_sandbox else 0  # the assistants': the next GPUs on this host
-        gpu_envs = [device_env([a_gpu0 + a], 1, os.environ) or {"CUDA_VISIBLE_DEVICES": str(a_gpu0 + a)}
-                    for a in range(opts.assistants)]
-    else:
-        gpu_envs = [{} for _ in range(opts.assistants)]
+    sandbox_gpus, assistant_gpus = _gpus(opts.devices, len(sandbox) if run_sandbox else 0,
+                                         opts.assistants if run_assistant else 0)
+    shared = len(set(sandbox_gpus + assistant_gpus)) < len(sandbox_gpus + assistant_gpus)
+    gpu_envs = ([{"CUDA_VISIBLE_DEVICES": gpu_ids([g], os.environ)[0]} for g in assistant_gpus]
+                if kind == "cuda" else [{} for _ in range(opts.assistants)])
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     check_program(manifest, opts.script, opts.args, world)  # a graph of another program: refuse
@@ -298,7 +293,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         **common,
         "PRISM_MODE": "emulate",
         "PRISM_SPOOL": str(ranklogs.resolve()),
-        "PRISM_DEVICE": opts.devices,
+        "PRISM_DEVICE": kind,
         # what torchrun gives each of the N ranks of the real job (nproc > 1): the sandbox
         # runs the recorded ranks' numerics, not a multi-threaded variant of them
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
@@ -308,7 +303,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         env["PRISM_CHECK_OUT"] = str(out.resolve())
     env.update(opts.env)
     aenv = {**common, "PRISM_INPUTS": opts.inputs, "PRISM_REPLAY_TIMING": timing,
-            "PRISM_EMULATE_BACKEND": "nccl" if opts.devices == "cuda" else "gloo",
+            "PRISM_EMULATE_BACKEND": "nccl" if kind == "cuda" else "gloo",
             "PRISM_ASSISTANTS": str(opts.assistants)}
     if opts.inputs == "recorded":
         aenv["PRISM_TENSOR_STORE"] = str(tensors.resolve())
@@ -330,7 +325,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
     local = list(sandbox) if run_sandbox else []
     spec = LaunchSpec(
         nproc=len(local), script=opts.script, args=list(opts.args), env=env,
-        devices="cpu" if opts.devices == "cpu" else list(range(len(local))),
+        devices="cpu" if kind == "cpu" else sandbox_gpus, own_hosts=shared,
         ranks=local, world_size=world, timeout=opts.timeout,
         log_dir=out / LOGS_DIR if opts.tee else None, line_prefix=opts.line_prefix, sink=opts.sink,
         extra=assistants if run_assistant else [], extra_grace=opts.extra_grace, on_start=publish,
@@ -355,7 +350,8 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         replay = None
     record: dict[str, Any] = {
         "graph": str(graph.resolve()), "tensors": str(tensors.resolve()) if opts.inputs == "recorded" else None,
-        "inputs": opts.inputs, "devices": opts.devices, "world_size": world, "role": opts.role,
+        "inputs": opts.inputs, "devices": opts.devices, "shared_gpu": shared, "world_size": world,
+        "role": opts.role,
         "rdzv_endpoint": opts.rdzv_endpoint,
         "sandbox": list(sandbox), "command": [opts.script, *opts.args], "ok": result.ok,
         "outcome": ("ok" if failure is None else
@@ -375,7 +371,37 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         raise failure
     return EmulateResult(out=out, world_size=world, sandbox=sandbox, returncodes=codes, wall_s=wall,
                          launch=result, checks=checks, timing=timing, sandbox_results=measured,
-                         prediction=prediction, replay=replay, communicators=comms)
+                         prediction=prediction, replay=replay, communicators=comms, shared_gpu=shared)
+
+
+def _gpus(devices: str, n_sandbox: int, n_assistants: int) -> tuple[list[int], list[int]]:
+    """GPU indices of this invocation's sandbox ranks and assistants: ``cuda`` gives each its
+    own GPU in that order (sandbox ranks first); ``cuda:G,G,...`` lists them in that order, a
+    GPU named twice being shared (its processes each NCCL's own host: ``own_host_env``)."""
+    if devices == "cpu":
+        return [], []
+    import torch
+
+    have = torch.cuda.device_count()
+    need = n_sandbox + n_assistants
+    if devices == "cuda":
+        if have < need:
+            raise PrismError(f"--devices cuda: this invocation's {need} process(es) (sandbox ranks and "
+                             f"assistants) need {need} GPU(s), {have} visible (list shared ones: "
+                             f"--devices cuda:{','.join(['0'] * need)})")
+        gpus = list(range(need))
+    else:
+        try:
+            gpus = [int(x) for x in devices[5:].split(",") if x.strip()]
+        except ValueError:
+            raise PrismError(f"bad --devices {devices!r}: expected cuda:G,G,...") from None
+        if len(gpus) != need:
+            raise PrismError(f"--devices {devices}: {len(gpus)} GPU(s) listed for {n_sandbox} sandbox rank(s) "
+                             f"and {n_assistants} assistant(s) (one each, in that order)")
+        bad = [g for g in gpus if not 0 <= g < have]
+        if bad:
+            raise PrismError(f"--devices {devices}: GPU {bad[0]} does not exist ({have} visible)")
+    return gpus[:n_sandbox], gpus[n_sandbox:]
 
 
 def _pids(pids: dict[int, int]) -> dict[str, Any]:

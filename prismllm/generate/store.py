@@ -27,6 +27,11 @@ the recorder stores as ``seq`` (for send/recv: the index among calls to that pee
 ``peer`` is the global peer; -1 for collectives). ``tensors`` are the call's outputs in
 order (one for in-place/single-output ops, the list for list outputs such as
 ``dist.all_gather``). A later entry with the same key replaces an earlier one.
+
+Reading for a graph of another run: a solo capture names a DP replica's groups after its
+representative's (``3@3``), where the recording that filled the store named them as torch
+does (``6``). A name the store does not hold for those ranks is read as the store's one group
+of those ranks, when it holds exactly one (two groups of the same ranks stay apart: no entry).
 """
 
 from __future__ import annotations
@@ -142,12 +147,14 @@ class TensorStore:
         self.rank = rank
         idx, self._binp = _paths(root, rank)
         self.entries: dict[Key, dict[str, Any]] = {}
+        self._names: dict[tuple[int, ...], set[str]] = {}  # group ranks -> the names saved under
         if idx.exists():
             with open(idx, "rb") as f:
                 for e in msgpack.Unpacker(f, raw=False, strict_map_key=False):
                     key = self.key(e["group_name"], e["group"], e["op"], e["index"], e["peer"],
                                    e.get("io", "out"))
                     self.entries[key] = e
+                    self._names.setdefault(key[1], set()).add(key[0])
         self._fd: int | None = None
         self._open_lock = threading.Lock()
 
@@ -164,7 +171,11 @@ class TensorStore:
         """The saved outputs (``io="out"``) or inputs (``"in"``) of one call, or None.
         Safe from several threads at once (the assistant's group workers share a rank's
         store): positional reads, no shared file position."""
-        e = self.entries.get(self.key(group_name, group, op, index, peer, io))
+        key = self.key(group_name, group, op, index, peer, io)
+        names = self._names.get(key[1], ())
+        if key[0] not in names and len(names) == 1:  # the group under this run's name
+            key = (next(iter(names)), *key[1:])
+        e = self.entries.get(key)
         if e is None:
             return None
         if self._fd is None:

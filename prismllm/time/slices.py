@@ -43,7 +43,7 @@ class TimeOptions:
     out: str | os.PathLike
     script: str
     args: Sequence[str] = ()
-    devices: str = "cpu"  # "cpu" or "cuda"
+    devices: str = "cpu"  # "cpu", "cuda" or "cuda:G,..." (one slice's GPUs, shared ones listed twice)
     slice_size: int = 1  # sandbox ranks per slice
     parallel: int = 1  # slices at a time (GPU: at most GPUs // (slice_size + 1))
     tensors: str | os.PathLike | None = None  # recorded inputs (default: GRAPH/tensors)
@@ -109,10 +109,22 @@ def _done(slice_out: Path, ranks: list[int]) -> bool:
     return bool(info.get("ok")) and all((slice_out / "ranklogs" / f"rank-{r:06d}.msgpack").is_file() for r in ranks)
 
 
+def _slice_devices(opts: TimeOptions, n_ranks: int) -> str:
+    """--devices of one slice's emulation: a listed slice (cuda:G,...: --slice-size sandbox GPUs,
+    then the assistant's) loses the GPUs of the ranks a short last slice lacks."""
+    if not opts.devices.startswith("cuda:"):
+        return opts.devices
+    gpus = opts.devices[5:].split(",")
+    if len(gpus) != opts.slice_size + 1:
+        raise PrismError(f"--devices {opts.devices}: a slice is {opts.slice_size} sandbox GPU(s) and one "
+                         f"assistant GPU, {len(gpus)} listed")
+    return "cuda:" + ",".join(gpus[:n_ranks] + gpus[opts.slice_size:])
+
+
 def _emulate_cmd(opts: TimeOptions, graph: Path, ranks: list[int], out: Path) -> list[str]:
     cmd = [sys.executable, "-m", "prismllm.cli.main", "emulate", "--graph", str(graph),
-           "--sandbox", ",".join(map(str, ranks)), "--out", str(out), "--force", "--devices", opts.devices,
-           "--inputs", opts.inputs]
+           "--sandbox", ",".join(map(str, ranks)), "--out", str(out), "--force", "--devices",
+           _slice_devices(opts, len(ranks)), "--inputs", opts.inputs]
     if opts.tensors is not None:
         cmd += ["--tensors", str(opts.tensors)]
     if opts.timeout is not None:
@@ -148,6 +160,10 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
     world = int(manifest["world_size"])
     if opts.parallel < 1:
         raise PrismError(f"--parallel must be at least 1, not {opts.parallel}")
+    if opts.devices.startswith("cuda:"):
+        _slice_devices(opts, opts.slice_size)  # the list fits a slice
+        if opts.parallel > 1:
+            raise PrismError(f"--devices {opts.devices} names the GPUs of one slice: --parallel must be 1")
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     check_program(manifest, opts.script, opts.args, world)  # the graph's program, or refuse

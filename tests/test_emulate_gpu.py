@@ -1,0 +1,100 @@
+"""The emulation on GPUs (NCCL), N = 2: the real 2-rank run of examples/gpt3d.py recorded with
+its tensors, then one sandbox rank run for real with the other rank played by an assistant.
+Run on the device machine: ``pytest -m gpu tests/test_emulate_gpu.py``.
+
+With two GPUs the sandbox rank and the assistant each have one, as in use. With one GPU both
+real ranks, and then the sandbox rank and the assistant, share it, each NCCL's own host
+(``--devices cuda:0,0``): NCCL connects them through sockets, which changes the timing but not
+the values, so the correctness checks are the same: the sandbox's losses and every pruned
+collective's output equal the real run's (k = 1 real member of n = 2: a sum of two terms is
+bit-exact in either order). Then the whole pipeline (solo capture, slice timing, calibration,
+real-time emulation) runs on the GPU(s) and must finish with the recorded numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from test_emulate import GPT3D, LAYOUTS, SIZES, assert_all_ended, assert_check, assert_same_losses  # noqa: E402
+
+from prismllm.emulate import EmulateOptions, emulate  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+PRISM = str(Path(sys.executable).with_name("prism"))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+       "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def two_gpus() -> bool:
+    return torch.cuda.device_count() >= 2
+
+
+# the real run's GPUs and the emulation's (sandbox rank, then assistant)
+REAL_DEVICES = "cuda:0,1" if two_gpus() else "cuda:0,0"
+EMU_DEVICES = "cuda" if two_gpus() else "cuda:0,0"
+
+
+def prism(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    proc = subprocess.run([PRISM, *args], capture_output=True, text=True, env=ENV, timeout=timeout)
+    assert proc.returncode == 0, f"prism {args[0]} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def record(out: Path, layout: str) -> tuple[Path, list[dict]]:
+    log = out.with_suffix(".json")
+    prism("record", "--nproc", "2", "--devices", REAL_DEVICES, "--out", str(out), "--save-tensors", "all,inputs",
+          "--timeout", "200", "--", GPT3D, *LAYOUTS[layout], *SIZES, "--json-log", str(log))
+    return out, json.loads(log.read_text())
+
+
+def run_emulation(graph: Path, out: Path, layout: str, sandbox: str):
+    log = out.with_suffix(".json")
+    res = emulate(EmulateOptions(graph=graph, sandbox=sandbox, out=out, script=GPT3D, devices=EMU_DEVICES,
+                                 args=[*LAYOUTS[layout], *SIZES, "--json-log", str(log)],
+                                 timeout=200, check=True, sink=lambda *a: None))
+    assert_all_ended(res.launch.pids.values())
+    assert res.shared_gpu == (not two_gpus())
+    return res, (json.loads(log.read_text()) if log.exists() else None)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_distopt"])
+def test_losses_and_pruned_outputs_equal_the_real_run(layout, tmp_path):
+    graph, real = record(tmp_path / "real", layout)
+    manifest = json.loads((graph / "manifest.json").read_text())
+    assert manifest["device"] == "cuda", manifest["device"]
+    res, emu = run_emulation(graph, tmp_path / "emu1", layout, "1")
+    assert emu is not None, "the sandbox (last rank) writes the loss log"
+    assert_same_losses(real, emu)
+    assert_check(res, 1, graph)
+    peak = res.sandbox_results[1]["peak_memory_bytes"]
+    assert peak > 0, res.sandbox_results
+    res, _ = run_emulation(graph, tmp_path / "emu0", layout, "0")
+    assert_check(res, 0, graph)
+
+
+def test_whole_pipeline_on_gpu(tmp_path):
+    """capture (solo) -> time -> calibrate -> emulate --timing real, TP2: every stage on the
+    GPU(s); the emulated sandbox measures iterations beside the calibrated prediction."""
+    args = [*LAYOUTS["tp2"], *SIZES]
+    prism("capture", "--mode", "solo", "--world", "2", "--devices", "1", "--device", "cuda", "--layout", "tp=2",
+          "--out", str(tmp_path / "bare"), "--", GPT3D, *args)
+    prism("time", "--graph", str(tmp_path / "bare"), "--out", str(tmp_path / "time"), "--devices",
+          EMU_DEVICES, "--inputs", "generated", "--timeout", "200", "--", GPT3D, *args)
+    prism("calibrate", str(tmp_path / "time" / "graph"), "--out", str(tmp_path / "cal"), "--write-graph")
+    out = tmp_path / "emu"
+    prism("emulate", "--graph", str(tmp_path / "cal" / "graph"), "--sandbox", "1", "--devices", EMU_DEVICES,
+          "--inputs", "generated", "--timeout", "200", "--out", str(out), "--", GPT3D, *args)
+    rec = json.loads((out / "emulate.json").read_text())
+    assert rec["ok"] and rec["timing"] == "real", rec["message"]
+    its = rec["sandbox_results"]["1"]["iteration_ns"]
+    assert len(its) >= 2 and all(t > 0 for t in its), rec["sandbox_results"]
+    assert rec["prediction"]["predicted_iteration_ns"] > 0
