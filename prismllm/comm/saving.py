@@ -108,7 +108,18 @@ class SavingInner:
                 work = attr(*args, **kwargs)
                 saves = _BATCHED.pop(id(owner), [])
                 if saves:
-                    _attach(lambda _f=None: [f() for f in saves], work)
+                    def save_batch(_f=None):
+                        for f in saves:
+                            f()
+                    if work is None:
+                        save_batch()
+                    else:
+                        # Saved when the program waits on the batch (never through its Future:
+                        # NCCL's coalesced Work completes its Future without ordering a callback
+                        # after the batch's kernels, and on a GPU the receive buffers were read
+                        # before the data arrived). After the wait, the copy to the host runs
+                        # on the program's stream, which then waits for the batch.
+                        _PENDING[id(work)] = (work, save_batch)
                 return work
 
             return end
