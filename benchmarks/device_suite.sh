@@ -15,14 +15,16 @@
 #   gpu1       one GPU (nvidia-h100-x1 / nvidia-h200): `pytest -m gpu` (the emulation's GPU
 #              tests share the GPU between sandbox and assistant, NCCL over sockets) and the
 #              per-call recording cost (call_cost.py: plain / NCCL timing / recorded, 3 rounds)
-#   cpu-fid N  CPU fidelity rows at N ranks (every case N allows) on the host's cores (fair
-#              while N <= cores): merged into $OUT/fidelity_cpu_<cores>c.json
+#   cpu-fid N [CASES]  CPU fidelity rows at N ranks on the host's cores (fair while N <= cores;
+#              ~3.5 min a case at N = 8 on 16 cores, so three cases a call: e.g. tp,pp,vpp then
+#              dpopt,moe,mixed): merged into $OUT/fidelity_cpu_<cores>c.json (carry the last one
+#              back into benchmarks/results/ between calls)
 #
 # Every program started here keeps NVLink multicast off (the device tool's rule), and every
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|pruning|overhead|gpu1|cpu-fid N}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|pruning|overhead|gpu1|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -78,12 +80,16 @@ gpu1)
             | grep CALLCOST | sed "s/^/nccl-timing /"
         timeout 60 prism record --nproc 1 --out "/tmp/cc$round" --force -- benchmarks/programs/call_cost.py \
             --breakdown 2>&1 | grep -E "CALLCOST|BREAKDOWN" | sed "s/^/recorded /"
+        # BASE=DIR: the same recorded run with an earlier prismllm (a copy of its package in DIR)
+        [ -n "${BASE:-}" ] && PYTHONPATH="$BASE" timeout 60 prism record --nproc 1 --out "/tmp/cb$round" --force \
+            -- benchmarks/programs/call_cost.py 2>&1 | grep CALLCOST | sed "s/^/recorded-base /"
     done 2>&1 | tee "$OUT/call_cost.log" ;;
 cpu-fid)
     N=${2:?usage: device_suite.sh cpu-fid N}
     cores=$(nproc)
     [ -f "benchmarks/results/fidelity_cpu_${cores}c.json" ] && cp "benchmarks/results/fidelity_cpu_${cores}c.json" "$OUT/"
-    timeout 570 python3 benchmarks/fidelity.py --devices cpu --worlds "$N" --noise --merge --timeout 300 \
+    timeout 570 python3 benchmarks/fidelity.py --devices cpu --worlds "$N" --cases "${3:-tp,pp,vpp}" --noise \
+        --merge --timeout 300 \
         --json "$OUT/fidelity_cpu_${cores}c.json" 2>&1 | tee "$OUT/cpu-fid-$N.log" | grep -v "^\[" ;;
 *)
     echo "unknown part $PART"; exit 2 ;;

@@ -463,3 +463,23 @@ def test_api_is_noop_outside_prism():
 
     api.mark("x")
     api.step()  # nothing installed in this process: no error, no effect
+
+
+def test_reduce_op_kept_as_its_name():
+    """The recording wrappers keep "sum"/"avg" as strings (a ReduceOp read from the options
+    would keep each call's options object alive), others as the ReduceOp: same names."""
+    from prismllm.comm.recorder import redop_name
+    from prismllm.comm.recording import _red
+
+    ops = [dist.ReduceOp.SUM, dist.ReduceOp.AVG, dist.ReduceOp.MAX, dist.ReduceOp.PRODUCT]
+    premul = getattr(dist.distributed_c10d, "_make_nccl_premul_sum", None)
+    if premul is not None:
+        ops.append(premul(2.0))
+    for op in ops:
+        o = torch._C._distributed_c10d.AllreduceOptions()
+        o.reduceOp = op
+        assert redop_name(_red(o)) == redop_name(o.reduceOp)
+    o = torch._C._distributed_c10d.AllreduceOptions()
+    o.reduceOp = dist.ReduceOp.SUM
+    assert _red(o) == "sum"
+

@@ -117,6 +117,14 @@ def _cuda_info() -> tuple[bool, int]:
         return False, 0
 
 
+def parse_gpu_list(devices: str) -> list[int]:
+    """The GPU indices of ``cuda:G,G,...`` (a GPU may be listed twice: shared)."""
+    try:
+        return [int(x) for x in devices[5:].split(",") if x.strip()]
+    except ValueError:
+        raise PrismError(f"bad --devices {devices!r}: expected cuda:G,G,... (GPU indices)") from None
+
+
 def resolve_devices(devices: str | None, nproc: int) -> tuple[str, str | list[int]]:
     """("cpu", "cpu") or ("cuda", [gpu indices, one per rank])."""
     if devices is not None:
@@ -135,10 +143,7 @@ def resolve_devices(devices: str | None, nproc: int) -> tuple[str, str | list[in
         if devices == "cuda":
             gpus = list(range(nproc))
         else:
-            try:
-                gpus = [int(x) for x in devices[5:].split(",") if x.strip()]
-            except ValueError:
-                raise PrismError(f"bad --devices {devices!r}: expected cuda:0,1,...") from None
+            gpus = parse_gpu_list(devices)
             if len(gpus) < nproc:
                 raise PrismError(f"--devices {devices}: {nproc} ranks need {nproc} GPUs, {len(gpus)} listed")
             gpus = gpus[:nproc]

@@ -54,6 +54,9 @@ _now = time.time_ns
 
 ST_PENDING, ST_WAITED, ST_SETTLED = 0, 1, 2
 DUR_PENDING = -2  # m_dur while NCCL's duration is awaited
+# CUDA events made per device with its anchor: the points of about two iterations of a TP2
+# step (~330 calls, two points each; events come back to the pool one iteration late).
+EVENT_PREFILL = 1024
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -185,9 +188,12 @@ class Recorder:
 
     def _cuda_point(self, t: int) -> int:
         dev = _cuda.get_device()
-        if dev not in self.anchors:
+        pool = self.ev_pool.get(dev)
+        if pool is None:  # this device's first point
             self._make_anchor(dev)
-        pool = self.ev_pool[dev]
+            pool = self.ev_pool[dev]
+        # dry only before the second boundary recycles the first iteration's events, and then
+        # only past the pre-filled pool
         ev = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
         sd = _cuda.get_stream(dev)
         st = self.streams.get(sd)
@@ -210,12 +216,18 @@ class Recorder:
         if _cuda.record is None:
             _cuda.bind()
         with torch.cuda.device(dev):
+            # The first iterations' events, made now rather than one per point in the hot path
+            # (the pool refills only from the second boundary on). Each is recorded once here:
+            # torch creates the CUDA event itself lazily, at its first record.
+            pool = [torch.cuda.Event(enable_timing=True) for _ in range(EVENT_PREFILL)]
+            for ev in pool:
+                ev.record()
             torch.cuda.synchronize()
             anchor = torch.cuda.Event(enable_timing=True)
             anchor.record()
             anchor.synchronize()
             self.anchors[dev] = (anchor, _now())
-        self.ev_pool.setdefault(dev, [])
+        self.ev_pool[dev] = pool
 
     def _resolve(self, upto: int, block: bool = False) -> None:
         """Resolve the pending points with id < ``upto`` (oldest first); stop at the first

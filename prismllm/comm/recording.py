@@ -86,6 +86,22 @@ def _nbytes(ts) -> int:
     return n
 
 
+_SUM, _AVG = dist.ReduceOp.SUM, dist.ReduceOp.AVG
+
+
+def _red(opts) -> Any:
+    """The reduce op of ``opts`` as the recorder keeps it (``redop_name`` reads both): "sum" or
+    "avg", else the ReduceOp. pybind hands ``opts.reduceOp`` out tied to ``opts`` (keep-alive),
+    so a ReduceOp kept in a row holds that call's options object alive: ~1 µs a call more
+    (measured on CPU), and two objects a row that a long run accumulates."""
+    op = opts.reduceOp
+    if op == _SUM:
+        return "sum"
+    if op == _AVG:
+        return "avg"
+    return op
+
+
 def _rows_of(ts) -> list[int]:
     return [t.shape[0] if t.dim() else 1 for t in ts]
 
@@ -93,14 +109,18 @@ def _rows_of(ts) -> list[int]:
 class RecordingWork(dist.Work):
     """Forwards to the real Work; reports the program's wait to the recorder."""
 
+    # Defaults at class level: an instance sets them only where they differ (one Work a call).
+    _state = ST_PENDING
+    _anysource = False
+    _on_wait = None
+
     def __init__(self, inner: Any, pg: "RecordingProcessGroup", rows: tuple):
         super().__init__()
         self._inner = inner
         self._pg = pg
         self._rows = rows
-        self._state = ST_PENDING
-        self._anysource = False
-        self._on_wait = ON_WAIT(inner) if ON_WAIT is not None else None
+        if ON_WAIT is not None:
+            self._on_wait = ON_WAIT(inner)
 
     # -- waits (points of program order) --
     def wait(self, timeout=None):
@@ -294,7 +314,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         seq = self._seq
         self._seq = seq + 1
         row = rec.issue(
-            "all_reduce", "allreduce", self._prism_group_name, seq, -1, 0, opts.reduceOp,
+            "all_reduce", "allreduce", self._prism_group_name, seq, -1, 0, _red(opts),
             dtype_name(t.dtype), t.shape, nb, nb, (), (), t.is_cuda,
         )  # fmt: skip
         try:
@@ -309,7 +329,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors, opts=None):
         if opts is None:
             opts = _C.AllreduceCoalescedOptions()
-        red = opts.reduceOp
+        red = _red(opts)
         rows, work = self._coalesced(
             "all_reduce", "allreduce_coalesced", red, tensors, tensors, lambda o: o.nbytes,
             lambda: self._inner.allreduce_coalesced(tensors, opts),
@@ -389,7 +409,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         inb = sum(_nbytes(il) for il in input_tensors)
         row = self._row(
             "reduce_scatter", "reduce_scatter", t, inb, _nbytes(output_tensors),
-            opts.reduceOp,
+            _red(opts),
         )  # fmt: skip
         try:
             work = self._inner.reduce_scatter(output_tensors, input_tensors, opts)
@@ -402,7 +422,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = _C.ReduceScatterOptions()
         row = self._row(
-            "reduce_scatter", api, input, input.nbytes, output.nbytes, opts.reduceOp
+            "reduce_scatter", api, input, input.nbytes, output.nbytes, _red(opts)
         )
         try:
             work = getattr(self._inner, _RS_BASE)(output, input, opts)
@@ -421,7 +441,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         if opts is None:
             opts = _C.ReduceScatterOptions()
         rows, work = self._coalesced(
-            "reduce_scatter", api, opts.reduceOp, outputs, inputs,
+            "reduce_scatter", api, _red(opts), outputs, inputs,
             lambda o: o.nbytes, lambda: getattr(self._inner, _RS_COAL)(outputs, inputs, opts),
         )  # fmt: skip
         return self._done(work, rows, (opts.asyncOp if _HAS_ASYNC_OP else True))
@@ -519,7 +539,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         nb = _nbytes(tensors)
         row = self._row(
             "reduce", "reduce", t, nb, nb if root == self.rank() else 0,
-            opts.reduceOp, peer=self._global(root),
+            _red(opts), peer=self._global(root),
         )  # fmt: skip
         try:
             work = self._inner.reduce(tensors, opts)

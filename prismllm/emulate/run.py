@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 from prismllm.capture.launcher import (ExtraProcess, LaunchError, LaunchResult, LaunchSpec, LineSink,
                                       describe_returncode, error_line, format_ranks, gpu_ids, launch)
-from prismllm.capture.record import LOGS_DIR, MANIFEST_FILE, TENSORS_DIR
+from prismllm.capture.record import LOGS_DIR, MANIFEST_FILE, TENSORS_DIR, parse_gpu_list
 from prismllm.emulate.fingerprint import check_program
 from prismllm.errors import PrismError
 
@@ -391,10 +391,7 @@ def _gpus(devices: str, n_sandbox: int, n_assistants: int) -> tuple[list[int], l
                              f"--devices cuda:{','.join(['0'] * need)})")
         gpus = list(range(need))
     else:
-        try:
-            gpus = [int(x) for x in devices[5:].split(",") if x.strip()]
-        except ValueError:
-            raise PrismError(f"bad --devices {devices!r}: expected cuda:G,G,...") from None
+        gpus = parse_gpu_list(devices)
         if len(gpus) != need:
             raise PrismError(f"--devices {devices}: {len(gpus)} GPU(s) listed for {n_sandbox} sandbox rank(s) "
                              f"and {n_assistants} assistant(s) (one each, in that order)")
