@@ -108,18 +108,15 @@ class SavingInner:
                 work = attr(*args, **kwargs)
                 saves = _BATCHED.pop(id(owner), [])
                 if saves:
-                    def save_batch(_f=None):
+                    def save_batch():
                         for f in saves:
                             f()
-                    if work is None:
-                        save_batch()
-                    else:
-                        # Saved when the program waits on the batch (never through its Future:
-                        # NCCL's coalesced Work completes its Future without ordering a callback
-                        # after the batch's kernels, and on a GPU the receive buffers were read
-                        # before the data arrived). After the wait, the copy to the host runs
-                        # on the program's stream, which then waits for the batch.
-                        _PENDING[id(work)] = (work, save_batch)
+                    # At the program's wait, never through the batch's Future: NCCL's coalesced
+                    # Work completes its Future without ordering a callback after the batch's
+                    # kernels, and on a GPU the receive buffers were read before the data
+                    # arrived. After the wait, the host copy runs on the program's stream,
+                    # which then waits for the batch.
+                    _at_wait(save_batch, work)
                 return work
 
             return end
@@ -194,15 +191,20 @@ def _attach(save: Callable[..., None], work) -> None:
             fut = work.get_future()
         except Exception:
             fut = None
-    if work is None:
-        save()
-    elif fut is None:
-        # No Future (some gloo Works, e.g. p2p and reduce_scatter_single): save when the
-        # program waits on the Work (RecordingWork -> Recorder.wait runs _on_wait), or at
-        # exit for a Work never waited on (then the buffer's value at exit is saved).
-        _PENDING[id(work)] = (work, save)
+    if fut is None:  # no Work, or no Future (some gloo Works, e.g. p2p and reduce_scatter_single)
+        _at_wait(save, work)
     else:
         fut.add_done_callback(save)
+
+
+def _at_wait(save: Callable[[], None], work) -> None:
+    """Run ``save`` when the program waits on ``work`` (RecordingWork -> Recorder.wait runs
+    _on_wait), or at exit for a Work never waited on (then the buffer's value at exit is
+    saved); at once without a Work (the call returned complete)."""
+    if work is None:
+        save()
+    else:
+        _PENDING[id(work)] = (work, save)
 
 
 _PENDING: dict[int, tuple] = {}
