@@ -614,3 +614,23 @@ def test_splits_matrix_rejects_members_that_disagree():
         C.splits_matrix(2, {0: [1, 3]}, {1: [2, 1]})
     with pytest.raises(C.CompensationError, match="2 input splits for a group of 3"):
         C.splits_matrix(3, {0: [1, 3]})
+
+
+def test_plan_once_reuses_a_plan_per_distinct_arguments():
+    """The sandbox plans every pruned call on its critical path: plan_once hands back the same
+    (frozen) plan for the same arguments -- a torch.Size and a tuple of the same shape alike --
+    a new one when any argument differs, and plans afresh what cannot be hashed."""
+    G = C.Pruned(4, (1,))
+    a = C.plan_once(C.plan_all_reduce, 4, G, torch.Size([ROWS, COLS]), "sum", dtype=F64)
+    assert C.plan_once(C.plan_all_reduce, 4, G, (ROWS, COLS), "sum", dtype=F64) is a
+    assert a == C.plan_all_reduce(4, G, (ROWS, COLS), "sum", dtype=F64)
+    for other in [C.plan_once(C.plan_all_reduce, 4, G, (ROWS, COLS), "max", dtype=F64),
+                  C.plan_once(C.plan_all_reduce, 4, G, (ROWS, COLS), "sum", dtype=torch.float32),
+                  C.plan_once(C.plan_all_reduce, 4, C.Pruned(4, (2,)), (ROWS, COLS), "sum", dtype=F64),
+                  C.plan_once(C.plan_all_reduce, 8, C.Pruned(8, (1,)), (ROWS, COLS), "sum", dtype=F64)]:
+        assert other is not a and other != a
+    sp = _splits(4, 7)  # lists: unhashable, planned each time, still right
+    p = C.plan_once(C.plan_all_to_all, 4, G, sp, row_numel=COLS, dtype=F64)
+    assert p == C.plan_all_to_all(4, G, sp, row_numel=COLS, dtype=F64)
+    with pytest.raises(C.CompensationError):  # errors are raised, not cached
+        C.plan_once(C.plan_all_reduce, 4, G, (ROWS, COLS), "no-such-op", dtype=F64)

@@ -50,6 +50,10 @@ def test_time_slices_every_representative_once_and_resumes(bare, tmp_path):
     assert timed.world_size == 4 and timed.manifest["mode"] == "timed"
     # which slice measured each rank: replicas 2 and 3 take their representatives' (0 and 1)
     assert timed.manifest["timing"]["slice_of_rank"] == [0, 1, 0, 1]
+    # every call of a timed rank is pruned (its TP and DP peers are virtual): the emulation
+    # layer's own host time on them is left out of its clock, and said how much
+    left_out = timed.manifest["timing"]["emulation_overhead_left_out_ns"]
+    assert set(left_out) == {"0", "1"} and all(v > 0 for v in left_out.values()), left_out
     assert compare_traces(ref, timed, timing=False).structure_equal
     d = timed.nodes.select(["kind", "duration_ns"]).to_pylist()
     assert sum(n["kind"] == "compute" and n["duration_ns"] > 0 for n in d) > 20
@@ -62,3 +66,16 @@ def test_time_refuses_bad_input(bare, tmp_path):
     assert p.returncode == 2 and p.stderr.startswith("prism time: error: ") and "Traceback" not in p.stderr
     p = prism("time", "--graph", str(bare), "--out", str(tmp_path / "o"), "--slice-size", "4", "--", GPT3D, *ARGS)
     assert p.returncode == 2 and "must leave some of the 4 ranks virtual" in p.stderr, p.stderr
+
+
+def test_left_out_host_time_is_not_on_the_rank_clock():
+    """Recorder.exclude: host time the emulation layer spent on a call is taken off every later
+    point of the rank's host clock (CPU timing), so an interval around it does not count it."""
+    from prismllm.comm.recorder import Recorder
+
+    rec = Recorder(0, 1)
+    a = rec.point()
+    rec.exclude(3_000_000_000)
+    b = rec.point()
+    assert rec.p_ns[b] - rec.p_ns[a] < -2_900_000_000  # 3 s taken off, a few us passed
+    assert rec.excluded_ns == 3_000_000_000

@@ -61,4 +61,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"prism time: {len(res.timed_ranks)} of {res.world_size} rank(s) timed in {len(res.slices)} slice(s)"
           + (f" ({res.resumed} done before)" if res.resumed else "")
           + f" in {res.wall_s:.1f} s; timed graph in {res.graph}", file=sys.stderr)
+    if any(res.left_out_ns.values()):
+        total = sum(res.left_out_ns.values())
+        print(f"prism time: left out of the timed ranks' clocks: {total / 1e6:.1f} ms of the emulation layer's own "
+              f"host time on their calls (CPU timing; docs/time.md, \"Emulation overhead\")", file=sys.stderr)
     return 0

@@ -40,8 +40,9 @@ import json
 import math
 import os
 import threading
+import time
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -266,8 +267,9 @@ class PrunedWork(dist.Work):
     are done, or by the Future's callback (which the recorder uses for async timing)."""
 
     def __init__(self, works: Sequence[Any], calls: Sequence[C.SmallCall], outputs: list,
-                 checks: Sequence[tuple[Call, list]] = ()):
+                 checks: Sequence[tuple[Call, list]] = (), leave_out: Callable[[int], None] | None = None):
         super().__init__()
+        self._leave_out = leave_out  # the backend's _leave_out on CPU: the post step is ours
         self._works = list(works)
         self._calls = list(calls)
         self._outputs = outputs
@@ -292,7 +294,10 @@ class PrunedWork(dist.Work):
                 w.wait()
             else:
                 w.wait(timeout)
+        t0 = time.perf_counter_ns()
         self._finish()
+        if self._leave_out is not None:
+            self._leave_out(t0)
         return True
 
     def is_completed(self) -> bool:
@@ -382,13 +387,25 @@ class PrunedBackend(solo.GeneratedBackend):
         """The call, checked against this rank's graph before anything is issued: the
         assistant serves what the graph says, so a program that deviates from it must stop
         here with one message, not hang in a mismatched small call."""
+        t0 = time.perf_counter_ns()
         c = super()._call(op_rows, k, **kw)
         if _EXPECT is not None:
             rec = self.owner._rec
             j = len(rec.m_op) - op_rows + k
             _EXPECT.check(c.group_name, c.op, c.index, rec.m_in[j], rec.m_out[j],
                           c.peer if c.op in ("send", "recv") else c.root)
+        self._leave_out(t0)
         return c
+
+    def _leave_out(self, t0: int) -> None:
+        """On CPU, where the rank's host clock is its device clock, the time since ``t0``
+        (``perf_counter_ns``) was this layer's own work on a call (the call, its check against
+        the graph, the plan, buffers, post steps), which the program's real backend does not
+        do: the recorder leaves it out of the rank's clock, so slice timing measures the
+        program and the link, not the emulation (docs/time.md, "Emulation overhead"). On GPU
+        the device clock does not see host work: nothing is left out."""
+        if self.backend == "gloo":
+            self.owner._rec.exclude(time.perf_counter_ns() - t0)
 
     # -- planning --
     def _plan(self, c: Call, tag: int = 0) -> tuple[C.Plan, C.SmallCall]:
@@ -402,23 +419,23 @@ class PrunedBackend(solo.GeneratedBackend):
                                f"is not visible from Python); use SUM or AVG in the program")
         if op == "all_reduce":
             t = _one(c.output, "all_reduce")
-            p = C.plan_all_reduce(n, G, t.shape, c.reduce_op, dtype=t.dtype)
+            p = C.plan_once(C.plan_all_reduce, n, G, t.shape, c.reduce_op, dtype=t.dtype)
             return p, C.sandbox_call(p, g, tensor=t)
         if op == "broadcast":
             t = _one(c.input if c.is_root else c.output, "broadcast")
-            p = C.plan_broadcast(n, G, t.shape, self.global_ranks.index(c.root), dtype=t.dtype)
+            p = C.plan_once(C.plan_broadcast, n, G, t.shape, self.global_ranks.index(c.root), dtype=t.dtype)
             return p, C.sandbox_call(p, g, tensor=t)
         if op == "reduce":
             t = _one(c.input, "reduce")
-            p = C.plan_reduce(n, G, t.shape, self.global_ranks.index(c.root), c.reduce_op, dtype=t.dtype)
+            p = C.plan_once(C.plan_reduce, n, G, t.shape, self.global_ranks.index(c.root), c.reduce_op, dtype=t.dtype)
             return p, C.sandbox_call(p, g, tensor=t)
         if op == "all_gather":
             x = _one(c.input, "all_gather")
-            p = C.plan_all_gather(n, G, x.shape, dtype=x.dtype)
+            p = C.plan_once(C.plan_all_gather, n, G, x.shape, dtype=x.dtype)
             return p, C.sandbox_call(p, g, output=c.output, input=x)
         if op == "reduce_scatter":
             out = _one(c.output, "reduce_scatter")
-            p = C.plan_reduce_scatter(n, G, out.shape, c.reduce_op, dtype=out.dtype)
+            p = C.plan_once(C.plan_reduce_scatter, n, G, out.shape, c.reduce_op, dtype=out.dtype)
             return p, C.sandbox_call(p, g, output=out, input=c.input)
         if op == "all_to_all":
             x = c.input if isinstance(c.input, torch.Tensor) else None
@@ -432,10 +449,10 @@ class PrunedBackend(solo.GeneratedBackend):
                     raise EmulateError(f"{c.where()}: all_to_all tensors whose trailing dimensions differ "
                                        f"are not supported in emulation")
                 sp = C.splits_matrix(n, rows={g: rows}, cols={g: cols})
-                p = C.plan_all_to_all(n, G, sp, row_numel=row_numel, dtype=ins[0].dtype)
+                p = C.plan_once(C.plan_all_to_all, n, G, sp, row_numel=row_numel, dtype=ins[0].dtype)
                 return p, C.sandbox_call(p, g, output=outs, input=ins)
             if not (c.in_splits or c.out_splits):
-                p = C.plan_all_to_all(n, G, None, numel=x.numel(), dtype=x.dtype)
+                p = C.plan_once(C.plan_all_to_all, n, G, None, numel=x.numel(), dtype=x.dtype)
                 return p, C.sandbox_call(p, g, output=c.output, input=x)
             # uneven: this member knows its own row (what it sends) and column (what it
             # receives), which is all its small call reads
@@ -443,24 +460,24 @@ class PrunedBackend(solo.GeneratedBackend):
             isp = list(c.in_splits) or [(x.shape[0] if x.dim() else 0) // n] * n
             osp = list(c.out_splits) or [(out.shape[0] if out.dim() else 0) // n] * n
             sp = C.splits_matrix(n, rows={g: isp}, cols={g: osp})
-            p = C.plan_all_to_all(n, G, sp, row_numel=math.prod(x.shape[1:]), dtype=x.dtype)
+            p = C.plan_once(C.plan_all_to_all, n, G, sp, row_numel=math.prod(x.shape[1:]), dtype=x.dtype)
             return p, C.sandbox_call(p, g, output=out, input=x)
         if op in ("send", "recv"):
             peer = self.global_ranks.index(c.peer)
             src, dst = (g, peer) if op == "send" else (peer, g)
             t = _one(c.input if op == "send" else c.output, op)
-            p = C.plan_send(n, G, src, dst, t.shape, tag=tag, dtype=t.dtype)
+            p = C.plan_once(C.plan_send, n, G, src, dst, t.shape, tag=tag, dtype=t.dtype)
             return p, C.sandbox_call(p, g, tensor=t)
         if op == "gather":
             x = _one(c.input, "gather")
-            p = C.plan_gather(n, G, x.shape, self.global_ranks.index(c.root), dtype=x.dtype)
+            p = C.plan_once(C.plan_gather, n, G, x.shape, self.global_ranks.index(c.root), dtype=x.dtype)
             return p, C.sandbox_call(p, g, input=x, output=c.output)
         if op == "scatter":
             out = _one(c.output, "scatter")
-            p = C.plan_scatter(n, G, out.shape, self.global_ranks.index(c.root), dtype=out.dtype)
+            p = C.plan_once(C.plan_scatter, n, G, out.shape, self.global_ranks.index(c.root), dtype=out.dtype)
             return p, C.sandbox_call(p, g, input=c.input, output=out)
         if op == "barrier":
-            p = C.plan_barrier(n, G)
+            p = C.plan_once(C.plan_barrier, n, G)
             return p, C.sandbox_call(p, g)
         raise EmulateError(f"{c.where()}: {op} is not supported in emulation")
 
@@ -468,6 +485,7 @@ class PrunedBackend(solo.GeneratedBackend):
         """Issue every call on the small group; one PrunedWork for all of them (inside an
         NCCL batch: nothing yet, as NCCL returns no Work there; the batch's Work comes from
         ``_end_coalescing``)."""
+        t0 = time.perf_counter_ns()
         tensors = solo._flat(ins) + solo._flat(outs)
         cuda = any(t.is_cuda for t in tensors)
         if cuda != (self.backend == "nccl") and tensors:
@@ -488,10 +506,13 @@ class PrunedBackend(solo.GeneratedBackend):
         if self._nccl_batch is not None:
             self._nccl_batch.append((smalls, solo._flat(outs), checks))
             return None
-        works = [w for sc in smalls for w in C.issue(self.small, sc)]
-        w = PrunedWork(works, smalls, solo._flat(outs), checks)
+        self._leave_out(t0)
+        works = [w for sc in smalls for w in C.issue(self.small, sc)]  # the real backend's part
+        t0 = time.perf_counter_ns()
+        w = PrunedWork(works, smalls, solo._flat(outs), checks, self._leave_out)
         if self._batch is not None:
             self._batch.append(w)
+        self._leave_out(t0)
         return w
 
     # -- calls GeneratedBackend answers without a Call, or without the tag --

@@ -101,6 +101,7 @@ class GraphExpectation:
         self._order = order
         self._seq = seq[order]  # ascending within each key's span
         self._spans = {(int(kg[s]), int(kc[s]), int(kp[s])): (int(s), int(e)) for s, e in zip(first, ends)}
+        self._next: dict[tuple, int] = {}  # per key: where its next call should be
 
     def __len__(self) -> int:
         """The rank's communication calls in the graph (all that was read of it)."""
@@ -136,13 +137,17 @@ class GraphExpectation:
             raise self._deviation(f"{at} on group {group_name}: the program issued {issued}, the graph {why}")
         gid = grp[0]
         where = f"{at} on group {self._label(group_name)}"
-        span = self._spans.get((gid, code, peer if code else -1))
+        key = (gid, code, peer if code else -1)
+        span = self._spans.get(key)
         i = None
         if span is not None:
             s, e = span
-            j = s + int(np.searchsorted(self._seq[s:e], seq))
+            j = self._next.get(key, s)  # calls come in seq order: the one after the last found
+            if not (j < e and self._seq[j] == seq):
+                j = s + int(np.searchsorted(self._seq[s:e], seq))
             if j < e and self._seq[j] == seq:
                 i = int(self._order[j])
+                self._next[key] = j + 1
         if i is None:
             n = 0 if span is None else span[1] - span[0]
             calls = ("collectives" if not code else

@@ -416,6 +416,7 @@ def collect(rec: Recorder):
         groups=groups,
         iterations=rec.iteration_dicts(),
         peak_memory_bytes=peak,
+        excluded_ns=int(rec.excluded_ns),
     )
 
 

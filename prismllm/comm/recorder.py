@@ -167,6 +167,9 @@ class Recorder:
         self.durations_ok = True
         self.boundary_points: list[int] = []
         self.pid = os.getpid()
+        # host time the emulation's own layer spent on this rank's calls (prism emulate's
+        # pruned groups on CPU: planning, buffers, checks), left out of the host clock
+        self.excluded_ns = 0
 
     # ---- points -------------------------------------------------------------------------
     def _host_point(self, t: int) -> int:
@@ -177,8 +180,18 @@ class Recorder:
         self.p_ev.append(None)
         return pid
 
+    def host_now(self) -> int:
+        """The rank's host clock: wall time less what :meth:`exclude` took out."""
+        return _now() - self.excluded_ns
+
+    def exclude(self, ns: int) -> None:
+        """Leave ``ns`` of host time out of this rank's clock from now on: time the emulation
+        layer spent on a call that the program's real backend would not spend (CPU timing,
+        where the host clock is the device clock; docs/time.md, "Emulation overhead")."""
+        self.excluded_ns += ns
+
     def point(self) -> int:
-        t = _now()
+        t = self.host_now()
         if not self.cuda_live:
             if not self.cuda or not torch.cuda.is_initialized():
                 return self._host_point(t)
@@ -361,7 +374,7 @@ class Recorder:
             # device, where the previous one ended (the issue point's event).
             p = self.m_p0[rows[0]]
         else:
-            p = self._host_point(_now())
+            p = self._host_point(self.host_now())
         self._open_span(p)
         if work is None:
             if self.coal_depth:  # rows complete with the batch's Work
@@ -393,8 +406,10 @@ class Recorder:
                 return
             m_done = self.m_done
 
+            host_now = self.host_now
+
             def _done(_f, rows=rows):  # runs on gloo's worker thread: store a time only
-                t = _now()
+                t = host_now()
                 for j in rows:
                     if m_done[j] < 0:
                         m_done[j] = t

@@ -376,43 +376,44 @@ class Assistant:
         p0 = ev.nodes[0]
         row = int(g.row[p0])
         n, G, op = grp.pruned.n, grp.pruned, ev.op
-        shape, red = self._shape[row], self._red[row]
+        shape, red = tuple(self._shape[row] or ()), self._red[row]  # a tuple: plans are cached by it
         dtype = dtype_from_name(self._dtype[row]) if self._dtype[row] else torch.uint8
         gr = {r: i for i, r in enumerate(grp.ranks)}
         members = {gr[g.rank_of(p)]: p for p in ev.nodes}
         if op in P2P_OPS:
             me, peer = gr[g.rank_of(p0)], gr[int(g.peer[p0])]
             src, dst = (me, peer) if op == "send" else (peer, me)
-            p = C.plan_send(n, G, src, dst, shape, tag=int(self._tag[row]), dtype=dtype)
+            p = C.plan_once(C.plan_send, n, G, src, dst, shape, tag=int(self._tag[row]), dtype=dtype)
             ins = {0: self._input(grp, p0, "send", int(g.peer[p0]))} if op == "send" else {}
             return p, ins
         if op == "barrier":
-            return C.plan_barrier(n, G), {}
+            return C.plan_once(C.plan_barrier, n, G), {}
         ins = _Inputs(lambda v: self._input(grp, members[v], op), members)  # read when used
         if op == "all_reduce":
-            return C.plan_all_reduce(n, G, shape, red, dtype=dtype), ins
+            return C.plan_once(C.plan_all_reduce, n, G, shape, red, dtype=dtype), ins
         if op == "broadcast":
-            return C.plan_broadcast(n, G, shape, gr[int(g.peer[p0])], dtype=dtype), ins
+            return C.plan_once(C.plan_broadcast, n, G, shape, gr[int(g.peer[p0])], dtype=dtype), ins
         if op == "reduce":
-            return C.plan_reduce(n, G, shape, gr[int(g.peer[p0])], red, dtype=dtype), ins
+            return C.plan_once(C.plan_reduce, n, G, shape, gr[int(g.peer[p0])], red, dtype=dtype), ins
         if op == "all_gather":
-            return C.plan_all_gather(n, G, shape, dtype=dtype), ins
+            return C.plan_once(C.plan_all_gather, n, G, shape, dtype=dtype), ins
         if op == "reduce_scatter":  # a member's output is one chunk (the recorded shape is the
             # whole input of the tensor form, one chunk of the list form)
-            return C.plan_reduce_scatter(n, G, int(self._out_bytes[row]) // dtype.itemsize, red, dtype=dtype), ins
+            chunk = int(self._out_bytes[row]) // dtype.itemsize
+            return C.plan_once(C.plan_reduce_scatter, n, G, chunk, red, dtype=dtype), ins
         if op == "gather":  # the recorded shape is a member's input
-            return C.plan_gather(n, G, shape, gr[int(g.peer[p0])], dtype=dtype), ins
+            return C.plan_once(C.plan_gather, n, G, shape, gr[int(g.peer[p0])], dtype=dtype), ins
         if op == "scatter":  # the recorded shape is one chunk; the root's input is the list of n
             root = gr[int(g.peer[p0])]
 
             def root_list(v: int) -> Any:
                 x = self._input(grp, members[v], op)
                 return [x] * n if isinstance(x, torch.Tensor) else x  # generated: zeros of one chunk
-            return C.plan_scatter(n, G, shape, root, dtype=dtype), _Inputs(root_list, members)
+            return C.plan_once(C.plan_scatter, n, G, shape, root, dtype=dtype), _Inputs(root_list, members)
         if op == "all_to_all":
             numel = math.prod(int(x) for x in shape)
             if not any(self._in_splits[int(g.row[q])] or self._out_splits[int(g.row[q])] for q in ev.nodes):
-                return C.plan_all_to_all(n, G, None, numel=numel, dtype=dtype), ins
+                return C.plan_once(C.plan_all_to_all, n, G, None, numel=numel, dtype=dtype), ins
             # uneven: the virtual members' rows (what they send) and columns (what they
             # receive), from their recorded split sizes
             row_numel = math.prod(int(x) for x in shape[1:])
@@ -423,7 +424,7 @@ class Assistant:
                 out_rows = self._out_bytes[r] // max(1, dtype.itemsize * row_numel)
                 rows[v] = list(self._in_splits[r]) or [rs // n] * n
                 cols[v] = list(self._out_splits[r]) or [out_rows // n] * n
-            return C.plan_all_to_all(n, G, C.splits_matrix(n, rows, cols), row_numel=row_numel,
+            return C.plan_once(C.plan_all_to_all, n, G, C.splits_matrix(n, rows, cols), row_numel=row_numel,
                                      dtype=dtype), ins
         raise AssistantError(f"{g.describe(p0)}: {op} is not supported in emulation yet")
 

@@ -62,6 +62,7 @@ class TimeResult:
     world_size: int
     wall_s: float
     resumed: int  # slices found done from an earlier run
+    left_out_ns: dict[str, int] = dataclasses.field(default_factory=dict)  # per timed rank (CPU)
 
 
 def _manifest(graph: Path) -> dict[str, Any]:
@@ -236,10 +237,14 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
     if spool.exists():
         shutil.rmtree(spool)
     spool.mkdir()
+    left_out = {}  # per timed rank: the emulation layer's host time left out of its clock
     for k, s in enumerate(slices):
         for r in s:
             name = f"rank-{r:06d}.msgpack"
             shutil.copyfile(out / SLICES_DIR / f"slice-{k:05d}" / "ranklogs" / name, spool / name)
+        sl = json.loads((out / SLICES_DIR / f"slice-{k:05d}" / "emulate.json").read_text())
+        for r, m in sl.get("sandbox_results", {}).items():
+            left_out[r] = int(m.get("emulation_overhead_left_out_ns", 0))
     # the bare graph's manifest, its program fingerprint and command included (what
     # `prism emulate` checks a launch of the timed or calibrated graph against)
     tm = {k: v for k, v in manifest.items() if k not in ("peak_memory_bytes", "capture")}
@@ -253,7 +258,8 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
         slice_of = [slice_of[int(rep)] for rep in reps.replica_of.tolist()]
     tm.update(mode="timed", timing={"bare_graph": str(graph.resolve()), "slice_size": opts.slice_size,
                                    "slices": len(slices), "timed_ranks": len(ranks), "devices": opts.devices,
-                                   "inputs": opts.inputs, "slice_of_rank": slice_of})
+                                   "inputs": opts.inputs, "slice_of_rank": slice_of,
+                                   "emulation_overhead_left_out_ns": left_out})
     if reps is not None:
         trace = assemble_replicated(spool, tm, replica_of=reps.replica_of, map_of=reps.map_of, rename=reps.rename)
     else:
@@ -264,7 +270,7 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
     trace.save(gdir)
     shutil.rmtree(spool)
     return TimeResult(out=out, graph=gdir, slices=slices, timed_ranks=list(ranks), world_size=world,
-                      wall_s=time.monotonic() - t0, resumed=resumed)
+                      wall_s=time.monotonic() - t0, resumed=resumed, left_out_ns=left_out)
 
 
 __all__ = ["TimeOptions", "TimeResult", "plan_slices", "time_slices"]

@@ -39,6 +39,9 @@ class RankLog:
     groups: list[GroupInfo]
     iterations: list[dict[str, Any]]  # {"iteration", "start_ns", "end_ns", "label"}
     peak_memory_bytes: int = -1  # torch.cuda.max_memory_allocated at exit, -1 on CPU
+    # host time the emulation layer spent on the rank's calls, left out of its host clock
+    # (prism emulate on CPU; Recorder.exclude)
+    excluded_ns: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
