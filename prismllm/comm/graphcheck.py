@@ -128,16 +128,11 @@ class GraphExpectation:
         (global rank), compared when given (>= 0)."""
         grp = self._groups.get(group_name)
         code = _P2P_CODE.get(op, 0)
-        at = f"{op} #{seq}" + (f" {'to' if op == 'send' else 'from'} rank {peer}" if code else "")
-        issued = f"{op} of {_size(code, in_bytes, out_bytes)}"
-        if not code and peer >= 0:
-            issued += f" from root {peer}"
         if grp is None:
             why = f"does not have rank {self.rank} in it" if group_name in self._others else "has no such group"
-            raise self._deviation(f"{at} on group {group_name}: the program issued {issued}, the graph {why}")
-        gid = grp[0]
-        where = f"{at} on group {self._label(group_name)}"
-        key = (gid, code, peer if code else -1)
+            raise self._deviation(f"{self._at(op, seq, code, peer)} on group {group_name}: the program issued "
+                                  f"{self._issued(op, code, in_bytes, out_bytes, peer)}, the graph {why}")
+        key = (grp[0], code, peer if code else -1)
         span = self._spans.get(key)
         i = None
         if span is not None:
@@ -148,22 +143,37 @@ class GraphExpectation:
             if j < e and self._seq[j] == seq:
                 i = int(self._order[j])
                 self._next[key] = j + 1
+        if i is not None:
+            g_op, g_in, g_out, g_peer = self._op[i], int(self._in[i]), int(self._out[i]), int(self._peer[i])
+            root_differs = not code and peer >= 0 and g_op in _ROOTED and g_peer != peer
+            if g_op == op and g_in == in_bytes and g_out == out_bytes and not root_differs:
+                return  # the common case: no message is built
+        # a deviation: name it (built only here; a group's label can be long)
+        where = f"{self._at(op, seq, code, peer)} on group {self._label(group_name)}"
+        issued = self._issued(op, code, in_bytes, out_bytes, peer)
         if i is None:
             n = 0 if span is None else span[1] - span[0]
             calls = ("collectives" if not code else
                      f"sends to rank {peer}" if op == "send" else f"recvs from rank {peer}")
             raise self._deviation(f"{where}: the program issued {issued}, the graph has no more {calls} on "
                                   f"this group (it has {n})")
-        g_op, g_in, g_out, g_peer = self._op[i], int(self._in[i]), int(self._out[i]), int(self._peer[i])
-        root_differs = not code and peer >= 0 and g_op in _ROOTED and g_peer != peer
-        if g_op == op and g_in == in_bytes and g_out == out_bytes and not root_differs:
-            return
         shape = self._shape[i].as_py()
         context = f"{self._dtype[i].as_py() or 'no tensor'} {list(shape)}, iteration {int(self._iteration[i])}"
         graph_call = f"{g_op} of {_size(_P2P_CODE.get(g_op, 0), g_in, g_out)}"
         if g_op in _ROOTED:
             graph_call += f" from root {g_peer}"
         raise self._deviation(f"{where}: the program issued {issued}, the graph has {graph_call} ({context})")
+
+    @staticmethod
+    def _at(op: str, seq: int, code: int, peer: int) -> str:
+        return f"{op} #{seq}" + (f" {'to' if op == 'send' else 'from'} rank {peer}" if code else "")
+
+    @staticmethod
+    def _issued(op: str, code: int, in_bytes: int, out_bytes: int, peer: int) -> str:
+        issued = f"{op} of {_size(code, in_bytes, out_bytes)}"
+        if not code and peer >= 0:
+            issued += f" from root {peer}"
+        return issued
 
     def _label(self, name: str) -> str:
         """"3 [0, 1]", "0 (default_pg) [0, 1, 2, 3]"; large groups compactly."""

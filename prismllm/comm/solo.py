@@ -307,6 +307,7 @@ class GeneratedBackend:
         self.devmap = dict(devmap)
         self.group_name = group_name
         self.owner = None  # the RecordingProcessGroup (set by _attach)
+        self._call_ctx: tuple[tuple[int, ...], str] | None = None  # (members, desc), by the first _call
         self._streams: dict[int, Any] = {}
         self._shelf: list[torch.Tensor] | None = None  # open coalescing scope's tensors
         self._shelf_async = True
@@ -332,13 +333,16 @@ class GeneratedBackend:
         pg = self.owner
         rec = pg._rec
         j = len(rec.m_op) - op_rows + k
-        try:
-            desc = pg.group_desc
-        except Exception:
-            desc = ""
+        ctx = self._call_ctx
+        if ctx is None:  # the group's members and description, once (torch sets both at creation)
+            try:
+                desc = pg.group_desc
+            except Exception:
+                desc = ""
+            ctx = self._call_ctx = (tuple(self.global_ranks), desc or "")
         return Call(
-            rank=rec.rank, op=rec.m_op[j], api=rec.m_api[j], group_ranks=tuple(self.global_ranks),
-            group_desc=desc or "", group_name=self.group_name, group_rank=self._rank,
+            rank=rec.rank, op=rec.m_op[j], api=rec.m_api[j], group_ranks=ctx[0],
+            group_desc=ctx[1], group_name=self.group_name, group_rank=self._rank,
             index=rec.m_seq[j], label=rec.m_label[j], reduce_op=redop_name(rec.m_red[j]),
             **kw,
         )  # fmt: skip
