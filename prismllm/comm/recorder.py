@@ -406,10 +406,12 @@ class Recorder:
                 return
             m_done = self.m_done
 
-            host_now = self.host_now
+            # the transfer runs in wall time: host time left out (Recorder.exclude) while it is
+            # in flight -- the rank planning its next calls -- does not make it shorter
+            left_out = self.excluded_ns
 
             def _done(_f, rows=rows):  # runs on gloo's worker thread: store a time only
-                t = host_now()
+                t = _now() - left_out
                 for j in rows:
                     if m_done[j] < 0:
                         m_done[j] = t
