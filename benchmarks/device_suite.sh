@@ -18,7 +18,8 @@
 #   cpu-fid N [CASES]  CPU fidelity rows at N ranks on the host's cores (fair while N <= cores;
 #              ~3.5 min a case at N = 8 on 16 cores, so three cases a call: e.g. tp,pp,vpp then
 #              dpopt,moe,mixed): merged into $OUT/fidelity_cpu_<cores>c.json (carry the last one
-#              back into benchmarks/results/ between calls)
+#              back into benchmarks/results/ between calls); FID_ARGS=--compute-under-load adds
+#              the load pass to `prism time` (docs/time.md)
 #
 # Every program started here keeps NVLink multicast off (the device tool's rule), and every
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
@@ -88,8 +89,9 @@ cpu-fid)
     N=${2:?usage: device_suite.sh cpu-fid N}
     cores=$(nproc)
     [ -f "benchmarks/results/fidelity_cpu_${cores}c.json" ] && cp "benchmarks/results/fidelity_cpu_${cores}c.json" "$OUT/"
+    # FID_ARGS: more fidelity.py options, e.g. FID_ARGS=--compute-under-load
     timeout 570 python3 benchmarks/fidelity.py --devices cpu --worlds "$N" --cases "${3:-tp,pp,vpp}" --noise \
-        --merge --timeout 300 \
+        --merge --timeout 300 ${FID_ARGS:-} \
         --json "$OUT/fidelity_cpu_${cores}c.json" 2>&1 | tee "$OUT/cpu-fid-$N.log" | grep -v "^\[" ;;
 *)
     echo "unknown part $PART"; exit 2 ;;

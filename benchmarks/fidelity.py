@@ -443,7 +443,8 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
             graph_b = bare
         # 3. slice timing, 4. calibration
         tcmd = [*PRISM, "time", "--graph", str(graph_b), "--out", str(timed), "--devices", dev, "--inputs", inputs,
-                "--parallel", str(opts.time_parallel)] + (["--every-rank"] if opts.time_every_rank else [])
+                "--parallel", str(opts.time_parallel)] + (["--every-rank"] if opts.time_every_rank else []) + (
+                    ["--compute-under-load"] if opts.compute_under_load else [])
         if inputs == "recorded":
             tcmd += ["--tensors", str(tensors)]
         R.cmd("time", [*tcmd, *prog])
@@ -674,6 +675,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="micro-batches per DP rank and iteration (default max(4, 2 x pipeline stages))")
     ap.add_argument("--time-parallel", type=int, default=1, help="`prism time --parallel` (slices at a time)")
     ap.add_argument("--time-every-rank", action="store_true", help="`prism time --every-rank` (DP replicas timed too)")
+    ap.add_argument("--compute-under-load", action="store_true", help="`prism time --compute-under-load` (CPU)")
     ap.add_argument("--noise", action="store_true",
                     help="record the real run once more at the end of each case: its difference from the first "
                          "is the noise floor of the errors")

@@ -15,6 +15,7 @@ import pytest
 
 from prismllm.trace.compare import compare_traces
 from prismllm.trace.graph import PrismTrace
+from prismllm.trace.ranklog import read_ranklog
 
 ROOT = Path(__file__).resolve().parents[1]
 PRISM = str(Path(sys.executable).with_name("prism"))
@@ -79,3 +80,34 @@ def test_left_out_host_time_is_not_on_the_rank_clock():
     b = rec.point()
     assert rec.p_ns[b] - rec.p_ns[a] < -2_900_000_000  # 3 s taken off, a few us passed
     assert rec.excluded_ns == 3_000_000_000
+
+
+def test_compute_under_load_takes_compute_from_every_rank_at_once(bare, tmp_path):
+    """--compute-under-load (CPU): a second pass runs every rank at once, each in its own slice;
+    the timed graph keeps the first pass's communication and takes that pass's compute spans."""
+    import numpy as np
+
+    out = tmp_path / "timed"
+    p = prism("time", "--graph", str(bare), "--out", str(out), "--inputs", "generated", "--compute-under-load",
+              "--", GPT3D, *ARGS)
+    assert p.returncode == 0, p.stderr[-3000:]
+    load_state = json.loads((out / "load" / "time.json").read_text())
+    assert load_state["slices"] == [[0], [1], [2], [3]]  # every rank, replicas too
+    timed, load = PrismTrace.load(out / "graph"), PrismTrace.load(out / "load" / "graph")
+    assert timed.manifest["timing"]["compute_from"].startswith("load pass")
+
+    def rank0(t):
+        o = np.lexsort((t.column("index"), t.column("rank")))
+        o = o[t.column("rank")[o] == 0]
+        return t.column("kind")[o], t.column("duration_ns")[o]
+    kind, dur = rank0(timed)
+    _, load_dur = rank0(load)
+    compute = kind == "compute"
+    assert np.array_equal(dur[compute], load_dur[compute])
+    # communication is the first pass's: rank 0's own slice, as its rank log recorded it
+    log = read_ranklog(out / "slices" / "slice-00000" / "ranklogs" / "rank-000000.msgpack")
+    first = np.array([n["duration_ns"] for n in sorted(log.nodes, key=lambda n: n["index"])])
+    assert np.array_equal(dur[~compute], first[~compute]) and not np.array_equal(first[compute], dur[compute])
+    p = prism("time", "--graph", str(bare), "--out", str(tmp_path / "g"), "--devices", "cuda", "--compute-under-load",
+              "--", GPT3D, *ARGS)
+    assert p.returncode == 2 and "--compute-under-load is for CPU timing" in p.stderr, p.stderr

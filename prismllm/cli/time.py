@@ -35,6 +35,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--inputs", choices=["recorded", "generated"], default="recorded",
                    help="the virtual ranks' inputs: recorded, or generated (zeros; not for MoE routing)")
     p.add_argument("--every-rank", action="store_true", help="time DP replicas too, not only their representative")
+    p.add_argument("--compute-under-load", action="store_true",
+                   help="CPU: take the compute spans from a second pass in which every rank runs at once (each in "
+                        "its own slice), so each computes under the load the real run's ranks put on the host's "
+                        "shared cores; communication stays the first pass's (docs/time.md)")
     p.add_argument("--timeout", type=float, default=None, metavar="S", help="limit per slice, in seconds")
     p.add_argument("--force", action="store_true", help="start over in DIR")
     add_program_args(p)
@@ -49,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
         graph=args.graph, out=args.out, script=args.script, args=program_args(args), devices=args.devices,
         slice_size=args.slice_size, parallel=args.parallel, tensors=args.tensors, inputs=args.inputs,
         every_rank=args.every_rank, timeout=args.timeout, force=args.force,
+        compute_under_load=args.compute_under_load,
     )
     with Progress(TextColumn("[bold]prism time[/]"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.description}"), TimeElapsedColumn(), transient=True) as bar:

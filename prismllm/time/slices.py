@@ -29,11 +29,16 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+import pyarrow as pa
+
 from prismllm.emulate.fingerprint import check_program
 from prismllm.errors import PrismError
+from prismllm.trace.graph import PrismTrace
 
 SLICES_DIR = "slices"
 GRAPH_DIR = "graph"
+LOAD_DIR = "load"  # the compute-under-load pass (its own slices and graph)
 STATE_FILE = "time.json"
 
 
@@ -51,6 +56,8 @@ class TimeOptions:
     every_rank: bool = False  # time DP replicas too instead of their representative
     timeout: float | None = None  # per slice
     force: bool = False
+    # CPU: compute spans from a second pass with every rank at once (docs/time.md, "Compute under load")
+    compute_under_load: bool = False
 
 
 @dataclasses.dataclass
@@ -149,6 +156,26 @@ def _gpu_sets(opts: TimeOptions, n: int) -> list[str | None]:
     return [",".join(ids[k * per:(k + 1) * per]) for k in range(n)]
 
 
+def _with_compute_of(trace: PrismTrace, other: PrismTrace) -> PrismTrace:
+    """``trace`` with the compute spans' ``duration_ns`` of ``other``, a timed graph of the same
+    structure (same ranks, nodes and ops in the same order); communication stays ``trace``'s."""
+    def order(t: PrismTrace) -> np.ndarray:
+        return np.lexsort((t.column("index"), t.column("rank")))
+
+    a, b = order(trace), order(other)
+    same = (len(a) == len(b) and np.array_equal(trace.column("rank")[a], other.column("rank")[b])
+            and np.array_equal(trace.column("op")[a], other.column("op")[b]))
+    if not same:
+        raise PrismError("the load pass's timed graph does not have the slices' structure (a program that "
+                         "takes another path when all ranks run at once?): time without --compute-under-load")
+    dur = np.asarray(trace.column("duration_ns"), dtype=np.int64).copy()
+    compute = trace.column("kind")[a] == "compute"
+    dur[a[compute]] = np.asarray(other.column("duration_ns"), dtype=np.int64)[b[compute]]
+    i = trace.nodes.schema.get_field_index("duration_ns")
+    nodes = trace.nodes.set_column(i, trace.nodes.schema.field(i), pa.array(dur, type=pa.int64()))
+    return dataclasses.replace(trace, nodes=nodes)
+
+
 def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], float], None] | None = None
                 ) -> TimeResult:
     """Run every slice not done yet, then assemble the timed graph. ``progress(done, total,
@@ -168,6 +195,9 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     check_program(manifest, opts.script, opts.args, world)  # the graph's program, or refuse
+    if opts.compute_under_load and opts.devices != "cpu":
+        raise PrismError("--compute-under-load is for CPU timing (ranks sharing one host's cores); on GPUs each "
+                         "rank has its own device and one slice at a time measures what it gets")
     reps = _replicas(manifest, opts.every_rank)
     ranks = reps.representatives if reps is not None else list(range(world))
     if opts.slice_size >= world:
@@ -233,6 +263,10 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
                     p.kill()
                     p.wait()
 
+    load = None
+    if opts.compute_under_load:  # every rank real at once, each in its own slice: the host's load
+        load = time_slices(dataclasses.replace(opts, out=out / LOAD_DIR, every_rank=True, parallel=world,
+                                               compute_under_load=False, force=False), progress)
     spool = out / "spool"
     if spool.exists():
         shutil.rmtree(spool)
@@ -259,11 +293,15 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
     tm.update(mode="timed", timing={"bare_graph": str(graph.resolve()), "slice_size": opts.slice_size,
                                    "slices": len(slices), "timed_ranks": len(ranks), "devices": opts.devices,
                                    "inputs": opts.inputs, "slice_of_rank": slice_of,
-                                   "emulation_overhead_left_out_ns": left_out})
+                                   "emulation_overhead_left_out_ns": left_out,
+                                   "compute_from": "load pass: every rank at once (DIR/load)" if load else
+                                   "the slices"})
     if reps is not None:
         trace = assemble_replicated(spool, tm, replica_of=reps.replica_of, map_of=reps.map_of, rename=reps.rename)
     else:
         trace = assemble_spool(spool, tm)
+    if load is not None:
+        trace = _with_compute_of(trace, PrismTrace.load(load.graph))
     gdir = out / GRAPH_DIR
     if gdir.exists():
         shutil.rmtree(gdir)
