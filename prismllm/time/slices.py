@@ -265,7 +265,10 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
 
     load = None
     if opts.compute_under_load:  # every rank real at once, each in its own slice: the host's load
-        load = time_slices(dataclasses.replace(opts, out=out / LOAD_DIR, every_rank=True, parallel=world,
+        # (at most one slice a core: a real run of more ranks than cores is oversubscribed anyway,
+        # and 2N processes of a large N would not fit in memory)
+        at_once = max(1, min(world, os.cpu_count() or 1))
+        load = time_slices(dataclasses.replace(opts, out=out / LOAD_DIR, every_rank=True, parallel=at_once,
                                                compute_under_load=False, force=False), progress)
     spool = out / "spool"
     if spool.exists():
