@@ -88,6 +88,8 @@ def _print_figures(res) -> None:
                 + (f"; peak memory {mem:,} B" if mem >= 0 else ""))
         if pred and med:
             line += f"; calibrated prediction {_ms(pred)} ({(med - pred) / pred * 100:+.2f} %)"
+        if m.get("emulation_overhead_left_out_ns"):  # CPU: the pruned calls' own host time
+            line += f"; left out of its clock: {_ms(m['emulation_overhead_left_out_ns'])} of emulation overhead"
         print(line, file=sys.stderr)
     c = res.communicators
     if c:
