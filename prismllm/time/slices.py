@@ -32,6 +32,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
+from prismllm.capture.launcher import gpu_ids
+from prismllm.capture.record import parse_gpu_list
 from prismllm.emulate.fingerprint import check_program
 from prismllm.errors import PrismError
 from prismllm.trace.graph import PrismTrace
@@ -122,7 +124,7 @@ def _slice_devices(opts: TimeOptions, n_ranks: int) -> str:
     then the assistant's) loses the GPUs of the ranks a short last slice lacks."""
     if not opts.devices.startswith("cuda:"):
         return opts.devices
-    gpus = opts.devices[5:].split(",")
+    gpus = [str(g) for g in parse_gpu_list(opts.devices)]
     if len(gpus) != opts.slice_size + 1:
         raise PrismError(f"--devices {opts.devices}: a slice is {opts.slice_size} sandbox GPU(s) and one "
                          f"assistant GPU, {len(gpus)} listed")
@@ -151,9 +153,7 @@ def _gpu_sets(opts: TimeOptions, n: int) -> list[str | None]:
     if have < per * n:
         raise PrismError(f"{n} slice(s) at a time of {opts.slice_size} sandbox GPU(s) and one assistant GPU "
                          f"need {per * n} GPUs, {have} visible (lower --parallel or --slice-size)")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [v.strip() for v in visible.split(",") if v.strip()] if visible else [str(i) for i in range(have)]
-    return [",".join(ids[k * per:(k + 1) * per]) for k in range(n)]
+    return [",".join(gpu_ids(list(range(k * per, (k + 1) * per)), os.environ)) for k in range(n)]
 
 
 def _with_compute_of(trace: PrismTrace, other: PrismTrace) -> PrismTrace:
