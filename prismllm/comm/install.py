@@ -54,6 +54,16 @@ _ORIG: dict[str, Any] = {}
 _PENDING: list[dict[str, Any]] = []  # creation context of the helper call in flight
 _REC: Recorder | None = None
 _MODE = ""
+_NATIVE: Any = None  # prismllm.comm.native's module when it records (record mode)
+_NATIVE_GROUPS: set[str] = set()  # names of the groups it records
+
+
+def native_wanted(mode: str) -> bool:
+    """Whether this process records through the native backend: record mode, unless
+    PRISM_NATIVE=0 or tensors are saved (the Python path's hooks do that)."""
+    if mode != "record" or os.environ.get("PRISM_NATIVE", "0") == "0":
+        return False
+    return not os.environ.get("PRISM_SAVE_TENSORS")
 
 
 def installed() -> bool:
@@ -87,6 +97,16 @@ def install(mode: str | None = None) -> Recorder | None:
         from prismllm.comm import saving
 
         saving.setup(rank)
+        if native_wanted(mode):
+            global _NATIVE
+            from prismllm.comm import native
+
+            _NATIVE = native.load()
+            _REC.native = _NATIVE
+            for name in ("send", "recv"):
+                _ORIG[name] = getattr(c10d, name)
+                setattr(c10d, name, _sync_p2p(_ORIG[name]))
+                setattr(dist, name, getattr(c10d, name))
 
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(
@@ -152,12 +172,12 @@ def _helper(*args, **kwargs):
         pg, store = orig(*bound.args, **bound.kwargs)
     finally:
         _PENDING.pop()
-    if isinstance(pg, RecordingProcessGroup):
+    if _recorded(pg):
         # What the program's backend string would have registered.
         c10d._world.pg_map[pg] = (dist.Backend(backend), store)
         c10d._world.pg_backend_config[pg] = str(c10d.BackendConfig(dist.Backend(backend)))
         if not a.get("global_ranks_in_group"):
-            rec = pg._rec
+            rec = _REC
             rec.rank, rec.world_size = pg.rank(), pg.size()
             rec.start()
     return pg, store
@@ -194,6 +214,44 @@ def _make_backend(name, store, rank, size, timeout, group_name, granks, options,
     be = nccl(store, rank, size, options)
     be._set_sequence_number_for_group()
     return be
+
+
+def _recorded(pg: Any) -> bool:
+    """A group this process records (Python RecordingProcessGroup, or a native one)."""
+    return isinstance(pg, RecordingProcessGroup) or (
+        bool(_NATIVE_GROUPS) and getattr(pg, "group_name", None) in _NATIVE_GROUPS
+    )
+
+
+def _sync_p2p(fn):
+    """``dist.send``/``dist.recv`` (isend/irecv and a wait at once): tell the native backend
+    that its next P2P call is waited on at once (the Python path reads the call stack)."""
+
+    def wrapper(*args, **kwargs):
+        _NATIVE.sync_p2p(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _NATIVE.sync_p2p(False)
+
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def _native_pg(prefix_store, rank, size, created, default_type, group_name, granks, rec):
+    """A plain C++ ProcessGroup whose backends are the native recording wrappers of the real
+    ones: torch dispatches every call to C++ with no Python on the way."""
+    pg = _C.ProcessGroup(prefix_store, rank, size)
+    pg._set_default_backend(default_type)
+    wrapped: dict[int, Any] = {}
+    for dev, name, be in created:
+        nb = wrapped.get(id(be))
+        if nb is None:
+            nb = wrapped[id(be)] = _NATIVE.RecordingBackend(be, list(granks))
+        pg._register_backend(torch.device(dev), _BTYPE[name], nb)
+    pg._set_group_name(group_name)
+    _NATIVE_GROUPS.add(group_name)
+    return pg
 
 
 def _debug_wrap(be, group_name, store, rank, size, timeout):
@@ -255,8 +313,17 @@ def _create_pg(dist_opts, backend_options):
     else:
         default_type = _BTYPE["nccl"] if "nccl" in names else _BTYPE["gloo"]
 
-    inner = _C.ProcessGroup(prefix_store, rank, size)
     global_ranks = granks if granks else list(range(size))
+    if "nccl" in names and torch.cuda.is_available():
+        rec.cuda = True
+    if _NATIVE is not None:
+        _NATIVE.set_cuda(rec.cuda)
+        pg = _native_pg(prefix_store, rank, size, created, default_type, group_name,
+                        global_ranks, rec)  # fmt: skip
+        _bind_device(pg, pg, ctx["device_id"], created)
+        rec.add_group(pg)
+        return pg
+    inner = _C.ProcessGroup(prefix_store, rank, size)
     pg = RecordingProcessGroup(
         prefix_store, rank, size, inner, group_name, global_ranks, backend, rec
     )
@@ -265,18 +332,22 @@ def _create_pg(dist_opts, backend_options):
         for dev, name, be in created:
             g._register_backend(torch.device(dev), _BTYPE[name], be)
     inner._set_group_name(group_name)
-    if "nccl" in names and torch.cuda.is_available():
-        rec.cuda = True
-    device_id = ctx["device_id"]
-    if device_id is not None:
-        pg.bound_device_id = device_id
-        inner.bound_device_id = device_id
-        be = pg._get_backend(device_id)
-        if be.supports_splitting:
-            be.eager_connect_single_device(device_id)
+    _bind_device(pg, inner, ctx["device_id"], created)
     _maybe_saving(pg)
     rec.add_group(pg)
     return pg
+
+
+def _bind_device(pg: Any, inner: Any, device_id: Any, created: list) -> None:
+    """``init_process_group(device_id=...)``: bind the group and connect NCCL eagerly."""
+    if device_id is None:
+        return
+    pg.bound_device_id = device_id
+    inner.bound_device_id = device_id
+    for dev, _name, be in created:
+        if torch.device(dev).type == device_id.type and be.supports_splitting:
+            be.eager_connect_single_device(device_id)
+            break
 
 
 def _maybe_saving(pg: RecordingProcessGroup) -> None:
@@ -334,7 +405,14 @@ def _batch_isend_irecv(p2p_op_list):
     if group is None:
         group = c10d._get_default_group()
     if not isinstance(group, RecordingProcessGroup):
-        return _ORIG["batch_isend_irecv"](p2p_op_list)
+        if not _recorded(group):
+            return _ORIG["batch_isend_irecv"](p2p_op_list)
+        # native: torch coalesces on a plain ProcessGroup itself; one scope for the batch
+        _NATIVE.coalesce_begin(-1)
+        try:
+            return _ORIG["batch_isend_irecv"](p2p_op_list)
+        finally:
+            _NATIVE.coalesce_end(-1)
     device = p2p_op_list[0].tensor.device
     rec = group._rec
     rec.begin_coalesce()
@@ -367,8 +445,16 @@ def _coalescing_manager(group=None, device=None, async_ops: bool = False):
     orig = _ORIG["_coalescing_manager"]
     g = group or c10d._get_default_group()
     if not isinstance(g, RecordingProcessGroup):
-        with orig(group, device, async_ops) as cm:
-            yield cm
+        if not _recorded(g):
+            with orig(group, device, async_ops) as cm:
+                yield cm
+            return
+        _NATIVE.coalesce_begin(1 if async_ops else 0)
+        try:
+            with orig(group, device, async_ops) as cm:
+                yield cm
+        finally:
+            _NATIVE.coalesce_end(1)
         return
     rec = g._rec
     rec.begin_coalesce()
@@ -398,7 +484,7 @@ def collect(rec: Recorder):
             desc = pg.group_desc
         except Exception:
             desc = ""
-        groups.append(GroupInfo(name=name, desc=desc or "", ranks=list(pg._global_ranks)))
+        groups.append(GroupInfo(name=name, desc=desc or "", ranks=_global_ranks(pg)))
     device = "cpu"
     peak = -1
     if rec.cuda and torch.cuda.is_initialized():
@@ -418,6 +504,13 @@ def collect(rec: Recorder):
         peak_memory_bytes=peak,
         excluded_ns=int(rec.excluded_ns),
     )
+
+
+def _global_ranks(pg: Any) -> list[int]:
+    ranks = getattr(pg, "_global_ranks", None)
+    if ranks is None:  # a native group: its wrapper knows them
+        ranks = pg._get_backend(pg._device_types[0]).global_ranks
+    return list(ranks)
 
 
 def current() -> Recorder | None:

@@ -116,7 +116,11 @@ class Recorder:
         self.cuda_live = False  # ... and CUDA is initialised: points record events
         self.started = False
         self.finished = False
-        self.groups: list[Any] = []  # RecordingProcessGroup objects, in creation order
+        self.groups: list[Any] = []  # the recorded groups, in creation order
+        # the native recording backend's module (prismllm.comm.native) when it records this
+        # rank: the live methods below then only log, and ``finish`` replays the log
+        self.native: Any = None
+        self.replayed: Recorder | None = None
         # points: host time, resolved time on the host clock, device (-1: host point), event
         self.p_host = array("q")
         self.p_ns = array("q")
@@ -189,6 +193,10 @@ class Recorder:
         layer spent on a call that the program's real backend would not spend (CPU timing,
         where the host clock is the device clock; docs/time.md, "Emulation overhead")."""
         self.excluded_ns += ns
+
+    def _ret_point(self) -> int:
+        """The host point where a backend call returned."""
+        return self._host_point(self.host_now())
 
     def point(self) -> int:
         t = self.host_now()
@@ -306,6 +314,10 @@ class Recorder:
         """Iteration 0 starts now (the default group's creation returned)."""
         if self.started:
             return
+        if self.native is not None:
+            self.started = True
+            self.native.start()
+            return
         self.started = True
         p = self.point()
         self.span_start = p
@@ -327,8 +339,7 @@ class Recorder:
             p = self.point()
             self._close_span(p)
             self.comm_points += 1
-            if self.in_bwd is not None and not self.bwd_cb_queued and self.in_bwd() != -1:
-                self._queue_bwd_callback()
+            self._check_backward()
         else:
             p = self.m_p0[same]
         label = self.label_pending
@@ -374,7 +385,7 @@ class Recorder:
             # device, where the previous one ended (the issue point's event).
             p = self.m_p0[rows[0]]
         else:
-            p = self._host_point(self.host_now())
+            p = self._ret_point()
         self._open_span(p)
         if work is None:
             if self.coal_depth:  # rows complete with the batch's Work
@@ -400,26 +411,30 @@ class Recorder:
                     self.m_dur[j] = DUR_PENDING
                     self.dur_works.append((j, inner))
         elif not sync and self.host_callbacks:
-            try:
-                fut = inner.get_future()
-            except Exception:
-                return
-            m_done = self.m_done
+            self._watch_completion(inner, rows)
 
-            # the transfer runs in wall time: host time left out (Recorder.exclude) while it is
-            # in flight -- the rank planning its next calls -- does not make it shorter
-            left_out = self.excluded_ns
+    def _watch_completion(self, inner: Any, rows: tuple) -> None:
+        """Stamp the rows' end when the real Work's Future completes (host clock)."""
+        try:
+            fut = inner.get_future()
+        except Exception:
+            return
+        m_done = self.m_done
 
-            def _done(_f, rows=rows):  # runs on gloo's worker thread: store a time only
-                t = _now() - left_out
-                for j in rows:
-                    if m_done[j] < 0:
-                        m_done[j] = t
+        # the transfer runs in wall time: host time left out (Recorder.exclude) while it is
+        # in flight -- the rank planning its next calls -- does not make it shorter
+        left_out = self.excluded_ns
 
-            try:
-                fut.add_done_callback(_done)
-            except Exception:
-                pass
+        def _done(_f, rows=rows):  # runs on gloo's worker thread: store a time only
+            t = _now() - left_out
+            for j in rows:
+                if m_done[j] < 0:
+                    m_done[j] = t
+
+        try:
+            fut.add_done_callback(_done)
+        except Exception:
+            pass
 
     def bind_batch(self, work: Any, rows: list[int]) -> None:
         """``work`` (from _end_coalescing) completes the rows of its coalescing scope."""
@@ -559,6 +574,11 @@ class Recorder:
                 self.m_p1[j] = p
                 m_state[j] = ST_SETTLED
 
+    def _check_backward(self) -> None:
+        """At a call's issue: the first call of a backward pass queues the settling callback."""
+        if self.in_bwd is not None and not self.bwd_cb_queued and self.in_bwd() != -1:
+            self._queue_bwd_callback()
+
     def _queue_bwd_callback(self) -> None:
         try:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -595,11 +615,21 @@ class Recorder:
 
     # ---- user API -----------------------------------------------------------------------
     def mark(self, label: str) -> None:
+        if self.native is not None:
+            self.native.mark(str(label))
+            return
         self.label_pending = str(label)
 
     def boundary(self, explicit: bool) -> None:
         """End of an iteration: an optimizer step finished, or the program called step()."""
         if not self.started or self.finished:
+            return
+        if self.native is not None:
+            if explicit:
+                self.explicit_steps = True
+            elif self.explicit_steps:
+                return
+            self.native.boundary(explicit)
             return
         if explicit:
             self.explicit_steps = True
@@ -647,6 +677,12 @@ class Recorder:
         self.finished = True
         if not self.started:
             return
+        if self.native is not None:
+            from prismllm.comm.native.replay import replay
+
+            self.native.finish()
+            self.replayed = replay(self, self.native.export())
+            return
         if self.pending_sync is not None:
             self._demote_sync()
         self._close_span(self.point())
@@ -669,6 +705,8 @@ class Recorder:
 
     def node_dicts(self) -> list[dict[str, Any]]:
         """Every node as a RankLog row (after ``finish``)."""
+        if self.replayed is not None:
+            return self.replayed.node_dicts()
         rank = self.rank
         p_host, p_ns = self.p_host, self.p_ns
         out = []
@@ -739,6 +777,8 @@ class Recorder:
         return start, end, (end - start if end >= 0 and start >= 0 else -1)
 
     def iteration_dicts(self) -> list[dict[str, Any]]:
+        if self.replayed is not None:
+            return self.replayed.iteration_dicts()
         ns = self.p_ns
         return [
             {"iteration": i, "start_ns": ns[s], "end_ns": ns[e], "label": lab}
