@@ -238,7 +238,7 @@ def _sync_p2p(fn):
     return wrapper
 
 
-def _native_pg(prefix_store, rank, size, created, default_type, group_name, granks, rec):
+def _native_pg(prefix_store, rank, size, created, default_type, group_name, granks):
     """A plain C++ ProcessGroup whose backends are the native recording wrappers of the real
     ones: torch dispatches every call to C++ with no Python on the way."""
     pg = _C.ProcessGroup(prefix_store, rank, size)
@@ -318,8 +318,7 @@ def _create_pg(dist_opts, backend_options):
         rec.cuda = True
     if _NATIVE is not None:
         _NATIVE.set_cuda(rec.cuda)
-        pg = _native_pg(prefix_store, rank, size, created, default_type, group_name,
-                        global_ranks, rec)  # fmt: skip
+        pg = _native_pg(prefix_store, rank, size, created, default_type, group_name, global_ranks)
         _bind_device(pg, pg, ctx["device_id"], created)
         rec.add_group(pg)
         return pg
@@ -412,7 +411,7 @@ def _batch_isend_irecv(p2p_op_list):
         try:
             return _ORIG["batch_isend_irecv"](p2p_op_list)
         finally:
-            _NATIVE.coalesce_end(-1)
+            _NATIVE.coalesce_end()
     device = p2p_op_list[0].tensor.device
     rec = group._rec
     rec.begin_coalesce()
@@ -454,7 +453,7 @@ def _coalescing_manager(group=None, device=None, async_ops: bool = False):
             with orig(group, device, async_ops) as cm:
                 yield cm
         finally:
-            _NATIVE.coalesce_end(1)
+            _NATIVE.coalesce_end()
         return
     rec = g._rec
     rec.begin_coalesce()

@@ -624,16 +624,12 @@ class Recorder:
         """End of an iteration: an optimizer step finished, or the program called step()."""
         if not self.started or self.finished:
             return
-        if self.native is not None:
-            if explicit:
-                self.explicit_steps = True
-            elif self.explicit_steps:
-                return
-            self.native.boundary(explicit)
-            return
         if explicit:
             self.explicit_steps = True
         elif self.explicit_steps:
+            return
+        if self.native is not None:
+            self.native.boundary(explicit)
             return
         if self.pending_sync is not None:
             self._demote_sync()

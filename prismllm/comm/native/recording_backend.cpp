@@ -46,7 +46,7 @@ enum EntryType : int8_t {
                    //   call of a backward pass; p0 issue, p1 return, p2 completion (no Work)
   E_WAIT = 2,      // c: work id, p0 before, p1 after, b: source rank of an any-source recv
   E_COAL_BEGIN = 3,  // flag: -1 keep, 0/1 set the scope's async_ops
-  E_COAL_END = 4,    // flag: -1 keep, 0/1 restore async_ops
+  E_COAL_END = 4,    // ends the innermost E_COAL_BEGIN (restores its async_ops if it set them)
   E_BATCH = 5,     // end of a backend coalescing scope: c: work id (-1 none), p2 completion
   E_BWD_END = 6,   // p0
   E_BOUNDARY = 7,  // flag: explicit; p0
@@ -542,7 +542,7 @@ class RecordingBackend : public Backend {
     std::vector<RowSpec> specs;
     for (auto& t : ts) specs.push_back({ALL_REDUCE, A_ALLREDUCE_COAL, red_code(o.reduceOp), &t, -1, 0,
                                         (int64_t)t.nbytes(), (int64_t)t.nbytes()});
-    return call(specs, is_sync(o), [&] { return inner_->allreduce_coalesced(ts, o); }, true);
+    return call(specs, is_sync(o), [&] { return inner_->allreduce_coalesced(ts, o); });
   }
   intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outs,
                                 std::vector<at::Tensor>& ins, const c10d::AllgatherOptions& o) override {
@@ -562,7 +562,7 @@ class RecordingBackend : public Backend {
     std::vector<RowSpec> specs;
     for (size_t i = 0; i < ins.size() && i < outs.size(); ++i)
       specs.push_back({ALL_GATHER, A_AG_COAL, -1, &ins[i], -1, 0, (int64_t)ins[i].nbytes(), nbytes(outs[i])});
-    return call(specs, is_sync(o), [&] { return inner_->allgather_coalesced(outs, ins, o); }, true);
+    return call(specs, is_sync(o), [&] { return inner_->allgather_coalesced(outs, ins, o); });
   }
   intrusive_ptr<Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outs,
                                                       std::vector<at::Tensor>& ins,
@@ -572,7 +572,7 @@ class RecordingBackend : public Backend {
       specs.push_back({ALL_GATHER, A_AG_INTO_COAL, -1, &ins[i], -1, 0, (int64_t)ins[i].nbytes(),
                        (int64_t)outs[i].nbytes()});
     return call(specs, is_sync(o),
-                [&] { return inner_->allgather_into_tensor_coalesced(outs, ins, o); }, true);
+                [&] { return inner_->allgather_into_tensor_coalesced(outs, ins, o); });
   }
   intrusive_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outs,
                                      std::vector<std::vector<at::Tensor>>& ins,
@@ -596,7 +596,7 @@ class RecordingBackend : public Backend {
       specs.push_back({REDUCE_SCATTER, A_RS_COAL, red_code(o.reduceOp), &ins[i], -1, 0,
                        (int64_t)ins[i].nbytes(), (int64_t)outs[i].nbytes()});
     return call(specs, is_sync(o),
-                [&] { return inner_->reduce_scatter_tensor_coalesced(outs, ins, o); }, true);
+                [&] { return inner_->reduce_scatter_tensor_coalesced(outs, ins, o); });
   }
   intrusive_ptr<Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& osp,
                                     std::vector<int64_t>& isp, const c10d::AllToAllOptions& o) override {
@@ -665,7 +665,7 @@ class RecordingBackend : public Backend {
   }
   intrusive_ptr<Work> recvAnysource(std::vector<at::Tensor>& ts, int tag) override {
     return call({{RECV, A_RECV_ANY, -1, &ts[0], -1, tag, 0, nbytes(ts)}}, take_p2p_sync(),
-                [&] { return inner_->recvAnysource(ts, tag); }, false, true);
+                [&] { return inner_->recvAnysource(ts, tag); }, true);
   }
 
   intrusive_ptr<Backend> split(const c10::intrusive_ptr<c10d::Store>& store,
@@ -710,7 +710,7 @@ class RecordingBackend : public Backend {
 
   template <typename F>
   intrusive_ptr<Work> call(const std::vector<RowSpec>& specs, bool sync, F&& fn,
-                           bool coalesced_call = false, bool anysource = false) {
+                           bool anysource = false) {
     auto& log = the_log();
     int64_t p_issue;
     int32_t row0 = -1;
@@ -739,7 +739,7 @@ class RecordingBackend : public Backend {
     int64_t p_ret = log.point(false);
     bool first_bwd = log.check_backward();
     int32_t n = static_cast<int32_t>(specs.size());
-    int8_t flag = (sync ? 1 : 0) | (first_bwd ? 2 : 0) | (coalesced_call ? 4 : 0);
+    int8_t flag = (sync ? 1 : 0) | (first_bwd ? 2 : 0);
     log.last_sync_ = -1;
     if (!w) {
       log.add(E_CALL, flag, row0, n, -1, p_issue, p_ret, log.point(true));
@@ -792,10 +792,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     std::lock_guard<std::mutex> g(log.mu);
     log.add(E_COAL_BEGIN, static_cast<int8_t>(flag));
   });
-  m.def("coalesce_end", [](int flag) {
+  m.def("coalesce_end", [] {
     auto& log = the_log();
     std::lock_guard<std::mutex> g(log.mu);
-    log.add(E_COAL_END, static_cast<int8_t>(flag));
+    log.add(E_COAL_END);
   });
   m.def("sync_p2p", [](bool on) { the_log().sync_p2p_ = on ? 1 : 0; });
   m.def("finish", [] { the_log().finish(); }, py::call_guard<py::gil_scoped_release>());

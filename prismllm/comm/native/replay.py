@@ -20,7 +20,7 @@ from prismllm.comm.recorder import ST_PENDING, ST_WAITED, Recorder, dtype_name
 # Entry types (recording_backend.cpp, enum EntryType)
 E_START, E_CALL, E_WAIT, E_COAL_BEGIN, E_COAL_END, E_BATCH = 0, 1, 2, 3, 4, 5
 E_BWD_END, E_BOUNDARY, E_MARK, E_FINISH, E_COAL_START = 6, 7, 8, 9, 10
-F_SYNC, F_FIRST_BWD, F_COALESCED_CALL = 1, 2, 4
+F_SYNC, F_FIRST_BWD = 1, 2
 
 _RED_NAMES = {int(v.value): k.lower() for k, v in dist.ReduceOp.RedOpType.__members__.items()}
 
@@ -71,6 +71,7 @@ class ReplayRecorder(Recorder):
         self._pts: deque[int] = deque()  # points the next Recorder call takes, in order
         self._rets: deque[int] = deque()  # ... and the host point where its call returned
         self._first_bwd = False
+        self._watch: list[tuple] = []  # rows whose completion the Recorder watches (host clock)
         self._made: dict[int, int] = {}  # log point -> this recorder's point id
 
     # ---- points come from the log ----
@@ -135,7 +136,6 @@ def replay(live: Recorder, log: dict[str, Any]) -> ReplayRecorder:
     seq: dict[str, int] = {}
     p2p: dict[tuple[str, int, str], int] = {}
     coal_async: list[Any] = []
-    rec._watch = []
 
     def work_of(wid: int, rws: tuple) -> _Work:
         done, dur = works_log[wid]
