@@ -15,6 +15,9 @@
 #   gpu1       one GPU (nvidia-h100-x1 / nvidia-h200): `pytest -m gpu` (the emulation's GPU
 #              tests share the GPU between sandbox and assistant, NCCL over sockets) and the
 #              per-call recording cost (call_cost.py: plain / NCCL timing / recorded, 3 rounds)
+#   native-cost  the native recorder's per-call cost (PRISM_NATIVE=1) beside plain, NCCL timing
+#              on and the Python path, with the recorder's own time a call, the two graphs
+#              compared; first the GPU recording tests with PRISM_NATIVE=1; ROUNDS (3) rounds of ~100 s
 #   cpu-fid N [CASES]  CPU fidelity rows at N ranks on the host's cores (fair while N <= cores;
 #              ~3.5 min a case at N = 8 on 16 cores, so three cases a call: e.g. tp,pp,vpp then
 #              dpopt,moe,mixed): merged into $OUT/fidelity_cpu_<cores>c.json (carry the last one
@@ -25,7 +28,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|pruning|overhead|gpu1|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|pruning|overhead|gpu1|native-cost|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -85,6 +88,23 @@ gpu1)
         [ -n "${BASE:-}" ] && PYTHONPATH="$BASE" timeout 60 prism record --nproc 1 --out "/tmp/cb$round" --force \
             -- benchmarks/programs/call_cost.py 2>&1 | grep CALLCOST | sed "s/^/recorded-base /"
     done 2>&1 | tee "$OUT/call_cost.log" ;;
+native-cost)
+    # the native recorder's per-call cost: plain / NCCL timing on / Python path / native (with
+    # the recorder's own host time a call, NATIVE_SELF), three rounds
+    PRISM_NATIVE_CACHE=/tmp/pnc timeout 200 python3 -c "from prismllm.comm.native import load; load()" \
+        >"$OUT/native-build.log" 2>&1 || { echo "native build failed"; tail -20 "$OUT/native-build.log"; exit 1; }
+    PRISM_NATIVE=1 PRISM_NATIVE_CACHE=/tmp/pnc timeout 150 python3 -m pytest -m gpu -q -x -p no:cacheprovider \
+        tests/test_recording_gpu.py tests/test_launcher_gpu.py 2>&1 | tail -3 | sed "s/^/pytest-gpu native: /"
+    for round in $(seq "${ROUNDS:-3}"); do
+        timeout 40 torchrun --nproc-per-node 1 benchmarks/programs/call_cost.py 2>&1 | grep CALLCOST | sed "s/^/plain /"
+        TORCH_NCCL_ENABLE_TIMING=1 timeout 40 torchrun --nproc-per-node 1 benchmarks/programs/call_cost.py 2>&1 \
+            | grep CALLCOST | sed "s/^/nccl-timing /"
+        PRISM_NATIVE=0 timeout 60 prism record --nproc 1 --out "/tmp/cp$round" --force -- \
+            benchmarks/programs/call_cost.py 2>&1 | grep CALLCOST | sed "s/^/python /"
+        PRISM_NATIVE=1 PRISM_NATIVE_CACHE=/tmp/pnc timeout 60 prism record --nproc 1 --out "/tmp/cn$round" \
+            --force -- benchmarks/programs/call_cost.py 2>&1 | grep -E "CALLCOST|NATIVE_SELF" | sed "s/^/native /"
+        prism compare "/tmp/cp$round" "/tmp/cn$round" --structure-only 2>&1 | head -3 | sed "s/^/compare python native: /"
+    done 2>&1 | tee "$OUT/native_cost.log" ;;
 cpu-fid)
     N=${2:?usage: device_suite.sh cpu-fid N}
     cores=$(nproc)

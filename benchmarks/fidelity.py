@@ -356,7 +356,7 @@ def pure_model(structure: Path, durations: Path, ab: dict, sandbox: list[int], w
     the same structure: the solo capture or the timed graph) and alpha-beta transfers."""
     import numpy as np
 
-    from prismllm.calibrate.solve import check_same_structure, issue_gaps, measured, rank_order
+    from prismllm.calibrate.solve import check_same_structure, issue_gaps, measured
     from prismllm.replay.engine import Replay, ReplayGraph
     from prismllm.trace.graph import PrismTrace
 
@@ -366,7 +366,7 @@ def pure_model(structure: Path, durations: Path, ab: dict, sandbox: list[int], w
         m = measured(trace, g.row)
     else:
         other = PrismTrace.load(durations)
-        rows = rank_order(other)
+        rows = other.program_order()
         check_same_structure(g, other, rows, (str(structure), str(durations)))
         m = measured(other, rows)
     compute = np.where(g.is_comm, 0, np.maximum(m.duration_ns, 0)).astype(np.int64)

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PRISM = str(Path(sys.executable).with_name("prism"))
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
 SIZES = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
-         "--micro-batch", "1", "--global-batch", "8", "--iters", "3"]
+         "--micro-batch", "1", "--global-batch", "8", "--iters", "5"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 # predicted vs recorded steady iteration time of a real CPU recording (see the docstring)
 LOW, HIGH = -0.30, 0.10
@@ -49,7 +49,9 @@ def prism(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 # ---------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> dict[str, Path]:
-    """gpt3d PP2 and TP2, 2 CPU processes each, 3 iterations (recorded one after the other)."""
+    """gpt3d PP2 and TP2, 2 CPU processes each, 5 iterations (recorded one after the other): four
+    steady ones, so that one iteration slowed by the host (seen: 30.6 ms among ~14 ms ones on the
+    2-core VM) moves the recorded median only a little, where with two it moved it halfway."""
     base = tmp_path_factory.mktemp("calibrate")
     out = {}
     for layout in ("pp", "tp"):
@@ -158,7 +160,7 @@ def test_synthetic_lockstep_graph_is_reproduced_exactly():
 @pytest.mark.parametrize("layout", ["pp", "tp"])
 def test_predicted_iteration_time_matches_the_recording(calibrated, layout):
     cal, s = calibrated[layout]
-    assert s["steady_iterations"] == [1, 2] and s["median_iteration"] in (1, 2)
+    assert s["steady_iterations"] == [1, 2, 3, 4] and s["median_iteration"] in (1, 2, 3, 4)
     assert s["recorded_iteration_ns"] > 0 and s["predicted_iteration_ns"] > 0
     err = s["rel_error"]
     print(f"{layout}2: predicted {s['predicted_iteration_ns']} recorded {s['recorded_iteration_ns']} "

@@ -11,7 +11,9 @@ the loop measures the steady state rather than an event creation per point. Plai
 the same steps.
 
 Prints ``CALLCOST {"sync_us": .., "async_us": .., "backend": .., "step_every": ..}`` (best of
-5 batches); with ``--profile`` also the top functions of a cProfile of one recorded batch
+5 batches); recorded through the native backend (``PRISM_NATIVE=1``) also
+``NATIVE_SELF {json}``: per loop, the recorder's own host time a call and the real backend's
+(``self_time_per_call``); with ``--profile`` also the top functions of a cProfile of one recorded batch
 (sync) by own time; with ``--breakdown`` ``BREAKDOWN {json}``: µs per operation of the
 recording path's parts in isolation (best of 5 batches of ``--calls``), see ``breakdown``.
 NCCL on a GPU when one is visible, else gloo."""
@@ -232,6 +234,29 @@ def breakdown(n: int, t: torch.Tensor, cuda: bool, step: Callable[[], Any], ever
     return out
 
 
+def native_module() -> Any:
+    """The native recording backend's module when this run is recorded through it, else None."""
+    try:
+        from prismllm.comm.install import current
+    except ImportError:
+        return None
+    rec = current()
+    return getattr(rec, "native", None) if rec is not None else None
+
+
+def self_time_per_call(s0: dict, s1: dict) -> dict:
+    """µs per call between two ``native.self_time()`` snapshots: the recorder's own host time
+    (``self_us``: in the call and its wait, boundaries spread over the calls) and the real
+    backend's (``inner_call_us``, ``inner_wait_us``)."""
+    d = {k: s1[k] - s0[k] for k in s1}
+    n = max(d["calls"], 1)
+    return {"calls": d["calls"], "self_us": round((d["call_ns"] + d["wait_ns"] + d["boundary_ns"]) / n / 1e3, 3),
+            "self_call_us": round(d["call_ns"] / n / 1e3, 3), "self_wait_us": round(d["wait_ns"] / n / 1e3, 3),
+            "self_boundary_us": round(d["boundary_ns"] / n / 1e3, 3),
+            "inner_call_us": round(d["inner_call_ns"] / n / 1e3, 3),
+            "inner_wait_us": round(d["inner_wait_ns"] / max(d["waits"], 1) / 1e3, 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=3000)
@@ -277,7 +302,10 @@ def main() -> None:
         run(k, True)
 
     res = {"backend": dist.get_backend(), "calls": a.calls, "step_every": every}
+    nat = native_module()
+    own: dict[str, Any] = {}
     for name, fn in (("sync_us", run_sync), ("async_us", run_async)):
+        s0 = nat.self_time() if nat is not None else None
         fn(200)
         best = float("inf")
         for _ in range(5):
@@ -287,7 +315,11 @@ def main() -> None:
             sync()
             best = min(best, (time.perf_counter() - t0) / a.calls)
         res[name] = round(best * 1e6, 2)
+        if s0 is not None:
+            own[name.replace("_us", "")] = self_time_per_call(s0, nat.self_time())
     print("CALLCOST " + json.dumps(res), flush=True)
+    if own:
+        print("NATIVE_SELF " + json.dumps(own), flush=True)
     if a.profile:
         pr = cProfile.Profile()
         pr.enable()

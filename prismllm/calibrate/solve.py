@@ -61,17 +61,6 @@ class Measured:
         return self.duration_ns >= 0
 
 
-def rank_order(trace: PrismTrace) -> np.ndarray:
-    """Row numbers of ``trace.nodes`` in (rank, index) order (what ReplayGraph.row holds for a
-    replay of every rank)."""
-    rank = trace.column("rank").astype(_I64)
-    index = trace.column("index").astype(_I64)
-    if len(rank) < 2 or (bool(np.all(rank[1:] >= rank[:-1]))
-                         and bool(np.all((index[1:] > index[:-1]) | (rank[1:] != rank[:-1])))):
-        return np.arange(len(rank), dtype=_I64)
-    return np.lexsort((index, rank)).astype(_I64)
-
-
 def measured(trace: PrismTrace, rows: np.ndarray) -> Measured:
     """``duration_ns`` where known (>= 0), else ``end_ns - start_ns`` where both are known."""
     dur = trace.column("duration_ns").astype(_I64)[rows]
@@ -282,7 +271,7 @@ def solve(trace: PrismTrace, *, durations: PrismTrace | None = None, rule: str =
         m = measured(trace, graph.row)
         check_has_durations(trace, m, graph.is_comm, names[0])
     else:
-        rows = rank_order(durations)
+        rows = durations.program_order()  # what ReplayGraph.row holds for a replay of every rank
         check_same_structure(graph, durations, rows, names)
         m = measured(durations, rows)
         check_has_durations(durations, m, graph.is_comm, names[1])
@@ -296,5 +285,5 @@ def solve(trace: PrismTrace, *, durations: PrismTrace | None = None, rule: str =
 
 
 __all__ = ["CalibrationError", "Durations", "Measured", "Solution", "TRANSFER_RULES", "check_same_structure",
-           "durations_for", "instance_transfer", "issue_gaps", "measured", "rank_order", "resolve_rule",
+           "durations_for", "instance_transfer", "issue_gaps", "measured", "resolve_rule",
            "slice_of_rank", "solve"]

@@ -148,10 +148,8 @@ class ReplayGraph:
         """The virtual ranks' node rows, in (rank, index) order, with the columns the loop
         reads; sets ``row``, ``off``, ``rank_pos``, ``index``, ``iteration``."""
         trace = self.trace
-        index_all = trace.column("index").astype(_I64)
-        sorted_ok = bool(np.all(all_rank[1:] >= all_rank[:-1])) and bool(
-            np.all((index_all[1:] > index_all[:-1]) | (all_rank[1:] != all_rank[:-1])))
-        rows = np.arange(len(all_rank), dtype=_I64) if sorted_ok else np.lexsort((index_all, all_rank)).astype(_I64)
+        rows = trace.program_order()
+        sorted_ok = bool(np.all(rows[1:] > rows[:-1]))  # a permutation: increasing is the identity
         if not self._is_virtual[all_rank].all():
             rows = rows[self._is_virtual[all_rank[rows]]]
         self.row: np.ndarray = rows  # position -> row in trace.nodes

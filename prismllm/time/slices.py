@@ -159,10 +159,7 @@ def _gpu_sets(opts: TimeOptions, n: int) -> list[str | None]:
 def _with_compute_of(trace: PrismTrace, other: PrismTrace) -> PrismTrace:
     """``trace`` with the compute spans' ``duration_ns`` of ``other``, a timed graph of the same
     structure (same ranks, nodes and ops in the same order); communication stays ``trace``'s."""
-    def order(t: PrismTrace) -> np.ndarray:
-        return np.lexsort((t.column("index"), t.column("rank")))
-
-    a, b = order(trace), order(other)
+    a, b = trace.program_order(), other.program_order()
     same = (len(a) == len(b) and np.array_equal(trace.column("rank")[a], other.column("rank")[b])
             and np.array_equal(trace.column("op")[a], other.column("op")[b]))
     if not same:

@@ -87,6 +87,21 @@ class PrismTrace:
             self._cache[key] = arr
         return self._cache[key]
 
+    def program_order(self) -> np.ndarray:
+        """Row numbers of the nodes in (rank, index) order: each rank's program order, ranks
+        ascending (cached; the identity when the rows are stored so, as assemble writes them)."""
+        if "order" not in self._cache:
+            rank = self.column("rank").astype(np.int64)
+            index = self.column("index").astype(np.int64)
+            if len(rank) < 2 or (bool(np.all(rank[1:] >= rank[:-1]))
+                                 and bool(np.all((index[1:] > index[:-1]) | (rank[1:] != rank[:-1])))):
+                order = np.arange(len(rank), dtype=np.int64)
+            else:
+                order = np.lexsort((index, rank)).astype(np.int64)
+            order.flags.writeable = False  # shared by every caller
+            self._cache["order"] = order
+        return self._cache["order"]
+
     def ranks(self) -> np.ndarray:
         """The ranks that have nodes, ascending."""
         return np.unique(self.column("rank"))
