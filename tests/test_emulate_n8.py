@@ -73,6 +73,17 @@ def test_emulated_ranks_end_with_the_real_parameters(real, sandbox):
             assert chk["max_abs_diff"] == 0, chk
             assert all(np.array_equal(got[k], want[k]) for k in want), f"rank {r}: not bit-equal"
         else:
-            assert chk["max_rel_diff"] < 1e-5, chk
+            # float32 sums in another order differ by up to ~(terms - 1) ulps of the sum's
+            # magnitude, so the bound on pruned outputs grows with the reduction width: the MoE DP
+            # groups sum 4 terms at N = 8, 16 at N = 32 (seen there: 1.27e-5 relative apart).
+            wide = max(1, WORLD // 8)
+            assert chk["max_rel_diff"] < 1e-5 * wide, chk
             for k in want:
-                np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=f"rank {r} {k}")
+                if wide == 1:
+                    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-7, err_msg=f"rank {r} {k}")
+                else:
+                    # At N = 32 an element whose sixteen gradient terms nearly cancel has no
+                    # bounded relative error, and Adam's step scales it up (seen: one weight of
+                    # 4096 3e-4 relative apart after two steps); each tensor as a whole must agree.
+                    d = np.linalg.norm(got[k] - want[k]) / max(float(np.linalg.norm(want[k])), 1e-30)
+                    assert d < 1e-5, f"rank {r} {k}: relative norm difference {d:.2e}"
