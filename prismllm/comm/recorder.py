@@ -314,11 +314,10 @@ class Recorder:
         """Iteration 0 starts now (the default group's creation returned)."""
         if self.started:
             return
+        self.started = True
         if self.native is not None:
-            self.started = True
             self.native.start()
             return
-        self.started = True
         p = self.point()
         self.span_start = p
         self.iter_start = p

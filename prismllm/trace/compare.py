@@ -83,13 +83,10 @@ class _Comm:
         self.t = t
         nodes = t.nodes
         is_comm = pc.equal(nodes.column("kind"), "comm").to_numpy(zero_copy_only=False)
-        rows = np.flatnonzero(is_comm)
-        rank = t.column("rank")[rows].astype(np.int64)
-        index = t.column("index")[rows].astype(np.int64)
-        o = np.lexsort((index, rank))
-        self.rows = rows[o]
-        self.rank = rank[o]
-        self.index = index[o]
+        order = t.program_order()
+        self.rows = order[is_comm[order]]
+        self.rank = t.column("rank")[self.rows].astype(np.int64)
+        self.index = t.column("index")[self.rows].astype(np.int64)
         self.tab = nodes.take(pa.array(self.rows)).combine_chunks() if len(self.rows) else nodes.slice(0, 0)
         info = t.group_info()
         gmax = max(info) + 1 if info else 0

@@ -254,6 +254,12 @@ class Log {
     if (!resolver_.joinable()) start_resolver(dev);
   }
 
+  // NCCL's device duration of a completed Work in ns (-1: none); throws when timing is off.
+  static int64_t duration_ns(Work& w) {
+    float ms = w.getDuration();
+    return ms > 0 ? static_cast<int64_t>(ms * 1e6 + 0.5) : -1;
+  }
+
   // ---- the resolver: device times off the program's thread ----------------------------
   // Resolving a point (query its event, time it against the previous one) and reading NCCL's
   // durations cost the host ~3-4 us each (measured on nvidia-h100-x1: 1.1-1.7 ms per
@@ -321,8 +327,7 @@ class Log {
       auto& [wid, w] = durs[k];
       if (!w->isCompleted()) break;
       try {
-        float d = w->getDuration();
-        dur_ns.emplace_back(wid, d > 0 ? static_cast<int64_t>(d * 1e6 + 0.5) : -1);
+        dur_ns.emplace_back(wid, duration_ns(*w));
       } catch (...) {
         timing_off = true;
         break;
@@ -386,8 +391,7 @@ class Log {
     resolve_some(lk);  // the durations of Works completed since
     for (auto& [wid, w] : dur_q_) {
       try {
-        float d = w->getDuration();
-        works_[wid].dur_ns = d > 0 ? static_cast<int64_t>(d * 1e6 + 0.5) : -1;
+        works_[wid].dur_ns = duration_ns(*w);
       } catch (...) {
         works_[wid].dur_ns = -3;
       }
