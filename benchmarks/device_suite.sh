@@ -11,7 +11,8 @@
 #   fid-a      fidelity rows N = 2: tp, pp (with the noise run); ~6 min (an estimate)
 #   fid-b      fidelity rows N = 2: vpp, dpopt, moe, merged into fid-a's JSON (carry it back)
 #   pruning    pruned all-reduce latency vs the real 2-GPU one, 16 MB - 8 GB (issue 12)
-#   overhead   recording overhead, TP2 / PP2 / DP2, three interleaved rounds (issue 10)
+#   overhead   recording overhead, TP2 / PP2 / DP2: plain, native, Python path, profiler, two
+#              interleaved rounds (issue 10)
 #   gpu1       one GPU (nvidia-h100-x1 / nvidia-h200): `pytest -m gpu` (the emulation's GPU
 #              tests share the GPU between sandbox and assistant, NCCL over sockets) and the
 #              per-call recording cost (call_cost.py: plain / NCCL timing / recorded, 3 rounds)
@@ -21,8 +22,9 @@
 #   cpu-fid N [CASES]  CPU fidelity rows at N ranks on the host's cores (fair while N <= cores;
 #              ~3.5 min a case at N = 8 on 16 cores, so three cases a call: e.g. tp,pp,vpp then
 #              dpopt,moe,mixed): merged into $OUT/fidelity_cpu_<cores>c.json (carry the last one
-#              back into benchmarks/results/ between calls); FID_ARGS=--compute-under-load adds
-#              the load pass to `prism time` (docs/time.md)
+#              back into benchmarks/results/ between calls; FID_JSON=NAME writes NAME.json instead);
+#              FID_ARGS replaces the default --noise, e.g. "--repeats 3" (real and emulated runs
+#              alternated, medians compared) or "--noise --compute-under-load" (docs/time.md)
 #
 # Every program started here keeps NVLink multicast off (the device tool's rule), and every
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
@@ -72,7 +74,7 @@ pruning)
         --json "$OUT/pruning_latency_h200x2.json" 2>&1 | tee "$OUT/pruning.log" | tail -40 ;;
 overhead)
     timeout 570 python3 benchmarks/tracing_overhead.py --nproc 2 --layout tp=2 --layout pp=2 --layout dp=2 \
-        --rounds 3 --json "$OUT/tracing_overhead_h200x2.json" --md "$OUT/tracing_overhead_h200x2.md" \
+        --rounds 2 --json "$OUT/tracing_overhead_h200x2.json" --md "$OUT/tracing_overhead_h200x2.md" \
         -- --layers 4 --hidden 4096 --heads 32 --seq 1024 --vocab 32000 --micro-batch 1 --global-batch 8 \
         --iters 24 2>&1 | tee "$OUT/overhead.log" | tail -20 ;;
 gpu1)
@@ -108,11 +110,15 @@ native-cost)
 cpu-fid)
     N=${2:?usage: device_suite.sh cpu-fid N}
     cores=$(nproc)
-    [ -f "benchmarks/results/fidelity_cpu_${cores}c.json" ] && cp "benchmarks/results/fidelity_cpu_${cores}c.json" "$OUT/"
-    # FID_ARGS: more fidelity.py options, e.g. FID_ARGS=--compute-under-load
-    timeout 570 python3 benchmarks/fidelity.py --devices cpu --worlds "$N" --cases "${3:-tp,pp,vpp}" --noise \
-        --merge --timeout 300 ${FID_ARGS:-} \
-        --json "$OUT/fidelity_cpu_${cores}c.json" 2>&1 | tee "$OUT/cpu-fid-$N.log" | grep -v "^\[" ;;
+    name=${FID_JSON:-fidelity_cpu_${cores}c}
+    [ -f "benchmarks/results/$name.json" ] && cp "benchmarks/results/$name.json" "$OUT/"
+    # the native recorder is built once here, outside the runs' clocks (~40 s)
+    timeout 200 python3 -c "from prismllm.comm.native import load; load()" >"$OUT/native-build.log" 2>&1 \
+        || { echo "native build failed (the runs record through the Python path)"; tail -5 "$OUT/native-build.log"; }
+    # FID_ARGS: fidelity.py options (default --noise), e.g. "--repeats 3" or --compute-under-load
+    timeout $((585 - SECONDS)) python3 benchmarks/fidelity.py --devices cpu --worlds "$N" --cases "${3:-tp,pp,vpp}" \
+        ${FID_ARGS:---noise} --merge --timeout 300 \
+        --json "$OUT/$name.json" 2>&1 | tee "$OUT/cpu-fid-$N.log" | grep -v "^\[" ;;
 *)
     echo "unknown part $PART"; exit 2 ;;
 esac

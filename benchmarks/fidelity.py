@@ -236,6 +236,17 @@ def printed(text: str) -> dict:
     return {"iter_time_ms": [float(m[3]) for m in its], "losses": [m[2] for m in its]}
 
 
+def loss_gap(losses: list[str], ref: list[str]) -> float | None:
+    """The largest relative difference between two runs' printed losses (None: not comparable)."""
+    try:
+        a, b = [float(x) for x in losses], [float(x) for x in ref]
+    except ValueError:  # nan, inf: compared as text above
+        return None
+    if not a or len(a) != len(b):
+        return None
+    return max(abs(x - y) / max(abs(y), 1e-12) for x, y in zip(a, b))
+
+
 def git_commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
@@ -401,7 +412,7 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
         "case": case.name, "world": n, "layout": case.title, "devices": dev, "sandbox": sandbox,
         "gpt3d_args": args, "bare_graph": "real recording saving tensors (MoE routes on values: its structure and tensors)"
         if case.moe else f"solo capture (--layout {case.hint})", "inputs": inputs, "error": None,
-        "failed_stage": None, "stage_wall_s": {}, "noise": bool(opts.noise)}
+        "failed_stage": None, "stage_wall_s": {}, "noise": bool(opts.noise), "repeats": opts.repeats}
     R = Runner(label, work, opts.timeout, opts.env)
     res["stage_wall_s"] = R.walls
     prog = ["--", GPT3D, *args]
@@ -479,6 +490,8 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
             d["rank_ns"] = {r: steady_median(v, opts.warmup) for r, v in d["rank_iteration_ns"].items()}
             if n - 1 in sandbox and inputs == "recorded":  # the reporting rank against the run it replays
                 d["losses_equal_recorded"] = bool(pr_e["losses"]) and pr_e["losses"] == losses_ref
+                # where the sum's order differs (a pruned DP group of more than two), how far apart
+                d["losses_max_rel_diff"] = loss_gap(pr_e["losses"], losses_ref)
             return d
 
         res["emulated"] = emulate("emulate", "real", work / "emu")
@@ -507,6 +520,20 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
             res["baseline_c"] = {"per_rank": fake}
         else:
             res["baseline_c"] = {"per_rank": {}, "note": "n/a on CPU (no device memory)"}
+        # --repeats: the real run and the emulation again, alternating, so that both medians
+        # are taken over runs spread across the same minutes (the host's drift hits both)
+        res["real"]["runs"] = [{"rank_ns": res["real"]["rank_ns"], "job_ns": res["real"]["job_ns"]}]
+        res["emulated"]["runs"] = [{"rank_ns": res["emulated"]["rank_ns"]}]
+        for k in range(2, opts.repeats + 1):
+            again = work / f"real-{k}"
+            R.cmd(f"record_{k}", [*PRISM, "record", "--nproc", str(n), "--devices", dev, "--out", str(again), *prog])
+            per_k = per_rank_iterations(load(again))
+            res["real"]["runs"].append({"rank_ns": {str(r): steady_median(per_k.get(r, []), opts.warmup) for r in sandbox},
+                                        "job_ns": steady_median(job_iterations(per_k), opts.warmup)})
+            emu_k = emulate(f"emulate_{k}", "real", work / f"emu-{k}")
+            res["emulated"]["runs"].append({"rank_ns": emu_k["rank_ns"]})
+            shutil.rmtree(again, ignore_errors=True)
+            shutil.rmtree(work / f"emu-{k}", ignore_errors=True)
         # the noise floor: the real run once more, last
         if opts.noise:
             R.cmd("record_again", [*PRISM, "record", "--nproc", str(n), "--devices", dev, "--out",
@@ -539,10 +566,14 @@ def rows(res: dict) -> list[dict]:
     cpu = res["devices"] == "cpu"
     for r in (str(x) for x in res["sandbox"]):
         real = res.get("real") or {}
-        ref = (real.get("rank_ns") or {}).get(r)
-        ref_job = real.get("job_ns")
         get = lambda key, sub="rank_ns": ((res.get(key) or {}).get(sub) or {}).get(r)  # noqa: E731
-        emu, fast, pred, pure = get("emulated"), get("baseline_b"), get("calibrated"), get("baseline_a")
+        real_runs, emu_runs = runs_of(res, "real", r), runs_of(res, "emulated", r)
+        # one run: its own figure; --repeats K: the median of the K runs
+        ref = statistics.median(real_runs) if real_runs else (real.get("rank_ns") or {}).get(r)
+        emu = statistics.median(emu_runs) if emu_runs else get("emulated")
+        jobs = [x["job_ns"] for x in real.get("runs") or [] if x.get("job_ns") is not None]
+        ref_job = statistics.median(jobs) if jobs else real.get("job_ns")
+        fast, pred, pure = get("baseline_b"), get("calibrated"), get("baseline_a")
         pred_job = (res.get("calibrated") or {}).get("job_ns")
         pure_job = (res.get("baseline_a") or {}).get("job_ns")
         row = {"case": res["case"], "world": res["world"], "layout": res["layout"], "devices": res["devices"],
@@ -556,6 +587,9 @@ def rows(res: dict) -> list[dict]:
                "real_compute_ms": ms(get("real", "rank_compute_ns")),
                "emulated_compute_ms": ms(get("emulated", "rank_compute_ns")),
                "emulated_compute_err": rel(get("emulated", "rank_compute_ns"), get("real", "rank_compute_ns"))}
+        if len(real_runs) > 1 or len(emu_runs) > 1:
+            row.update(real_runs_ms=[ms(x) for x in real_runs], emulated_runs_ms=[ms(x) for x in emu_runs],
+                       real_spread=spread(real_runs), emulated_spread=spread(emu_runs))
         if "real_again" in res or res.get("noise"):
             again = get("real_again")
             row.update(real_again_ms=ms(again), real_again_err=rel(again, ref))
@@ -575,6 +609,17 @@ def rows(res: dict) -> list[dict]:
         row["error"] = res.get("error")
         out.append(row)
     return out
+
+
+def runs_of(res: dict, key: str, r: str) -> list[float]:
+    """Rank ``r``'s iteration time in each run of ``key`` (real / emulated) that measured it."""
+    return [x for x in (((run.get("rank_ns") or {}).get(r)) for run in (res.get(key) or {}).get("runs") or [])
+            if x is not None]
+
+
+def spread(values: list[float]) -> float | None:
+    """(max - min) / median: how far apart repeated runs of one command landed."""
+    return (max(values) - min(values)) / statistics.median(values) if len(values) > 1 else None
 
 
 def ms(ns: float | None) -> float | None:
@@ -611,6 +656,9 @@ def markdown(result: dict) -> str:
     m = result["machine"]
     ab = result.get("alpha_beta") or {}
     noise = any(c.get("noise") for c in result["cases"])
+    reps = max((c.get("repeats", 1) for c in result["cases"]), default=1)
+    runs = lambda row, k: (", ".join(_f(x, "{:.1f}") for x in row.get(k + "_runs_ms") or [])  # noqa: E731
+                           + f" ({_pct(row.get(k + '_spread'))})")
     lines = [f"Machine: {m.get('gpu') or 'CPU'}{' ×' + str(m['gpus']) if m.get('gpus') else ''}, {m.get('cpus')} cores, "
              f"torch {m.get('torch')}, {result['date']}, commit {result['commit']}; devices {result['devices']}; "
              f"{result['iters']} iterations, steady = all but the first {result['warmup']}",
@@ -618,17 +666,22 @@ def markdown(result: dict) -> str:
              f"{_f(ab.get('alpha_s') and ab['alpha_s'] * 1e6, '{:.1f}')} µs, bandwidth "
              f"{_f(ab.get('bandwidth_Bps') and ab['bandwidth_Bps'] / 1e9, '{:.3f}')} GB/s" if ab else
              "Alpha-beta fit: failed (no baseline (a))", "",
-             "Per sandbox rank (iteration time: median of the steady iterations of that rank; errors against the real run):",
+             "Per sandbox rank (iteration time: median of the steady iterations of that rank; errors against the real run"
+             + (f"; real and emulated: the median of {reps} runs each, alternating, their spread in the last columns):"
+                if reps > 1 else "):"),
              "",
              "| case | N | layout | sandbox rank | real ms | emulated ms (err) | calibrated prediction ms (err) "
              "| (a) pure model ms (err) | (b) fast replay ms (err) | peak mem real (bytes) | emulated (diff) "
-             "| (c) fake PG (diff) | compute ms real → emulated (diff) |" + (" real again ms (noise) |" if noise else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if noise else "")]
+             "| (c) fake PG (diff) | compute ms real → emulated (diff) |" + (" real again ms (noise) |" if noise else "")
+             + (" real runs ms (spread) | emulated runs ms (spread) |" if reps > 1 else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if noise else "")
+             + ("---|---|" if reps > 1 else "")]
     for c in result["cases"]:
         for row in c["rows"]:
             if row["real_ms"] is None and c.get("error"):
                 lines.append(f"| {c['case']} | {c['world']} | {c['layout']} | {row['sandbox_rank']} | failed: "
-                             f"{c['error'][:160]} | | | | | | | | |" + (" |" if noise else ""))
+                             f"{c['error'][:160]} | | | | | | | | |" + (" |" if noise else "")
+                             + (" | |" if reps > 1 else ""))
                 continue
             cell = lambda k: f"{_f(row.get(k + '_ms'))} ({_pct(row.get(k + '_err'))})"  # noqa: E731
             lines.append(f"| {c['case']} | {c['world']} | {c['layout']} | {row['sandbox_rank']} | {_f(row['real_ms'])} "
@@ -636,7 +689,8 @@ def markdown(result: dict) -> str:
                          f"| {_bytes(row['peak_real'])} | {_diff(row['peak_emulated_diff'], row['peak_emulated_rel'])} "
                          f"| {fake_cell(row)} | {_f(row.get('real_compute_ms'))} → {_f(row.get('emulated_compute_ms'))} "
                          f"({_pct(row.get('emulated_compute_err'))}) |"
-                         + (f" {cell('real_again')} |" if noise else ""))
+                         + (f" {cell('real_again')} |" if noise else "")
+                         + (f" {runs(row, 'real')} | {runs(row, 'emulated')} |" if reps > 1 else ""))
     lines += ["", "Whole job (iteration time: per iteration the slowest rank, median of the steady ones):", "",
               "| case | N | layout | real ms | calibrated prediction ms (err) | (a) pure model ms (err) "
               "| (a) compute from | bare graph | stage wall s |",
@@ -679,6 +733,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noise", action="store_true",
                     help="record the real run once more at the end of each case: its difference from the first "
                          "is the noise floor of the errors")
+    ap.add_argument("--repeats", type=int, default=1, metavar="K",
+                    help="run the real job and the emulation K times each, alternating, and compare their "
+                         "medians (each run's figure and the spread are kept): for hosts whose runs drift")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per stage")
     ap.add_argument("--alpha-beta", default=None, metavar="ALPHA_S,BW_BPS",
                     help="skip the probe: latency (s) and bandwidth (bytes/s) of the pure model")
@@ -692,6 +749,8 @@ def main(argv: list[str] | None = None) -> int:
     a.iters = a.iters or 10
     if a.iters <= a.warmup:
         ap.error("--iters must exceed --warmup")
+    if a.repeats < 1:
+        ap.error("--repeats must be at least 1")
     names = [c.strip() for c in a.cases.split(",") if c.strip()]
     bad = [c for c in names if c not in CASES]
     if bad:
@@ -723,7 +782,7 @@ def main(argv: list[str] | None = None) -> int:
     md_path = Path(a.md) if a.md else json_path.with_suffix(".md")
     result = {"benchmark": "fidelity", "machine": machine(), "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
               "devices": a.devices, "iters": a.iters, "warmup": a.warmup, "sandbox": a.sandbox, "inputs": a.inputs,
-              "noise": a.noise,
+              "noise": a.noise, "repeats": a.repeats,
               "model_args": shlex.split(a.model_args) if a.model_args else SIZES[a.devices],
               "argv": sys.argv[1:] if argv is None else argv, "alpha_beta": None, "cases": [], "skipped": skipped}
 

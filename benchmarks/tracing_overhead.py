@@ -1,5 +1,6 @@
-"""Tracing overhead: gpt3d's iteration time plain vs recorded (`prism record`) vs under
-torch.profiler, all in one invocation, as ratios.
+"""Tracing overhead: gpt3d's iteration time plain vs recorded (`prism record`, through the
+native recorder and through the Python path) vs under torch.profiler, all in one invocation,
+as ratios.
 
 Each variant runs the same command line; the program's own per-iteration times (its
 --json-log) are compared: median over the steady iterations (after --warmup) of all rounds.
@@ -28,7 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
 UNDER_PROFILER = str(ROOT / "benchmarks" / "under_profiler.py")
-VARIANTS = ("plain", "recorded", "profiler")
+VARIANTS = ("plain", "native", "python", "profiler")  # native / python: `prism record --recorder`
+RECORDED = ("native", "python")
 
 
 def layout_flags(layout: str) -> list[str]:
@@ -50,8 +52,8 @@ def command(variant: str, nproc: int, args: list[str], log: str, graph: str) -> 
     if variant == "profiler":
         return [*torchrun, UNDER_PROFILER, GPT3D, *program]
     prism = str(Path(sys.executable).with_name("prism"))
-    return [prism, "record", "--nproc", str(nproc), "--out", graph, "--force", "--", GPT3D,
-            *program]
+    return [prism, "record", "--nproc", str(nproc), "--out", graph, "--force", "--recorder", variant,
+            "--", GPT3D, *program]
 
 
 def steady(times: list[float], warmup: int) -> list[float]:
@@ -92,7 +94,7 @@ def run_layout(layout: str, nproc: int, extra: list[str], rounds: int, warmup: i
         order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
         for variant in order:
             log = str(workdir / f"{variant}-{r}.json")
-            graph = str(workdir / f"graph-{r}")
+            graph = str(workdir / f"graph-{variant}-{r}")
             cmd = command(variant, nproc, args, log, graph)
             t0 = time.perf_counter()
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -103,7 +105,7 @@ def run_layout(layout: str, nproc: int, extra: list[str], rounds: int, warmup: i
             print(f"  {layout:>12} {variant:>9} round {r}: median "
                   f"{statistics.median(steady(printed, warmup)):.2f} ms "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-            if variant == "recorded":
+            if variant in RECORDED:
                 # Iteration i of the graph spans optimizer step i-1 to step i; the program's
                 # printed time i covers the same work (iteration 0 also holds set-up).
                 recorded = graph_iteration_ms(graph)
@@ -111,7 +113,7 @@ def run_layout(layout: str, nproc: int, extra: list[str], rounds: int, warmup: i
                     agreement.append(abs(g - p) / p)
                 if keep_graphs is not None and r == rounds - 1:
                     keep_graphs.mkdir(parents=True, exist_ok=True)
-                    shutil.move(graph, keep_graphs / layout.replace(",", "_").replace("=", ""))
+                    shutil.move(graph, keep_graphs / f"{layout.replace(',', '_').replace('=', '')}-{variant}")
                 else:
                     shutil.rmtree(graph, ignore_errors=True)
     medians = {v: statistics.median(s) for v, s in samples.items()}
@@ -121,7 +123,8 @@ def run_layout(layout: str, nproc: int, extra: list[str], rounds: int, warmup: i
         "args": args,
         "steady_iterations_per_variant": {v: len(s) for v, s in samples.items()},
         "median_iter_ms": medians,
-        "recorded_over_plain": medians["recorded"] / medians["plain"],
+        "native_over_plain": medians["native"] / medians["plain"],
+        "python_over_plain": medians["python"] / medians["plain"],
         "profiler_over_plain": medians["profiler"] / medians["plain"],
         "graph_vs_printed_rel_error_max": max(agreement) if agreement else None,
         "graph_vs_printed_rel_error_mean": statistics.mean(agreement) if agreement else None,
@@ -133,16 +136,16 @@ def markdown(result: dict) -> str:
         f"Machine: {result['machine'].get('gpu', 'CPU')} ×{result['machine'].get('gpus', 0)}, "
         f"torch {result['machine'].get('torch')}, {result['date']}",
         "",
-        "| layout | plain ms | recorded ms | profiler ms | recorded/plain | profiler/plain "
-        "| graph vs printed (max rel. err.) |",
-        "|---|---|---|---|---|---|---|",
+        "| layout | plain ms | recorded native ms | recorded Python ms | profiler ms | native/plain "
+        "| Python/plain | profiler/plain | graph vs printed (max rel. err.) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in result["layouts"]:
         m = row["median_iter_ms"]
         agree = row["graph_vs_printed_rel_error_max"]
         lines.append(
-            f"| {row['layout']} | {m['plain']:.2f} | {m['recorded']:.2f} | {m['profiler']:.2f} "
-            f"| {row['recorded_over_plain']:.4f} | {row['profiler_over_plain']:.4f} "
+            f"| {row['layout']} | {m['plain']:.2f} | {m['native']:.2f} | {m['python']:.2f} | {m['profiler']:.2f} "
+            f"| {row['native_over_plain']:.4f} | {row['python_over_plain']:.4f} | {row['profiler_over_plain']:.4f} "
             f"| {'n/a' if agree is None else f'{agree:.2%}'} |"
         )
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """benchmarks/fidelity.py (issue 13's fidelity table): the harness runs its smallest case end to
 end on the CPU (N = 2, TP2, 2 iterations: record, record saving tensors, solo capture, time, calibrate, emulate with
 real and fast timing, the pure model) and fills every column of its JSON row; the timing values
-themselves are not judged here (2 shared cores). Plus the parts that need no process: the
+themselves are not judged here (2 shared cores); `--repeats 2` runs the real job and the
+emulation twice each and takes their medians. Plus the parts that need no process: the
 layouts per N, the alpha-beta fit and the per-collective transfer model."""
 
 from __future__ import annotations
@@ -73,20 +74,25 @@ def test_harness_smallest_case_fills_every_column(tmp_path):
     out = tmp_path / "fidelity.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "fidelity.py"), "--devices", "cpu", "--worlds", "2",
            "--cases", "tp", "--iters", "2", "--micro-batches", "1", "--model-args", SMALL, "--time-parallel", "2",
-           "--alpha-beta", "1e-4,1e9", "--json", str(out), "--keep", str(tmp_path / "work")]
+           "--alpha-beta", "1e-4,1e9", "--repeats", "2", "--json", str(out), "--keep", str(tmp_path / "work")]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     (case,) = res["cases"]
     assert case["error"] is None and case["sandbox"] == [1]
     assert set(case["stage_wall_s"]) == {"record", "record_tensors", "capture", "time", "calibrate", "emulate", "emulate_fast",
-                                         "pure_model"}
+                                         "pure_model", "record_2", "emulate_2"}
     (row,) = case["rows"]
     missing = [k for k, v in row.items() if v is None and k != "error"]
     assert not missing, missing
+    # --repeats 2: real and emulated are the medians of two runs each, every run kept
+    assert len(row["real_runs_ms"]) == 2 and len(row["emulated_runs_ms"]) == 2
+    assert row["real_ms"] == pytest.approx(sum(row["real_runs_ms"]) / 2, abs=2e-3)
+    assert row["emulated_ms"] == pytest.approx(sum(row["emulated_runs_ms"]) / 2, abs=2e-3)
     assert all(row[k] == "n/a" for k in row if k.startswith("peak_"))  # device memory: CPU has none
     assert case["emulated"]["timing"] == "real" and case["baseline_b"]["timing"] == "fast"
     assert case["emulated"]["losses_equal_recorded"] is True  # recorded inputs: the real run's numbers
+    assert case["emulated"]["losses_max_rel_diff"] == 0.0
     assert case["baseline_a"]["compute_from"] == "solo capture"
     md = out.with_suffix(".md").read_text()
     assert "| tp | 2 | TP2 | 1 |" in md and "Whole job" in md

@@ -10,7 +10,9 @@ P2P through batch_isend_irecv (coalescing scopes) and the distributed optimizer.
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,82 @@ def test_native_cuda_recording_resolves_every_point(tmp_path):
     assert comm.sum() > 2000 and (start >= 0).all() and (dur >= 0).all()
     assert (dur > 0).mean() > 0.9
     assert len(g.iterations) > 40
+
+
+def _load_in_child(env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    code = "from prismllm.comm.native import load; load(); print('LOADED')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, env={**os.environ, **env}, timeout=timeout)
+
+
+def test_build_locks_left_behind_are_removed_and_a_live_one_is_named(tmp_path):
+    """A build killed half-way leaves torch's empty ``lock`` (and our ``build.lock``) behind;
+    before the fix every later start waited on it forever. Both are removed with a message; a
+    lock whose holder is alive ends the wait after PRISM_NATIVE_BUILD_TIMEOUT, naming it."""
+    env = {"PRISM_NATIVE_CACHE": str(tmp_path)}
+    first = _load_in_child(env)  # builds once in this cache (~30 s)
+    assert first.returncode == 0 and "LOADED" in first.stdout, first.stderr[-2000:]
+    (directory,) = tmp_path.iterdir()
+    host = socket.gethostname()
+
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    (directory / "lock").touch()
+    (directory / "build.lock").write_text(f"{host} {exited.pid}\n")
+    p = _load_in_child(env, timeout=60)
+    assert p.returncode == 0 and "LOADED" in p.stdout, p.stderr[-2000:]
+    assert f"removing {directory / 'build.lock'}" in p.stderr
+    assert f"removing {directory / 'lock'}" in p.stderr
+    assert not (directory / "lock").exists() and not (directory / "build.lock").exists()
+
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        (directory / "build.lock").write_text(f"{host} {holder.pid}\n")
+        p = _load_in_child({**env, "PRISM_NATIVE_BUILD_TIMEOUT": "2"}, timeout=60)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert p.returncode != 0
+    assert "waited 2 s for the native backend's build, held by" in p.stderr
+    assert str(holder.pid) in p.stderr and str(directory / "build.lock") in p.stderr
+
+
+def _prism_record(tmp_path: Path, name: str, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    prog = tmp_path / "one_all_reduce.py"
+    prog.write_text("import torch, torch.distributed as dist\n"
+                    "dist.init_process_group('gloo')\n"
+                    "t = torch.ones(4)\n"
+                    "dist.all_reduce(t)\n")
+    run_env = {k: v for k, v in os.environ.items() if k != "PRISM_NATIVE"}
+    run_env.update(env or {}, OMP_NUM_THREADS="1")
+    cmd = [PRISM, "record", "--nproc", "2", "--devices", "cpu", "--out", str(tmp_path / name),
+           "--timeout", "120", *flags, "--", str(prog)]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, env=run_env, timeout=300)
+
+
+def test_record_takes_the_native_path_unless_it_cannot_be_built(tmp_path):
+    """`prism record` records natively by default and names the path in the manifest; a build
+    that fails is said on stderr and the Python path records instead (auto), or ends the run
+    with the reason (--recorder native). --save-tensors needs the Python path."""
+    p = _prism_record(tmp_path, "default")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert PrismTrace.load(tmp_path / "default").manifest["recorder"] == "native"
+
+    p = _prism_record(tmp_path, "python", "--recorder", "python")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert PrismTrace.load(tmp_path / "python").manifest["recorder"] == "python"
+
+    broken = {"PRISM_NATIVE_CACHE": str(tmp_path / "empty-cache"), "CXX": "/bin/false"}
+    p = _prism_record(tmp_path, "fallback", env=broken)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "WARNING: the native recording backend could not be built" in p.stderr
+    assert "recording through the Python path instead" in p.stderr
+    assert PrismTrace.load(tmp_path / "fallback").manifest["recorder"] == "python"
+
+    p = _prism_record(tmp_path, "required", "--recorder", "native", env=broken)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert "prism record: error: the native recording backend could not be built" in p.stderr
+
+    p = _prism_record(tmp_path, "saving", "--recorder", "native", "--save-tensors", "all")
+    assert p.returncode == 2
+    assert "--save-tensors records through the Python path" in p.stderr

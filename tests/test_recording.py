@@ -57,8 +57,8 @@ class Launch:
                 LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                 OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
             )  # fmt: skip
-            if record:
-                env.update(PRISM_MODE="record", PRISM_SPOOL=str(spool))
+            if record:  # the Python recording path (test_native_recording compares the native one)
+                env.update(PRISM_MODE="record", PRISM_SPOOL=str(spool), PRISM_NATIVE="0")
             env.update(extra_env)
             self.procs.append(
                 subprocess.Popen(

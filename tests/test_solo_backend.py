@@ -50,8 +50,10 @@ def rows(log, skip=()):
 
 
 def record(script, nproc, args, spool, env=None):
+    # the Python recording path, like the solo run: the rows' ``api`` names the method the
+    # backend was entered by, a C++ Backend method under native recording (`_allgather_base`)
     env = {"PRISM_MODE": "record", "PRISM_SPOOL": str(spool), "PYTHONWARNINGS": "ignore",
-           **(env or {})}  # fmt: skip
+           "PRISM_NATIVE": "0", **(env or {})}  # fmt: skip
     res = launch(LaunchSpec(nproc=nproc, script=str(script), args=list(args), env=env,
                             passthrough=False, timeout=240))  # fmt: skip
     assert res.ok, res.message

@@ -61,6 +61,7 @@ class RecordOptions:
     env: dict[str, str | None] = dataclasses.field(default_factory=dict)  # extra child env
     save_tensors: str | None = None  # selector of collectives whose outputs are saved
     tensor_store: str | os.PathLike | None = None  # where (default: <out>/tensors)
+    recorder: str = "auto"  # "native" | "python" | "auto": native, the Python path if it cannot be built
 
 
 @dataclasses.dataclass
@@ -300,6 +301,39 @@ def build_manifest(
 # ---------------------------------------------------------------------------------------------
 # Record
 
+RECORDERS = ("auto", "native", "python")
+
+
+def choose_recorder(opts: RecordOptions) -> str:
+    """"native" or "python": which recording path the ranks take. The native backend is built
+    here, once, before any rank starts (the ranks then only load it). With ``auto`` a build that
+    fails says so on stderr and the ranks record through the Python path; the manifest's
+    ``recorder`` names the path taken either way, since the two differ in per-call cost."""
+    if opts.recorder not in RECORDERS:
+        raise PrismError(f"bad --recorder {opts.recorder!r}: expected one of {', '.join(RECORDERS)}")
+    if opts.save_tensors:  # the Python path's hooks copy the saved outputs
+        if opts.recorder == "native":
+            raise PrismError("--save-tensors records through the Python path: drop --recorder native")
+        return "python"
+    if opts.recorder == "python":
+        return "python"
+    from prismllm.comm import native
+
+    if native.needs_build():
+        print("prism record: building the native recorder (once per torch version, ~30 s)…",
+              file=sys.stderr, flush=True)
+    try:
+        native.load()
+    except RuntimeError as e:
+        if opts.recorder == "native":
+            raise PrismError(str(e).removeprefix("prism: ")) from None
+        print(f"prism record: WARNING: {str(e).removeprefix('prism: ')}\n"
+              "prism record: WARNING: recording through the Python path instead, which costs more "
+              "host time a call (docs/prismtrace.md); the manifest says recorder=python",
+              file=sys.stderr, flush=True)
+        return "python"
+    return "native"
+
 
 def _trace_counts(out: Path, trace: Any) -> tuple[int | None, int | None]:
     """(iterations, nodes) of a saved trace, read from its Parquet files."""
@@ -366,8 +400,10 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
     spool = out / SPOOL_DIR
     spool.mkdir()
 
+    recorder = choose_recorder(opts)
     env: dict[str, str | None] = {
         "PRISM_MODE": "record",
+        "PRISM_NATIVE": "1" if recorder == "native" else "0",
         "PRISM_SPOOL": str(spool.resolve()),
         "PRISM_DEVICE": device,
     }
@@ -415,6 +451,7 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
         gpus=devices if isinstance(devices, list) else None,
         program=program,
     )
+    manifest["recorder"] = recorder
     trace = assemble_spool(spool, manifest)
     problems = validate(trace)
     if isinstance(problems, (list, tuple)):  # validate raises on errors; a list holds warnings

@@ -1,16 +1,17 @@
 """`prism record`: run a training program like torchrun and record its execution graph.
 
     prism record --nproc 8 --out out/tp2pp2 [--devices cpu|cuda] [--layout tp=2,pp=2]
-                 [--save-tensors SELECTOR [--tensor-store DIR]] [--timeout S] [--force] [--tee] [--prefix] -- SCRIPT ARGS...
+                 [--save-tensors SELECTOR [--tensor-store DIR]] [--recorder auto|native|python] [--timeout S] [--force] [--tee] [--prefix] -- SCRIPT ARGS...
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from prismllm.capture.launcher import LaunchInterrupted
-from prismllm.capture.record import RecordOptions, RecordResult, record
+from prismllm.capture.record import RECORDERS, RecordOptions, RecordResult, record
 from prismllm.cli.program import add_program_args, line_prefix, program_args
 
 
@@ -44,6 +45,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="end the run after S seconds, naming the ranks still running")
     p.add_argument("--force", action="store_true",
                    help="replace DIR if it already holds a trace")
+    p.add_argument("--recorder", choices=RECORDERS,
+                   default={"0": "python", "1": "native"}.get(os.environ.get("PRISM_NATIVE", ""), "auto"),
+                   help="native: the C++ recording backend (built once per torch version; the least "
+                        "host time a call); python: the Python path; auto (default; PRISM_NATIVE=1/0 "
+                        "picks native/python): native, or the Python path with a warning if it cannot "
+                        "be built. --save-tensors always records through the Python path")
     p.add_argument("--tee", action="store_true",
                    help="also write each rank's stdout/stderr to DIR/logs/rank-NNNNNN.{stdout,stderr}.log")
     add_program_args(p)
@@ -60,6 +67,8 @@ def _argv(args: argparse.Namespace) -> list[str]:
             argv += [flag, str(value)]
     if args.timeout is not None:
         argv += ["--timeout", f"{args.timeout:g}"]
+    if args.recorder != "auto":
+        argv += ["--recorder", args.recorder]
     argv += [f for f, on in (("--force", args.force), ("--tee", args.tee), ("--prefix", args.prefix)) if on]
     return argv + ["--", args.script, *args.script_args]
 
@@ -93,6 +102,7 @@ def _summary(res: RecordResult) -> None:
     table.add_row("ranks", f"{res.world_size} ({res.device})")
     table.add_row("iterations", fmt(res.iterations))
     table.add_row("nodes", fmt(res.nodes))
+    table.add_row("recorder", res.manifest.get("recorder", "?"))
     table.add_row("output", str(res.out))
     table.add_row("wall time", f"{res.wall_s:.1f} s")
     console = Console()
@@ -128,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         argv=_argv(args),
         save_tensors=args.save_tensors,
         tensor_store=args.tensor_store,
+        recorder=args.recorder,
         sink=sink,
     )
     try:

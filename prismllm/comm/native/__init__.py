@@ -1,14 +1,25 @@
 """The native recording backend (``recording_backend.cpp``), built on first use.
 
 ``load()`` compiles the extension with ``torch.utils.cpp_extension`` (a C++ compiler is
-needed; ~20-40 s once per torch version, cached under ``$PRISM_NATIVE_CACHE`` or torch's
-extension cache) and returns the module. Concurrent ranks wait on torch's build lock, so a
-job's first start builds it once.
+needed; ~20-40 s once per torch version and source, cached under ``$PRISM_NATIVE_CACHE`` or
+``~/.cache/prismllm/native``) and returns the module.
+
+Concurrent ranks build it once: each takes ``build.lock`` in the build directory, a file
+holding its host and pid, before handing over to torch. Torch's own lock there is an empty
+file, so a build killed half-way left it behind and every later start waited on it forever;
+under ``build.lock`` no other prism process can be building, so a torch lock found there is
+left over and is removed (with a message). A ``build.lock`` whose process is gone is removed
+the same way; one still held after ``$PRISM_NATIVE_BUILD_TIMEOUT`` seconds (default 600)
+ends the wait with a message naming the file and its holder.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -16,28 +27,131 @@ _MOD: ModuleType | None = None
 _SRC = Path(__file__).with_name("recording_backend.cpp")
 
 
+def build_directory(tag: str) -> Path:
+    root = os.environ.get("PRISM_NATIVE_CACHE")
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "prismllm", "native")
+    return Path(root) / tag
+
+
+def _tag() -> str:
+    import torch
+
+    return "prism_native_" + torch.__version__.replace(".", "_").replace("+", "_")
+
+
+def needs_build() -> bool:
+    """Whether ``load()`` will compile (no library yet, or one older than the source)."""
+    lib = build_directory(_tag()) / f"{_tag()}.so"
+    return not lib.exists() or lib.stat().st_mtime < _SRC.stat().st_mtime
+
+
+def _holder(lock: Path) -> tuple[str, int] | None:
+    """(host, pid) written in a build lock, None when the file is gone or half-written."""
+    try:
+        host, pid = lock.read_text().split()
+        return host, int(pid)
+    except (OSError, ValueError):
+        return None
+
+
+def _gone(holder: tuple[str, int] | None, lock: Path, timeout: float) -> bool:
+    """Whether the process that wrote ``lock`` can no longer be building."""
+    if holder is None:  # unreadable: the writer died between create and write, or is writing
+        try:
+            return time.time() - lock.stat().st_mtime > 5.0
+        except OSError:
+            return False  # removed meanwhile: the next try takes it
+    host, pid = holder
+    if host != socket.gethostname():  # a shared cache: only its age tells
+        try:
+            return time.time() - lock.stat().st_mtime > timeout
+        except OSError:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+@contextmanager
+def _build_lock(directory: Path):
+    timeout = float(os.environ.get("PRISM_NATIVE_BUILD_TIMEOUT", "600"))
+    lock = directory / "build.lock"
+    start = time.monotonic()
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _holder(lock)
+            if _gone(holder, lock, timeout):
+                print(f"prism: removing {lock}, left by {holder or 'a process that died'}",
+                      file=sys.stderr)
+                lock.unlink(missing_ok=True)
+                continue
+            if time.monotonic() - start > timeout:
+                raise RuntimeError(
+                    f"prism: waited {timeout:.0f} s for the native backend's build, held by "
+                    f"{holder} through {lock}; if that process is not building any more, "
+                    "remove the file (or raise PRISM_NATIVE_BUILD_TIMEOUT)"
+                ) from None
+            time.sleep(0.2)
+            continue
+        try:
+            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+        break
+    try:
+        left = directory / "lock"  # torch's: nobody else can hold it while we hold ours
+        if left.exists():
+            print(f"prism: removing {left}, left by a build that was stopped", file=sys.stderr)
+            left.unlink(missing_ok=True)
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
 def load() -> ModuleType:
     global _MOD
     if _MOD is None:
-        import torch
         import torch.distributed  # noqa: F401  (the Backend and Work types the module uses)
         from torch.utils.cpp_extension import load as build
 
-        cache = os.environ.get("PRISM_NATIVE_CACHE")
-        if cache:
-            os.makedirs(cache, exist_ok=True)
-        tag = torch.__version__.replace(".", "_").replace("+", "_")
+        tag = _tag()
+        directory = build_directory(tag)
         try:
-            _MOD = build(
-                name=f"prism_native_{tag}",
-                sources=[str(_SRC)],
-                extra_cflags=["-O2"],
-                build_directory=cache or None,
-                verbose=False,
-            )
-        except Exception as e:  # no compiler, or headers that do not match
-            raise RuntimeError(
-                f"prism: the native recording backend could not be built ({e}); "
-                "record with PRISM_NATIVE=0 to use the Python recording path"
-            ) from None
+            directory.mkdir(parents=True, exist_ok=True)
+            with _build_lock(directory):
+                _MOD = build(
+                    name=tag,
+                    sources=[str(_SRC)],
+                    extra_cflags=["-O2"],
+                    build_directory=str(directory),
+                    verbose=False,
+                )
+        except RuntimeError as e:
+            if str(e).startswith("prism: "):  # the lock's own message
+                raise
+            failure: Exception = e
+        except Exception as e:  # no compiler, headers that do not match, an unwritable cache
+            failure = e
+        else:
+            return _MOD
+        raise RuntimeError(
+            f"prism: the native recording backend could not be built in {directory} "
+            f"({_first_line(failure)}); `prism record --recorder python` records through the "
+            "Python path"
+        ) from None
     return _MOD
+
+
+def _first_line(e: Exception) -> str:
+    """A build failure's gist: torch's message carries the whole compiler log."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower()]
+    return (errors or lines or [type(e).__name__])[0][:300]
