@@ -522,16 +522,19 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
             res["baseline_c"] = {"per_rank": {}, "note": "n/a on CPU (no device memory)"}
         # --repeats: the real run and the emulation again, alternating, so that both medians
         # are taken over runs spread across the same minutes (the host's drift hits both)
-        res["real"]["runs"] = [{"rank_ns": res["real"]["rank_ns"], "job_ns": res["real"]["job_ns"]}]
-        res["emulated"]["runs"] = [{"rank_ns": res["emulated"]["rank_ns"]}]
+        res["real"]["runs"] = [{k: res["real"][k] for k in ("rank_ns", "job_ns", "rank_compute_ns")}]
+        res["emulated"]["runs"] = [{k: res["emulated"][k] for k in ("rank_ns", "rank_compute_ns")}]
         for k in range(2, opts.repeats + 1):
             again = work / f"real-{k}"
             R.cmd(f"record_{k}", [*PRISM, "record", "--nproc", str(n), "--devices", dev, "--out", str(again), *prog])
-            per_k = per_rank_iterations(load(again))
+            trace_k = load(again)
+            per_k, comp_k = per_rank_iterations(trace_k), per_rank_compute(trace_k)
             res["real"]["runs"].append({"rank_ns": {str(r): steady_median(per_k.get(r, []), opts.warmup) for r in sandbox},
-                                        "job_ns": steady_median(job_iterations(per_k), opts.warmup)})
+                                        "job_ns": steady_median(job_iterations(per_k), opts.warmup),
+                                        "rank_compute_ns": {str(r): steady_median(comp_k.get(r, []), opts.warmup)
+                                                            for r in sandbox}})
             emu_k = emulate(f"emulate_{k}", "real", work / f"emu-{k}")
-            res["emulated"]["runs"].append({"rank_ns": emu_k["rank_ns"]})
+            res["emulated"]["runs"].append({k: emu_k[k] for k in ("rank_ns", "rank_compute_ns")})
             shutil.rmtree(again, ignore_errors=True)
             shutil.rmtree(work / f"emu-{k}", ignore_errors=True)
         # the noise floor: the real run once more, last
@@ -571,6 +574,8 @@ def rows(res: dict) -> list[dict]:
         # one run: its own figure; --repeats K: the median of the K runs
         ref = statistics.median(real_runs) if real_runs else (real.get("rank_ns") or {}).get(r)
         emu = statistics.median(emu_runs) if emu_runs else get("emulated")
+        comp = {key: runs_of(res, key, r, "rank_compute_ns") for key in ("real", "emulated")}
+        comp = {key: statistics.median(v) if v else get(key, "rank_compute_ns") for key, v in comp.items()}
         jobs = [x["job_ns"] for x in real.get("runs") or [] if x.get("job_ns") is not None]
         ref_job = statistics.median(jobs) if jobs else real.get("job_ns")
         fast, pred, pure = get("baseline_b"), get("calibrated"), get("baseline_a")
@@ -584,9 +589,8 @@ def rows(res: dict) -> list[dict]:
                "baseline_a_ms": ms(pure), "baseline_a_err": rel(pure, ref),
                "baseline_a_job_ms": ms(pure_job), "baseline_a_job_err": rel(pure_job, ref_job),
                "baseline_b_ms": ms(fast), "baseline_b_err": rel(fast, ref),
-               "real_compute_ms": ms(get("real", "rank_compute_ns")),
-               "emulated_compute_ms": ms(get("emulated", "rank_compute_ns")),
-               "emulated_compute_err": rel(get("emulated", "rank_compute_ns"), get("real", "rank_compute_ns"))}
+               "real_compute_ms": ms(comp["real"]), "emulated_compute_ms": ms(comp["emulated"]),
+               "emulated_compute_err": rel(comp["emulated"], comp["real"])}
         if len(real_runs) > 1 or len(emu_runs) > 1:
             row.update(real_runs_ms=[ms(x) for x in real_runs], emulated_runs_ms=[ms(x) for x in emu_runs],
                        real_spread=spread(real_runs), emulated_spread=spread(emu_runs))
@@ -611,9 +615,10 @@ def rows(res: dict) -> list[dict]:
     return out
 
 
-def runs_of(res: dict, key: str, r: str) -> list[float]:
-    """Rank ``r``'s iteration time in each run of ``key`` (real / emulated) that measured it."""
-    return [x for x in (((run.get("rank_ns") or {}).get(r)) for run in (res.get(key) or {}).get("runs") or [])
+def runs_of(res: dict, key: str, r: str, field: str = "rank_ns") -> list[float]:
+    """Rank ``r``'s ``field`` (iteration or compute time) in each run of ``key`` (real / emulated)
+    that measured it."""
+    return [x for x in (((run.get(field) or {}).get(r)) for run in (res.get(key) or {}).get("runs") or [])
             if x is not None]
 
 

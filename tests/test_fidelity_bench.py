@@ -89,6 +89,9 @@ def test_harness_smallest_case_fills_every_column(tmp_path):
     assert len(row["real_runs_ms"]) == 2 and len(row["emulated_runs_ms"]) == 2
     assert row["real_ms"] == pytest.approx(sum(row["real_runs_ms"]) / 2, abs=2e-3)
     assert row["emulated_ms"] == pytest.approx(sum(row["emulated_runs_ms"]) / 2, abs=2e-3)
+    for key in ("real", "emulated"):  # compute spans too: the median over the runs
+        each = [run["rank_compute_ns"]["1"] for run in case[key]["runs"]]
+        assert len(each) == 2 and row[f"{key}_compute_ms"] == pytest.approx(sum(each) / 2e6, abs=2e-3)
     assert all(row[k] == "n/a" for k in row if k.startswith("peak_"))  # device memory: CPU has none
     assert case["emulated"]["timing"] == "real" and case["baseline_b"]["timing"] == "fast"
     assert case["emulated"]["losses_equal_recorded"] is True  # recorded inputs: the real run's numbers
