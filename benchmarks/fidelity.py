@@ -418,22 +418,26 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
     prog = ["--", GPT3D, *args]
     real, saved, bare = work / "real", work / "real-tensors", work / "bare"
     timed, cal = work / "time", work / "cal"
+
+    def real_run(stage: str, out: Path) -> tuple[dict, str]:
+        """`prism record` of the program into ``out``: the sandbox ranks' iteration and compute
+        times and the job's (medians of the steady iterations), and the command's output."""
+        text = R.cmd(stage, [*PRISM, "record", "--nproc", str(n), "--devices", dev, "--out", str(out), *prog])
+        trace = load(out)
+        per, comp = per_rank_iterations(trace), per_rank_compute(trace)
+        job = job_iterations(per)
+        return {"rank_iteration_ns": {str(r): per.get(r, []) for r in sandbox},
+                "rank_ns": {str(r): steady_median(per.get(r, []), opts.warmup) for r in sandbox},
+                "rank_compute_ns": {str(r): steady_median(comp.get(r, []), opts.warmup) for r in sandbox},
+                "job_iteration_ns": job, "job_ns": steady_median(job, opts.warmup)}, text
+
     try:
         # 1. the real run: the reference (timing and memory), recorded without saving tensors
         # (saving copies every selected buffer to the host synchronously: not a timing run)
-        text = R.cmd("record", [*PRISM, "record", "--nproc", str(n), "--devices", dev, "--out", str(real), *prog])
-        real_trace = load(real)
-        per = per_rank_iterations(real_trace)
-        manifest = json.loads((real / "manifest.json").read_text())
-        peaks = manifest.get("peak_memory_bytes") or {}
-        job = job_iterations(per)
+        timing, text = real_run("record", real)
+        peaks = json.loads((real / "manifest.json").read_text()).get("peak_memory_bytes") or {}
         pr = printed(text)
-        comp = per_rank_compute(real_trace)
-        res["real"] = {"rank_iteration_ns": {str(r): per.get(r, []) for r in sandbox},
-                       "rank_ns": {str(r): steady_median(per.get(r, []), opts.warmup) for r in sandbox},
-                       "rank_compute_ns": {str(r): steady_median(comp.get(r, []), opts.warmup) for r in sandbox},
-                       "job_iteration_ns": job, "job_ns": steady_median(job, opts.warmup),
-                       "printed_iter_time_ms": pr["iter_time_ms"],
+        res["real"] = {**timing, "printed_iter_time_ms": pr["iter_time_ms"],
                        "printed_ms": steady_median(pr["iter_time_ms"], opts.warmup),
                        "peak_memory_bytes": {str(r): int(peaks.get(str(r), -1)) for r in sandbox}}
         # ... and the same command again saving every collective's inputs and outputs: the
@@ -522,28 +526,19 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
             res["baseline_c"] = {"per_rank": {}, "note": "n/a on CPU (no device memory)"}
         # --repeats: the real run and the emulation again, alternating, so that both medians
         # are taken over runs spread across the same minutes (the host's drift hits both)
-        res["real"]["runs"] = [{k: res["real"][k] for k in ("rank_ns", "job_ns", "rank_compute_ns")}]
-        res["emulated"]["runs"] = [{k: res["emulated"][k] for k in ("rank_ns", "rank_compute_ns")}]
+        real_fields, emu_fields = ("rank_ns", "job_ns", "rank_compute_ns"), ("rank_ns", "rank_compute_ns")
+        res["real"]["runs"] = [{f: res["real"][f] for f in real_fields}]
+        res["emulated"]["runs"] = [{f: res["emulated"][f] for f in emu_fields}]
         for k in range(2, opts.repeats + 1):
-            again = work / f"real-{k}"
-            R.cmd(f"record_{k}", [*PRISM, "record", "--nproc", str(n), "--devices", dev, "--out", str(again), *prog])
-            trace_k = load(again)
-            per_k, comp_k = per_rank_iterations(trace_k), per_rank_compute(trace_k)
-            res["real"]["runs"].append({"rank_ns": {str(r): steady_median(per_k.get(r, []), opts.warmup) for r in sandbox},
-                                        "job_ns": steady_median(job_iterations(per_k), opts.warmup),
-                                        "rank_compute_ns": {str(r): steady_median(comp_k.get(r, []), opts.warmup)
-                                                            for r in sandbox}})
-            emu_k = emulate(f"emulate_{k}", "real", work / f"emu-{k}")
-            res["emulated"]["runs"].append({k: emu_k[k] for k in ("rank_ns", "rank_compute_ns")})
-            shutil.rmtree(again, ignore_errors=True)
+            timing, _ = real_run(f"record_{k}", work / f"real-{k}")
+            res["real"]["runs"].append({f: timing[f] for f in real_fields})
+            timing = emulate(f"emulate_{k}", "real", work / f"emu-{k}")
+            res["emulated"]["runs"].append({f: timing[f] for f in emu_fields})
+            shutil.rmtree(work / f"real-{k}", ignore_errors=True)
             shutil.rmtree(work / f"emu-{k}", ignore_errors=True)
         # the noise floor: the real run once more, last
         if opts.noise:
-            R.cmd("record_again", [*PRISM, "record", "--nproc", str(n), "--devices", dev, "--out",
-                                   str(work / "real-again"), *prog])
-            per2 = per_rank_iterations(load(work / "real-again"))
-            res["real_again"] = {"rank_iteration_ns": {str(r): per2.get(r, []) for r in sandbox},
-                                 "rank_ns": {str(r): steady_median(per2.get(r, []), opts.warmup) for r in sandbox}}
+            res["real_again"], _ = real_run("record_again", work / "real-again")
     except StageError as e:
         res["error"], res["failed_stage"] = str(e), e.stage
         print(f"[{label}] FAILED at {e}", flush=True)
@@ -571,11 +566,14 @@ def rows(res: dict) -> list[dict]:
         real = res.get("real") or {}
         get = lambda key, sub="rank_ns": ((res.get(key) or {}).get(sub) or {}).get(r)  # noqa: E731
         real_runs, emu_runs = runs_of(res, "real", r), runs_of(res, "emulated", r)
-        # one run: its own figure; --repeats K: the median of the K runs
-        ref = statistics.median(real_runs) if real_runs else (real.get("rank_ns") or {}).get(r)
-        emu = statistics.median(emu_runs) if emu_runs else get("emulated")
-        comp = {key: runs_of(res, key, r, "rank_compute_ns") for key in ("real", "emulated")}
-        comp = {key: statistics.median(v) if v else get(key, "rank_compute_ns") for key, v in comp.items()}
+
+        def of_runs(key: str, field: str = "rank_ns") -> float | None:
+            """One run: its own figure; --repeats K: the median of the K runs."""
+            each = runs_of(res, key, r, field)
+            return statistics.median(each) if each else get(key, field)
+
+        ref, emu = of_runs("real"), of_runs("emulated")
+        comp = {key: of_runs(key, "rank_compute_ns") for key in ("real", "emulated")}
         jobs = [x["job_ns"] for x in real.get("runs") or [] if x.get("job_ns") is not None]
         ref_job = statistics.median(jobs) if jobs else real.get("job_ns")
         fast, pred, pure = get("baseline_b"), get("calibrated"), get("baseline_a")

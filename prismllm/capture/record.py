@@ -325,9 +325,10 @@ def choose_recorder(opts: RecordOptions) -> str:
     try:
         native.load()
     except RuntimeError as e:
+        reason = str(e).removeprefix("prism: ")
         if opts.recorder == "native":
-            raise PrismError(str(e).removeprefix("prism: ")) from None
-        print(f"prism record: WARNING: {str(e).removeprefix('prism: ')}\n"
+            raise PrismError(reason) from None
+        print(f"prism record: WARNING: {reason}\n"
               "prism record: WARNING: recording through the Python path instead, which costs more "
               "host time a call (docs/prismtrace.md); the manifest says recorder=python",
               file=sys.stderr, flush=True)

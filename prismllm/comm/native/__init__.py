@@ -41,9 +41,14 @@ def _tag() -> str:
     return "prism_native_" + torch.__version__.replace(".", "_").replace("+", "_")
 
 
+class BuildLockTimeout(RuntimeError):
+    """The build lock stayed held by a live process for longer than the timeout."""
+
+
 def needs_build() -> bool:
     """Whether ``load()`` will compile (no library yet, or one older than the source)."""
-    lib = build_directory(_tag()) / f"{_tag()}.so"
+    tag = _tag()
+    lib = build_directory(tag) / f"{tag}.so"
     return not lib.exists() or lib.stat().st_mtime < _SRC.stat().st_mtime
 
 
@@ -56,25 +61,26 @@ def _holder(lock: Path) -> tuple[str, int] | None:
         return None
 
 
+def _older_than(lock: Path, seconds: float) -> bool:
+    try:
+        return time.time() - lock.stat().st_mtime > seconds
+    except OSError:
+        return False  # removed meanwhile: the next try takes it
+
+
 def _gone(holder: tuple[str, int] | None, lock: Path, timeout: float) -> bool:
     """Whether the process that wrote ``lock`` can no longer be building."""
     if holder is None:  # unreadable: the writer died between create and write, or is writing
-        try:
-            return time.time() - lock.stat().st_mtime > 5.0
-        except OSError:
-            return False  # removed meanwhile: the next try takes it
+        return _older_than(lock, 5.0)
     host, pid = holder
     if host != socket.gethostname():  # a shared cache: only its age tells
-        try:
-            return time.time() - lock.stat().st_mtime > timeout
-        except OSError:
-            return False
+        return _older_than(lock, timeout)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return True
-    except PermissionError:
-        return False
+    except PermissionError:  # alive, another user's
+        pass
     return False
 
 
@@ -94,7 +100,7 @@ def _build_lock(directory: Path):
                 lock.unlink(missing_ok=True)
                 continue
             if time.monotonic() - start > timeout:
-                raise RuntimeError(
+                raise BuildLockTimeout(
                     f"prism: waited {timeout:.0f} s for the native backend's build, held by "
                     f"{holder} through {lock}; if that process is not building any more, "
                     "remove the file (or raise PRISM_NATIVE_BUILD_TIMEOUT)"
@@ -134,19 +140,14 @@ def load() -> ModuleType:
                     build_directory=str(directory),
                     verbose=False,
                 )
-        except RuntimeError as e:
-            if str(e).startswith("prism: "):  # the lock's own message
-                raise
-            failure: Exception = e
+        except BuildLockTimeout:
+            raise
         except Exception as e:  # no compiler, headers that do not match, an unwritable cache
-            failure = e
-        else:
-            return _MOD
-        raise RuntimeError(
-            f"prism: the native recording backend could not be built in {directory} "
-            f"({_first_line(failure)}); `prism record --recorder python` records through the "
-            "Python path"
-        ) from None
+            raise RuntimeError(
+                f"prism: the native recording backend could not be built in {directory} "
+                f"({_first_line(e)}); `prism record --recorder python` records through the "
+                "Python path"
+            ) from None
     return _MOD
 
 
