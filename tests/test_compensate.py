@@ -75,16 +75,16 @@ def _spmd(size: int, fns) -> list:
     return out
 
 
-def _pruned(p: C.Plan, inputs: list, program) -> tuple:
+def _pruned(p: C.Plan, inputs: list, program, scratch=None) -> tuple:
     """Run plan ``p``: ``program(g)`` -> (kwargs for sandbox_call, result getter). Returns
-    ({real g: result}, proxy SmallCall)."""
+    ({real g: result}, proxy SmallCall). ``scratch``: sandbox_call's buffer source."""
     G = p.group
     virtual_only = [inputs[g] if not G.is_real(g) else None for g in range(G.n)]
     fns = []
     for g in G.real:
         def sb(pg, g=g):
             kwargs, get = program(g)
-            C.run(pg, C.sandbox_call(p, g, **kwargs))
+            C.run(pg, C.sandbox_call(p, g, scratch=scratch, **kwargs))
             return get()
         fns.append(sb)
     fns.append(lambda pg: C.run(pg, C.proxy_call(p, virtual_only)))
@@ -634,3 +634,78 @@ def test_plan_once_reuses_a_plan_per_distinct_arguments():
     assert p == C.plan_all_to_all(4, G, sp, row_numel=COLS, dtype=F64)
     with pytest.raises(C.CompensationError):  # errors are raised, not cached
         C.plan_once(C.plan_all_reduce, 4, G, (ROWS, COLS), "no-such-op", dtype=F64)
+
+
+# ---------------------------------------------------------------------- scratch from an arena
+class _CheckingArena:
+    """A stand-in for prismllm.comm.scratch.DeviceArena on the CPU: hands out buffers full of
+    garbage unless asked for zeros, and counts what is taken and given back."""
+
+    def __init__(self):
+        self.taken, self.out = 0, {}
+        self.lock = threading.Lock()
+
+    def take(self, numel, dtype, zero=False):
+        t = torch.zeros(numel, dtype=dtype) if zero else torch.full((numel,), 7, dtype=dtype)
+        with self.lock:
+            self.taken += 1
+            self.out[t.data_ptr()] = t
+        return t
+
+    def give_back(self, buffers):
+        with self.lock:
+            for b in buffers:
+                del self.out[b.data_ptr()]
+
+
+@pytest.mark.parametrize("op", ["all_reduce", "reduce_scatter", "all_gather", "all_to_all", "reduce"])
+def test_sandbox_buffers_come_from_the_arena_and_go_back(op):
+    """On a GPU the sandbox's own buffers come from an arena outside PyTorch's allocator
+    (so the program's peak memory is its own): each op's results stay right with buffers that
+    start as garbage, every buffer taken is given back by ``finish``, and the arena is used."""
+    n, real = 4, (1, 3)
+    rnd = _gen(20)
+    arena = _CheckingArena()
+    if op == "all_reduce":
+        inputs = [rnd(ROWS, COLS) for _ in range(n)]
+        p = C.plan_all_reduce(n, real, (ROWS, COLS), "sum", dtype=F64)
+
+        def program(g):
+            t = inputs[g].clone()
+            return {"tensor": t}, lambda: t
+    elif op == "reduce":
+        inputs = [rnd(ROWS, COLS) for _ in range(n)]
+        p = C.plan_reduce(n, real, (ROWS, COLS), 1, "premul_sum", dtype=F64, factor=0.5)
+
+        def program(g):
+            t = inputs[g].clone()
+            return {"tensor": t}, lambda: t
+    elif op == "reduce_scatter":
+        inputs = [rnd(n * ROWS, COLS) for _ in range(n)]
+        p = C.plan_reduce_scatter(n, real, (ROWS, COLS), "sum", dtype=F64)
+
+        def program(g):
+            out = torch.empty(ROWS, COLS, dtype=F64)
+            return {"input": inputs[g].clone(), "output": out}, lambda: out
+    elif op == "all_gather":
+        inputs = [rnd(ROWS, COLS) for _ in range(n)]
+        p = C.plan_all_gather(n, real, (ROWS, COLS), dtype=F64)
+
+        def program(g):
+            out = torch.empty(n * ROWS, COLS, dtype=F64)
+            return {"input": inputs[g].clone(), "output": out}, lambda: out
+    else:
+        splits = _splits(n, 21)
+        inputs = [rnd(sum(splits[s]), COLS) for s in range(n)]
+        p = C.plan_all_to_all(n, real, splits, row_numel=COLS, dtype=F64)
+
+        def program(g):
+            out = torch.empty(sum(splits[s][g] for s in range(n)), COLS, dtype=F64)
+            return {"input": inputs[g].clone(), "output": out}, lambda: out
+    ref = C.reference(p, inputs)
+    got, _ = _pruned(p, inputs, program, scratch=lambda device: arena)
+    for g in real:
+        if ref[g] is not None:  # reduce: the root's result only
+            _close(got[g], ref[g], exact=False)
+    assert arena.taken > 0, f"{op}: no buffer came from the arena"
+    assert not arena.out, f"{op}: {len(arena.out)} buffer(s) never given back"

@@ -75,10 +75,50 @@ def test_losses_and_pruned_outputs_equal_the_real_run(layout, tmp_path):
     assert emu is not None, "the sandbox (last rank) writes the loss log"
     assert_same_losses(real, emu)
     assert_check(res, 1, graph)
-    peak = res.sandbox_results[1]["peak_memory_bytes"]
-    assert peak > 0, res.sandbox_results
+    assert_same_peak(res, 1, manifest)
+    if layout == "dp2_distopt":  # its reduce-scatter re-arranges into scratch: the arena was used
+        assert res.sandbox_results[1]["emulation_scratch_bytes"] > 0, res.sandbox_results
     res, _ = run_emulation(graph, tmp_path / "emu0", layout, "0")
     assert_check(res, 0, graph)
+    assert_same_peak(res, 0, manifest)
+
+
+def assert_same_peak(res, rank: int, manifest: dict) -> None:
+    """The sandbox rank's peak memory (torch.cuda.max_memory_allocated) is the real rank's to
+    the byte: the pruned calls' scratch is taken outside the program's allocator and reported
+    apart (docs/pruning.md, "Scratch memory")."""
+    m = res.sandbox_results[rank]
+    real = int(manifest["peak_memory_bytes"][str(rank)])
+    assert real > 0 and m["peak_memory_bytes"] == real, (
+        f"rank {rank}: emulated peak {m['peak_memory_bytes']:,} B, real {real:,} B "
+        f"({m['peak_memory_bytes'] - real:+,} B); scratch outside it {m.get('emulation_scratch_bytes'):,} B")
+
+
+def test_device_arena_is_outside_the_allocator():
+    """Scratch from the arena: usable device memory that PyTorch's allocator statistics do not
+    see, reused once given back, zero-filled on request."""
+    from prismllm.comm.scratch import DeviceArena
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev), torch.cuda.max_memory_allocated(dev)
+    arena = DeviceArena(dev)
+    a = arena.take(16 << 20, torch.float32)  # 64 MiB
+    a.fill_(3.0)
+    b = arena.take(1 << 20, torch.float32, zero=True)
+    # (checked before any reduction below, which takes its own small buffer from the allocator)
+    assert (torch.cuda.memory_allocated(dev), torch.cuda.max_memory_allocated(dev)) == before
+    assert arena.reserved_bytes == (64 << 20) + (4 << 20)
+    assert a.device == dev and float(a.sum()) == 3.0 * (16 << 20)
+    assert int(torch.count_nonzero(b)) == 0
+    ptr = a.data_ptr()
+    arena.give_back([a])
+    c = arena.take(1 << 20, torch.bfloat16, zero=True)  # fits the freed 64 MiB segment: reused
+    assert c.data_ptr() == ptr and arena.reserved_bytes == (64 << 20) + (4 << 20)
+    assert int(torch.count_nonzero(c)) == 0
+    d = arena.take(1 << 20, torch.float32)  # both segments busy: a third
+    assert d.data_ptr() not in (ptr, b.data_ptr()) and arena.reserved_bytes == (64 << 20) + (8 << 20)
 
 
 def test_whole_pipeline_on_gpu(tmp_path):

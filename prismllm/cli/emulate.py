@@ -85,7 +85,9 @@ def _print_figures(res) -> None:
         mem = m["peak_memory_bytes"]
         med = m["median_steady_iteration_ns"]
         line = (f"prism emulate: sandbox rank {r}: iterations [{its}]; median steady {_ms(med)}"
-                + (f"; peak memory {mem:,} B" if mem >= 0 else ""))
+                + (f"; peak memory {mem:,} B" if mem >= 0 else "")
+                + (f" (+ {m['emulation_scratch_bytes']:,} B of pruned-call scratch outside it)"
+                   if m.get("emulation_scratch_bytes") else ""))
         if pred and med:
             line += f"; calibrated prediction {_ms(pred)} ({(med - pred) / pred * 100:+.2f} %)"
         if m.get("emulation_overhead_left_out_ns"):  # CPU: the pruned calls' own host time

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from prismllm.comm import solo
+from prismllm.comm import scratch, solo
 from prismllm.errors import PrismError
 from prismllm.generate.generator import Call
 from prismllm.replay import compensate as C
@@ -408,6 +408,11 @@ class PrunedBackend(solo.GeneratedBackend):
             self.owner._rec.exclude(time.perf_counter_ns() - t0)
 
     # -- planning --
+    def _sandbox_call(self, p: C.Plan, **tensors: Any) -> C.SmallCall:
+        """This member's small call; on NCCL its scratch comes from outside the program's
+        allocator (``prismllm.comm.scratch``), so the sandbox's peak memory is the program's."""
+        return C.sandbox_call(p, self._rank, scratch=scratch.arena if self.backend == "nccl" else None, **tensors)
+
     def _plan(self, c: Call, tag: int = 0) -> tuple[C.Plan, C.SmallCall]:
         """The plan of one call and this member's small call, from the program's tensors."""
         G, g, op = self.group, self._rank, c.op
@@ -420,23 +425,23 @@ class PrunedBackend(solo.GeneratedBackend):
         if op == "all_reduce":
             t = _one(c.output, "all_reduce")
             p = C.plan_once(C.plan_all_reduce, n, G, t.shape, c.reduce_op, dtype=t.dtype)
-            return p, C.sandbox_call(p, g, tensor=t)
+            return p, self._sandbox_call(p, tensor=t)
         if op == "broadcast":
             t = _one(c.input if c.is_root else c.output, "broadcast")
             p = C.plan_once(C.plan_broadcast, n, G, t.shape, self.global_ranks.index(c.root), dtype=t.dtype)
-            return p, C.sandbox_call(p, g, tensor=t)
+            return p, self._sandbox_call(p, tensor=t)
         if op == "reduce":
             t = _one(c.input, "reduce")
             p = C.plan_once(C.plan_reduce, n, G, t.shape, self.global_ranks.index(c.root), c.reduce_op, dtype=t.dtype)
-            return p, C.sandbox_call(p, g, tensor=t)
+            return p, self._sandbox_call(p, tensor=t)
         if op == "all_gather":
             x = _one(c.input, "all_gather")
             p = C.plan_once(C.plan_all_gather, n, G, x.shape, dtype=x.dtype)
-            return p, C.sandbox_call(p, g, output=c.output, input=x)
+            return p, self._sandbox_call(p, output=c.output, input=x)
         if op == "reduce_scatter":
             out = _one(c.output, "reduce_scatter")
             p = C.plan_once(C.plan_reduce_scatter, n, G, out.shape, c.reduce_op, dtype=out.dtype)
-            return p, C.sandbox_call(p, g, output=out, input=c.input)
+            return p, self._sandbox_call(p, output=out, input=c.input)
         if op == "all_to_all":
             x = c.input if isinstance(c.input, torch.Tensor) else None
             if x is None:  # alltoall(outputs, inputs): one tensor per member, as the recording's
@@ -450,10 +455,10 @@ class PrunedBackend(solo.GeneratedBackend):
                                        f"are not supported in emulation")
                 sp = C.splits_matrix(n, rows={g: rows}, cols={g: cols})
                 p = C.plan_once(C.plan_all_to_all, n, G, sp, row_numel=row_numel, dtype=ins[0].dtype)
-                return p, C.sandbox_call(p, g, output=outs, input=ins)
+                return p, self._sandbox_call(p, output=outs, input=ins)
             if not (c.in_splits or c.out_splits):
                 p = C.plan_once(C.plan_all_to_all, n, G, None, numel=x.numel(), dtype=x.dtype)
-                return p, C.sandbox_call(p, g, output=c.output, input=x)
+                return p, self._sandbox_call(p, output=c.output, input=x)
             # uneven: this member knows its own row (what it sends) and column (what it
             # receives), which is all its small call reads
             out = c.output
@@ -461,24 +466,24 @@ class PrunedBackend(solo.GeneratedBackend):
             osp = list(c.out_splits) or [(out.shape[0] if out.dim() else 0) // n] * n
             sp = C.splits_matrix(n, rows={g: isp}, cols={g: osp})
             p = C.plan_once(C.plan_all_to_all, n, G, sp, row_numel=math.prod(x.shape[1:]), dtype=x.dtype)
-            return p, C.sandbox_call(p, g, output=out, input=x)
+            return p, self._sandbox_call(p, output=out, input=x)
         if op in ("send", "recv"):
             peer = self.global_ranks.index(c.peer)
             src, dst = (g, peer) if op == "send" else (peer, g)
             t = _one(c.input if op == "send" else c.output, op)
             p = C.plan_once(C.plan_send, n, G, src, dst, t.shape, tag=tag, dtype=t.dtype)
-            return p, C.sandbox_call(p, g, tensor=t)
+            return p, self._sandbox_call(p, tensor=t)
         if op == "gather":
             x = _one(c.input, "gather")
             p = C.plan_once(C.plan_gather, n, G, x.shape, self.global_ranks.index(c.root), dtype=x.dtype)
-            return p, C.sandbox_call(p, g, input=x, output=c.output)
+            return p, self._sandbox_call(p, input=x, output=c.output)
         if op == "scatter":
             out = _one(c.output, "scatter")
             p = C.plan_once(C.plan_scatter, n, G, out.shape, self.global_ranks.index(c.root), dtype=out.dtype)
-            return p, C.sandbox_call(p, g, input=c.input, output=out)
+            return p, self._sandbox_call(p, input=c.input, output=out)
         if op == "barrier":
             p = C.plan_once(C.plan_barrier, n, G)
-            return p, C.sandbox_call(p, g)
+            return p, self._sandbox_call(p)
         raise EmulateError(f"{c.where()}: {op} is not supported in emulation")
 
     def _run(self, calls: list[Call], ins, outs, tag: int = 0):

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from prismllm.comm import recorder as _recorder_mod
+from prismllm.comm import scratch
 from prismllm.comm.recorder import Recorder
 from prismllm.comm.recording import RecordingProcessGroup
 
@@ -502,6 +503,7 @@ def collect(rec: Recorder):
         iterations=rec.iteration_dicts(),
         peak_memory_bytes=peak,
         excluded_ns=int(rec.excluded_ns),
+        scratch_bytes=scratch.reserved_bytes(),
     )
 
 

@@ -206,7 +206,8 @@ def _measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
         out[r] = {"iterations": [int(it["iteration"]) for it in its], "iteration_ns": times,
                   "compute_ns": [compute.get(int(it["iteration"]), 0) for it in its],
                   "median_steady_iteration_ns": med, "peak_memory_bytes": int(log.peak_memory_bytes),
-                  "emulation_overhead_left_out_ns": int(log.excluded_ns)}
+                  "emulation_overhead_left_out_ns": int(log.excluded_ns),
+                  "emulation_scratch_bytes": int(log.scratch_bytes)}
     return out
 
 

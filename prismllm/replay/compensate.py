@@ -804,14 +804,44 @@ class SmallCall:
     ops: list = dataclasses.field(default_factory=list)  # p2p: (kind, peer, tensor, tag)
     post: Optional[Callable[[], None]] = None
     result: Any = None  # proxy: what it received, when useful (reduce to a virtual root)
+    release: Optional[Callable[[], None]] = None  # sandbox: gives its scratch back, after ``post``
 
     def finish(self) -> None:
         if self.post is not None:
             self.post()
+        if self.release is not None:
+            self.release()
+            self.release = None
+
+
+class _Buffers:
+    """Where a sandbox call's own buffers come from: PyTorch's allocator, or on a GPU a
+    scratch arena outside it (``scratch(device)``, e.g. ``prismllm.comm.scratch.arena``: an
+    object with ``take(numel, dtype, zero)`` and ``give_back(buffers)``, or None for a device
+    it does not serve), so that the program's memory figures stay its own."""
+
+    def __init__(self, scratch: Optional[Callable[[torch.device], Any]], device: torch.device):
+        self.scratch = scratch(device) if scratch is not None else None  # None: PyTorch's allocator
+        self.device = device
+        self.taken: list[torch.Tensor] = []
+
+    def new(self, numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+        if self.scratch is None:
+            return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.device)
+        t = self.scratch.take(numel, dtype, zero)
+        self.taken.append(t)
+        return t
+
+    def bind(self, call: SmallCall) -> SmallCall:
+        if self.taken:
+            taken, scratch = self.taken, self.scratch
+            call.release = lambda: scratch.give_back(taken)
+        return call
 
 
 def sandbox_call(p: Plan, g: int, *, tensor: Optional[torch.Tensor] = None, input: Any = None,
-                 output: Any = None, tensors: Optional[Mapping[int, torch.Tensor]] = None) -> SmallCall:
+                 output: Any = None, tensors: Optional[Mapping[int, torch.Tensor]] = None,
+                 scratch: Optional[Callable[[torch.device], Any]] = None) -> SmallCall:
     """The small-communicator call of real member ``g`` (logical group rank) for the
     program's tensors, as the program passed them:
 
@@ -824,28 +854,34 @@ def sandbox_call(p: Plan, g: int, *, tensor: Optional[torch.Tensor] = None, inpu
     - send/recv/p2p: ``tensors``: message index -> the tensor sent or received (``tensor``
       alone for a one-message plan);
     - barrier: nothing.
+
+    ``scratch``: on a GPU, the arena of a device where the call's own buffers come from (see
+    :class:`_Buffers`; default: PyTorch's allocator); ``SmallCall.finish`` gives them back.
     """
     G = p.group
     if not G.is_real(g):
         raise CompensationError(f"{p.op}: member {g} is virtual; the proxy plays it")
     i = G.small(g)
     op = p.op
-    if op == "all_reduce":
-        return _sb_all_reduce(p, i, tensor)
-    if op == "reduce_scatter":
-        return _sb_reduce_scatter(p, i, output, input)
-    if op == "all_gather":
-        return _sb_all_gather(p, i, output, input)
+    if op in ("all_reduce", "reduce_scatter", "all_gather", "reduce", "all_to_all"):
+        first = next((t for t in (tensor, input, output) if t is not None), None)
+        ref = first if isinstance(first, torch.Tensor) else (first[0] if first else None)
+        bufs = _Buffers(scratch, ref.device if isinstance(ref, torch.Tensor) else torch.device("cpu"))
+        if op == "all_reduce":
+            return bufs.bind(_sb_all_reduce(p, i, tensor, bufs))
+        if op == "reduce_scatter":
+            return bufs.bind(_sb_reduce_scatter(p, i, output, input, bufs))
+        if op == "all_gather":
+            return bufs.bind(_sb_all_gather(p, i, output, input, bufs))
+        if op == "reduce":
+            return bufs.bind(_sb_reduce(p, g, i, tensor, bufs))
+        return bufs.bind(_sb_all_to_all(p, g, i, output, input, bufs))
     if op == "broadcast":
         return SmallCall("broadcast", i, root=p.small_root, input=tensor, output=tensor)
-    if op == "reduce":
-        return _sb_reduce(p, g, i, tensor)
     if op == "gather":
         return _sb_gather(p, g, i, input, output)
     if op == "scatter":
         return _sb_scatter(p, g, i, input, output)
-    if op == "all_to_all":
-        return _sb_all_to_all(p, g, i, output, input)
     if op in ("send", "recv", "p2p"):
         if tensors is None:
             if tensor is None or len(p.messages) != 1:
@@ -922,7 +958,7 @@ def proxy_call(p: Plan, inputs: Any = None, device: Any = None) -> SmallCall:
 
 
 # ---- sandbox helpers
-def _sb_all_reduce(p: Plan, i: int, t: torch.Tensor) -> SmallCall:
+def _sb_all_reduce(p: Plan, i: int, t: torch.Tensor, bufs: _Buffers) -> SmallCall:
     S = p.numel
     if t.numel() != S:
         raise CompensationError(f"all_reduce: tensor of {t.numel()} elements, plan says {S}")
@@ -934,7 +970,7 @@ def _sb_all_reduce(p: Plan, i: int, t: torch.Tensor) -> SmallCall:
         def post() -> None:
             _post_reduce(t, p.reduce_op, p.group.n)
     else:
-        buf = torch.zeros(p.slot, dtype=t.dtype, device=t.device)
+        buf = bufs.new(p.slot, t.dtype, zero=True)
         buf[:S].copy_(_flat(t))
         _pre_reduce(buf[:S], p.reduce_op, p.factor)
 
@@ -944,19 +980,19 @@ def _sb_all_reduce(p: Plan, i: int, t: torch.Tensor) -> SmallCall:
     return SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf, post=post)
 
 
-def _sb_reduce_scatter(p: Plan, i: int, output: Any, input: Any) -> SmallCall:
+def _sb_reduce_scatter(p: Plan, i: int, output: Any, input: Any, bufs: _Buffers) -> SmallCall:
     G, c = p.group, p.numel
     ch = _chunks(input, G.n)
     if ch[0].numel() != c:
         raise CompensationError(f"reduce_scatter: input chunks of {ch[0].numel()} elements, plan says {c}")
     ref = ch[0]
-    buf = torch.zeros(G.size, p.slot, dtype=ref.dtype, device=ref.device)
+    buf = bufs.new(G.size * p.slot, ref.dtype, zero=True).view(G.size, p.slot)
     for j, r in enumerate(G.real):
         buf[j, :c].copy_(ch[r])
     _pre_reduce(buf, p.reduce_op, p.factor)
     out_t = output if isinstance(output, torch.Tensor) else output[0]
     direct = _contig_flat(out_t) if p.pad == 0 else None
-    obuf = direct if direct is not None else torch.empty(p.slot, dtype=ref.dtype, device=ref.device)
+    obuf = direct if direct is not None else bufs.new(p.slot, ref.dtype)
 
     def post() -> None:
         if direct is None:
@@ -965,18 +1001,19 @@ def _sb_reduce_scatter(p: Plan, i: int, output: Any, input: Any) -> SmallCall:
     return SmallCall("reduce_scatter", i, reduce_op=p.small_reduce_op, input=buf.view(-1), output=obuf, post=post)
 
 
-def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor) -> SmallCall:
+def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buffers) -> SmallCall:
     G, c, slot = p.group, p.numel, p.slot
     if input.numel() != c:
         raise CompensationError(f"all_gather: input of {input.numel()} elements, plan says {c}")
     if p.pad:
-        ibuf = torch.zeros(slot, dtype=input.dtype, device=input.device)
+        ibuf = bufs.new(slot, input.dtype, zero=True)
         ibuf[:c].copy_(_flat(input))
     else:
         ibuf = _contig_flat(input)
         if ibuf is None:
-            ibuf = _flat(input).clone()
-    obuf = torch.empty(G.size * slot, dtype=input.dtype, device=input.device)
+            ibuf = bufs.new(c, input.dtype)
+            ibuf.copy_(_flat(input))
+    obuf = bufs.new(G.size * slot, input.dtype)
     outs = _chunks(output, G.n) if isinstance(output, torch.Tensor) and _contig_flat(output) is not None else None
 
     def post() -> None:
@@ -998,11 +1035,12 @@ def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor) -> SmallCa
     return SmallCall("all_gather", i, input=ibuf, output=obuf, post=post)
 
 
-def _sb_reduce(p: Plan, g: int, i: int, t: torch.Tensor) -> SmallCall:
+def _sb_reduce(p: Plan, g: int, i: int, t: torch.Tensor, bufs: _Buffers) -> SmallCall:
     is_root = g == p.root
     buf = t
     if p.reduce_op == "premul_sum" and not is_root:
-        buf = t.clone()  # the program's non-root tensor stays as it was
+        buf = bufs.new(t.numel(), t.dtype).view(t.shape)  # the program's non-root tensor stays as it was
+        buf.copy_(t)
     if buf is t and not t.is_contiguous():
         raise CompensationError("reduce: non-contiguous tensor")
     _pre_reduce(buf, p.reduce_op, p.factor)
@@ -1039,7 +1077,7 @@ def _a2a_in_chunks(p: Plan, g: int, x: Any) -> list:
     return [_flat(t) for t in x]
 
 
-def _sb_all_to_all(p: Plan, g: int, i: int, output: Any, input: Any) -> SmallCall:
+def _sb_all_to_all(p: Plan, g: int, i: int, output: Any, input: Any, bufs: _Buffers) -> SmallCall:
     G = p.group
     identity = G.real == tuple(range(G.k))
     order = list(G.real) + list(G.virtual)
@@ -1049,12 +1087,12 @@ def _sb_all_to_all(p: Plan, g: int, i: int, output: Any, input: Any) -> SmallCal
     ib = _contig_flat(in_t) if (identity and in_t is not None) else None
     if ib is None:
         ch = _a2a_in_chunks(p, g, input)
-        ib = torch.cat([ch[d] for d in order])
+        ib = bufs.new(sum(x.numel() for x in ch), ch[0].dtype)
+        torch.cat([ch[d] for d in order], out=ib)
     ob = _contig_flat(out_t) if (identity and out_t is not None) else None
     direct = ob is not None
     if not direct:
-        ref = ib
-        ob = torch.empty(sum(osp), dtype=ref.dtype, device=ref.device)
+        ob = bufs.new(sum(osp), ib.dtype)
 
     def post() -> None:
         if direct:

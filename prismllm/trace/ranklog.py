@@ -42,6 +42,9 @@ class RankLog:
     # host time the emulation layer spent on the rank's calls, left out of its host clock
     # (prism emulate on CPU; Recorder.exclude)
     excluded_ns: int = 0
+    # device memory the emulation's pruned calls took outside the program's allocator, so not
+    # in peak_memory_bytes (prism emulate on GPU; prismllm.comm.scratch)
+    scratch_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
