@@ -166,12 +166,12 @@ def make_case(name: str, n: int) -> Case | str:
     raise ValueError(f"unknown case {name!r}")
 
 
-def sandbox_ranks(spec: str, n: int, devices: str, gpus: int) -> list[int]:
+def sandbox_ranks(spec: str, n: int, devices: str, gpus: int, shared: bool = False) -> list[int]:
     """'auto': the first and the last rank (first and last pipeline stage; the last is gpt3d's
-    reporting rank) where N >= 4 and the devices allow two sandbox ranks plus an assistant,
-    else the last rank; or a list with 'last' for N-1."""
+    reporting rank) where N >= 4 and the devices allow two sandbox ranks plus an assistant
+    (``shared``: every process on one GPU), else the last rank; or a list with 'last' for N-1."""
     if spec == "auto":
-        two = n >= 4 and (devices == "cpu" or gpus >= 3)
+        two = n >= 4 and (devices == "cpu" or gpus >= 3 or shared)
         return [0, n - 1] if two else [n - 1]
     out = sorted({n - 1 if s.strip() == "last" else int(s) for s in spec.split(",") if s.strip()})
     bad = [r for r in out if not 0 <= r < n]
@@ -392,6 +392,14 @@ def pure_model(structure: Path, durations: Path, ab: dict, sandbox: list[int], w
 
 
 # ---------------------------------------------------------------------------------- one case
+def launch_devices(opts, procs: int) -> str:
+    """``--devices`` of a prism launch of ``procs`` processes: cpu, cuda (a GPU each), or with
+    --shared-gpu every process on the first visible GPU, each NCCL's own host."""
+    if opts.devices == "cuda" and opts.shared_gpu:
+        return "cuda:" + ",".join(["0"] * procs)
+    return opts.devices
+
+
 def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
     n, dev = case.world, opts.devices
     label = f"{case.name} N={n}"
@@ -401,7 +409,7 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
     work.mkdir(parents=True)
     sizes = shlex.split(opts.model_args) if opts.model_args else SIZES[dev]
     args = case.args(sizes, opts.iters, opts.micro_batches)
-    sandbox = sandbox_ranks(opts.sandbox, n, dev, opts.gpus)
+    sandbox = sandbox_ranks(opts.sandbox, n, dev, opts.gpus, opts.shared_gpu)
     sb = ",".join(map(str, sandbox))
     # MoE routes on the values: always the recorded ones. Dense: "auto" records them on the CPU
     # (the sandbox then computes the real run's numbers: its losses are checked) and generates
@@ -422,7 +430,8 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
     def real_run(stage: str, out: Path) -> tuple[dict, str]:
         """`prism record` of the program into ``out``: the sandbox ranks' iteration and compute
         times and the job's (medians of the steady iterations), and the command's output."""
-        text = R.cmd(stage, [*PRISM, "record", "--nproc", str(n), "--devices", dev, "--out", str(out), *prog])
+        text = R.cmd(stage, [*PRISM, "record", "--nproc", str(n), "--devices", launch_devices(opts, n), "--out",
+                             str(out), *prog])
         trace = load(out)
         per, comp = per_rank_iterations(trace), per_rank_compute(trace)
         job = job_iterations(per)
@@ -444,7 +453,7 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
         # virtual ranks' inputs (and MoE's bare graph); its timings are never read
         losses_ref = pr["losses"]
         if inputs == "recorded":
-            text = R.cmd("record_tensors", [*PRISM, "record", "--nproc", str(n), "--devices", dev, "--out",
+            text = R.cmd("record_tensors", [*PRISM, "record", "--nproc", str(n), "--devices", launch_devices(opts, n), "--out",
                                             str(saved), "--save-tensors", "all,inputs", *prog])
             losses_ref = printed(text)["losses"]
         tensors = saved / "tensors"
@@ -457,7 +466,8 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
                               "--device", dev, "--layout", case.hint, "--out", str(bare), *prog])
             graph_b = bare
         # 3. slice timing, 4. calibration
-        tcmd = [*PRISM, "time", "--graph", str(graph_b), "--out", str(timed), "--devices", dev, "--inputs", inputs,
+        tcmd = [*PRISM, "time", "--graph", str(graph_b), "--out", str(timed), "--devices", launch_devices(opts, 2),
+                "--inputs", inputs,
                 "--parallel", str(opts.time_parallel)] + (["--every-rank"] if opts.time_every_rank else []) + (
                     ["--compute-under-load"] if opts.compute_under_load else [])
         if inputs == "recorded":
@@ -476,7 +486,7 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
         # 5. emulation (real-time replay), 6. baseline (b): fast replay
         def emulate(stage: str, timing: str, out: Path) -> dict:
             cmd = [*PRISM, "emulate", "--graph", str(cal / "graph"), "--sandbox", sb, "--out", str(out),
-                   "--devices", dev, "--timing", timing, "--inputs", inputs]
+                   "--devices", launch_devices(opts, len(sandbox) + 1), "--timing", timing, "--inputs", inputs]
             if inputs == "recorded":
                 cmd += ["--tensors", str(tensors)]
             text = R.cmd(stage, [*cmd, *prog])
@@ -501,12 +511,13 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
         res["emulated"] = emulate("emulate", "real", work / "emu")
         res["baseline_b"] = emulate("emulate_fast", "fast", work / "emu-fast")
         # 7. baseline (a): the pure model
-        if ab is None:
+        if ab is None and not opts.shared_gpu:
             raise StageError("pure_model", "no alpha-beta fit (the probe failed)")
-        src = (timed / "graph") if case.moe else bare
-        res["baseline_a"] = R.python("pure_model", pure_model, graph_b, src, ab, sandbox, opts.warmup)
-        res["baseline_a"]["compute_from"] = "timed graph (slices)" if case.moe else "solo capture"
-        res["baseline_a"]["alpha_beta"] = {k: ab.get(k) for k in ("alpha_s", "bandwidth_Bps", "backend")}
+        if ab is not None:  # --shared-gpu: no link to fit, no time to compare with
+            src = (timed / "graph") if case.moe else bare
+            res["baseline_a"] = R.python("pure_model", pure_model, graph_b, src, ab, sandbox, opts.warmup)
+            res["baseline_a"]["compute_from"] = "timed graph (slices)" if case.moe else "solo capture"
+            res["baseline_a"]["alpha_beta"] = {k: ab.get(k) for k in ("alpha_s", "bandwidth_Bps", "backend")}
         # 8. baseline (c): fake process group (GPU memory only)
         if dev == "cuda":
             fake = {}
@@ -665,9 +676,12 @@ def markdown(result: dict) -> str:
     lines = [f"Machine: {m.get('gpu') or 'CPU'}{' ×' + str(m['gpus']) if m.get('gpus') else ''}, {m.get('cpus')} cores, "
              f"torch {m.get('torch')}, {result['date']}, commit {result['commit']}; devices {result['devices']}; "
              f"{result['iters']} iterations, steady = all but the first {result['warmup']}",
+             *(["**One GPU shared by every process (--shared-gpu)**: NCCL talks through sockets, so the time "
+                "columns are no fidelity figures; the memory columns are."] if result.get("shared_gpu") else []),
              f"Alpha-beta fit (2-rank all-reduce, {ab.get('backend', '?')}): alpha "
              f"{_f(ab.get('alpha_s') and ab['alpha_s'] * 1e6, '{:.1f}')} µs, bandwidth "
              f"{_f(ab.get('bandwidth_Bps') and ab['bandwidth_Bps'] / 1e9, '{:.3f}')} GB/s" if ab else
+             "Alpha-beta fit: none (--shared-gpu), no baseline (a)" if result.get("shared_gpu") else
              "Alpha-beta fit: failed (no baseline (a))", "",
              "Per sandbox rank (iteration time: median of the steady iterations of that rank; errors against the real run"
              + (f"; real and emulated: the median of {reps} runs each, alternating, their spread in the last columns):"
@@ -747,6 +761,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", action="store_true",
                     help="add to the cases of an existing --json (a case and N run again replace theirs): split a "
                          "long suite over several invocations")
+    ap.add_argument("--shared-gpu", action="store_true",
+                    help="cuda: every process (real ranks, sandbox, assistant) on the first visible GPU, each NCCL's "
+                         "own host: for the memory columns on a one-GPU machine (times then go through sockets)")
     ap.add_argument("--keep", default=None, help="keep every stage's output (graphs, logs) in this directory")
     a = ap.parse_args(argv)
     a.iters = a.iters or 10
@@ -767,9 +784,13 @@ def main(argv: list[str] | None = None) -> int:
         a.gpus = torch.cuda.device_count()
         vis = os.environ.get("CUDA_VISIBLE_DEVICES")
         a.first_gpu = vis.split(",")[0] if vis else "0"
-        if a.gpus < 2:
-            ap.error("--devices cuda needs 2 GPUs or more (a sandbox GPU and an assistant GPU)")
+        if a.gpus < 1:
+            ap.error("--devices cuda: no GPU visible")
+        if a.gpus < 2 and not a.shared_gpu:
+            ap.error("--devices cuda needs 2 GPUs or more (a sandbox GPU and an assistant GPU), or --shared-gpu")
     else:
+        if a.shared_gpu:
+            ap.error("--shared-gpu is for --devices cuda")
         a.env["CUDA_VISIBLE_DEVICES"] = ""
     plan, skipped = [], []
     for n in worlds:
@@ -777,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
             c = make_case(name, n)
             if isinstance(c, str):
                 skipped.append({"case": name, "world": n, "why": c})
-            elif a.devices == "cuda" and n > a.gpus:
+            elif a.devices == "cuda" and n > a.gpus and not a.shared_gpu:
                 skipped.append({"case": name, "world": n, "why": f"the real run needs {n} GPUs, {a.gpus} visible"})
             else:
                 plan.append(c)
@@ -785,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
     md_path = Path(a.md) if a.md else json_path.with_suffix(".md")
     result = {"benchmark": "fidelity", "machine": machine(), "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
               "devices": a.devices, "iters": a.iters, "warmup": a.warmup, "sandbox": a.sandbox, "inputs": a.inputs,
-              "noise": a.noise, "repeats": a.repeats,
+              "noise": a.noise, "repeats": a.repeats, "shared_gpu": a.shared_gpu,
               "model_args": shlex.split(a.model_args) if a.model_args else SIZES[a.devices],
               "argv": sys.argv[1:] if argv is None else argv, "alpha_beta": None, "cases": [], "skipped": skipped}
 
@@ -808,7 +829,9 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="prism-fidelity-"))
     base.mkdir(parents=True, exist_ok=True)
     try:
-        if a.alpha_beta:
+        if a.shared_gpu and not a.alpha_beta:
+            print("[probe] skipped (--shared-gpu: one GPU, no link to fit); no baseline (a)", flush=True)
+        elif a.alpha_beta:
             al, bw = (float(x) for x in a.alpha_beta.split(","))
             result["alpha_beta"] = {"alpha_s": al, "bandwidth_Bps": bw, "backend": "given (--alpha-beta)"}
         else:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -72,17 +72,20 @@ class _DeviceBytes:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 2}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # found and removed by identity (a tensor has no truth value)
 class _Segment:
     data: torch.Tensor  # uint8 over the whole segment
     ready: Any = None  # CUDA event: where the last user's stream was when it gave the segment back
 
 
 class DeviceArena:
-    """Scratch buffers on one GPU from segments outside PyTorch's caching allocator."""
+    """Scratch buffers on one GPU from segments outside PyTorch's caching allocator.
+    ``segment(nbytes)``: where a new segment comes from (default: the CUDA driver; a test may
+    hand out CPU tensors to check the bookkeeping without a GPU)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, segment: Callable[[int], torch.Tensor] | None = None):
         self.device = torch.device(device)
+        self._segment = segment or self._driver_segment
         self._free: list[_Segment] = []
         self._busy: dict[int, _Segment] = {}  # data_ptr of a handed-out buffer -> its segment
         self._lock = threading.Lock()
@@ -100,7 +103,7 @@ class DeviceArena:
                 self._free.remove(seg)
         if seg is None:
             size = -(-nbytes // SEGMENT_ALIGN) * SEGMENT_ALIGN
-            seg = _Segment(torch.as_tensor(_DeviceBytes(_Driver.alloc(self.device, size), size), device=self.device))
+            seg = _Segment(self._segment(size))
             self.reserved_bytes += size
         elif seg.ready is not None:
             torch.cuda.current_stream(self.device).wait_event(seg.ready)
@@ -111,10 +114,15 @@ class DeviceArena:
             buf.zero_()
         return buf
 
+    def _driver_segment(self, nbytes: int) -> torch.Tensor:
+        return torch.as_tensor(_DeviceBytes(_Driver.alloc(self.device, nbytes), nbytes), device=self.device)
+
     def give_back(self, buffers: list[torch.Tensor]) -> None:
         """The buffers' call is finished (its post step issued on the current stream)."""
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
+        ready = None
+        if self.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
         with self._lock:
             for b in buffers:
                 seg = self._busy.pop(b.data_ptr(), None)
