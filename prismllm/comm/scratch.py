@@ -37,7 +37,8 @@ class ScratchError(PrismError):
 
 
 class _Driver:
-    """cuMemAlloc / cuMemFree from libcuda (the driver every CUDA process has loaded)."""
+    """cuMemAlloc from libcuda (the driver every CUDA process has loaded). Segments are never
+    freed: the arena keeps them for reuse, and the driver reclaims them with the process."""
 
     _lib: Any = None
 
@@ -49,7 +50,6 @@ class _Driver:
             except OSError as e:
                 raise ScratchError(f"cannot load the CUDA driver (libcuda.so.1) for pruned-call scratch: {e}") from None
             lib.cuMemAlloc_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t]
-            lib.cuMemFree_v2.argtypes = [ctypes.c_uint64]
             cls._lib = lib
         return cls._lib
 
