@@ -41,6 +41,21 @@ def test_layouts_divide_every_world():
     assert fidelity.sandbox_ranks("3,last", 8, "cpu", 0) == [3, 7]
 
 
+def test_shared_gpu_puts_every_process_on_the_first_gpu():
+    """--shared-gpu (memory columns on a one-GPU machine): each launch lists the one GPU once a
+    process, so prism makes every process its own NCCL host; without it, a GPU each."""
+    from types import SimpleNamespace
+
+    shared = SimpleNamespace(devices="cuda", shared_gpu=True)
+    assert fidelity.launch_devices(shared, 4) == "cuda:0,0,0,0"
+    assert fidelity.launch_devices(SimpleNamespace(devices="cuda", shared_gpu=False), 4) == "cuda"
+    assert fidelity.launch_devices(SimpleNamespace(devices="cpu", shared_gpu=False), 4) == "cpu"
+    assert fidelity.sandbox_ranks("auto", 4, "cuda", 1, shared=True) == [0, 3]
+    assert fidelity.sandbox_ranks("auto", 4, "cuda", 1) == [3]
+    with pytest.raises(SystemExit):
+        fidelity.main(["--devices", "cpu", "--shared-gpu"])
+
+
 def test_alpha_beta_fit_and_transfer_model(tmp_path):
     fit = fidelity.fit_alpha_beta([{"bytes": 4 << 20, "median_us": 4094.0 + 100}, {"bytes": 4096, "median_us": 104.0}])
     assert fit["bandwidth_Bps"] == pytest.approx(((4 << 20) - 4096) / 4090e-6)
