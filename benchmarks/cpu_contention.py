@@ -33,7 +33,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from fidelity import GPT3D, PRISM, SIZES, load, make_case, per_rank_compute, per_rank_iterations  # noqa: E402
+from fidelity import (GPT3D, PRISM, SIZES, load, make_case, ms, per_rank_compute,  # noqa: E402
+                      per_rank_iterations, steady_median)
 from tracing_overhead import machine  # noqa: E402
 
 KINDS = ("matmul", "spin")
@@ -66,7 +67,7 @@ def one_run(nproc: int, args: list[str], out: Path, timeout: float) -> dict:
         raise SystemExit(f"cpu_contention: prism record failed ({p.returncode}):\n{(p.stdout + p.stderr)[-2000:]}")
     trace = load(out)
     comp, its = per_rank_compute(trace), per_rank_iterations(trace)
-    steady = lambda v: statistics.median(v[1:]) / 1e6  # noqa: E731  (the first iteration warms up)
+    steady = lambda v: ms(steady_median(v, 1))  # noqa: E731  (the first iteration warms up)
     return {"compute_ms": statistics.median(steady(v) for v in comp.values()),
             "iteration_ms": statistics.median(steady(v) for v in its.values()),
             "compute_ms_per_rank": {str(r): round(steady(v), 3) for r, v in comp.items()}}
@@ -74,7 +75,7 @@ def one_run(nproc: int, args: list[str], out: Path, timeout: float) -> dict:
 
 def measure(name: str, world: int, rounds: int, kinds: list[str], iters: int, timeout: float, work: Path,
             done: callable, into: list) -> None:
-    full, pair = make_case(name, world), None
+    full = make_case(name, world)
     if isinstance(full, str):
         raise SystemExit(f"cpu_contention: {name} at N={world}: {full}")
     small = world // full.dp

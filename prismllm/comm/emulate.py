@@ -409,9 +409,10 @@ class PrunedBackend(solo.GeneratedBackend):
 
     # -- planning --
     def _sandbox_call(self, p: C.Plan, **tensors: Any) -> C.SmallCall:
-        """This member's small call; on NCCL its scratch comes from outside the program's
-        allocator (``prismllm.comm.scratch``), so the sandbox's peak memory is the program's."""
-        return C.sandbox_call(p, self._rank, scratch=scratch.arena if self.backend == "nccl" else None, **tensors)
+        """This member's small call; on a GPU its scratch comes from outside the program's
+        allocator (``prismllm.comm.scratch.arena``; CPU tensors: PyTorch's), so the sandbox's
+        peak memory is the program's."""
+        return C.sandbox_call(p, self._rank, scratch=scratch.arena, **tensors)
 
     def _plan(self, c: Call, tag: int = 0) -> tuple[C.Plan, C.SmallCall]:
         """The plan of one call and this member's small call, from the program's tensors."""

@@ -93,7 +93,7 @@ class DeviceArena:
 
     def take(self, numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
         """A flat ``numel``-element buffer (zero-filled with ``zero``), on the current stream."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         if nbytes == 0:
             return torch.empty(0, dtype=dtype, device=self.device)
         with self._lock:
