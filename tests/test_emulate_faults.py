@@ -69,13 +69,14 @@ def setup(tmp_path_factory, gpt3d_recording):
     return graph, wrapper
 
 
-def start(setup, out: Path, fault: str, mark: Path | None = None) -> subprocess.Popen:
+def start(setup, out: Path, fault: str, mark: Path | None = None, timeout: int = 120,
+          env: dict | None = None) -> subprocess.Popen:
     graph, wrapper = setup
     # the wrapper is a deliberate variant of the graph's program: past the start-up check
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": fault, "FAULT_RANK": "1",
-           "FAULT_MARK": str(mark or ""), "PRISM_PROGRAM_CHECK": "off"}
+           "FAULT_MARK": str(mark or ""), "PRISM_PROGRAM_CHECK": "off", **(env or {})}
     return subprocess.Popen(
-        [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", "120",
+        [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", str(timeout),
          "--", str(wrapper), *LAYOUTS["tp2"], *SIZES],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -251,3 +252,33 @@ def test_program_that_deviates_from_its_graph_is_one_clear_error(setup, tmp_path
     assert "rank 1 deviates from its graph at all_reduce" in line, line
     assert "capture the graph again" in line and "deviates" in line, line
     assert_all_ended(all_pids(out))
+
+
+def test_a_stalled_run_says_where_each_process_stood(setup, tmp_path):
+    """The sandbox rank stops after its first iteration (it sleeps in its optimizer step), so the
+    assistant waits for it forever: the timeout ends the run, and the message says where each
+    process stood: the sandbox rank at the program's line, the assistant waiting for a call with
+    the sandbox (prismllm.status). Before that, with no progress for PRISM_STATUS_AFTER seconds,
+    the launcher printed the same report while the run went on."""
+    out = tmp_path / "emu"
+    proc = start(setup, out, "stall", tmp_path / "stalled", timeout=30, env={"PRISM_STATUS_AFTER": "6"})
+    try:
+        _, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode != 0
+    line = verdict(err)
+    assert line.startswith("timed out after 30 s"), err
+    early = re.search(r"^prism: no communication for (\d+) s; where each process stands:$", err, re.M)
+    assert early and 6 <= int(early.group(1)) < 30 and early.start() < err.index("prism emulate: error"), err
+    assert re.search(r"^prism:   rank 1: at faulty_gpt3d\.py:\d+ in faulty_step$", err, re.M), err
+    report = err[err.index("where each process stood:"):]
+    # time.sleep is C: the program's line is the innermost frame
+    assert re.search(r"^  rank 1: at faulty_gpt3d\.py:\d+ in faulty_step$", report, re.M), err
+    assert re.search(r"^    \d+ call\(s\) so far, in iteration 0$", report, re.M), err
+    assert re.search(r"^  assistant: at assistant\.py:\d+ in run$", report, re.M), err
+    assert re.search(r"waiting [\d.]+ s for rank 0 node \d+ \(\w+ #\d+, group .*\) with the sandbox", report), err
+    stacks = Path(re.search(r"every thread's stack, per process: (\S+)[/\\]\*\.status", report).group(1))
+    assert (stacks / "rank-000001.status").read_text().count("faulty_step") == 1

@@ -19,6 +19,11 @@ with the environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, .
   closed by peer", ...) is the consequence of another's: when another process failed on its
   own with an error of its own (or a signal), that one is named instead.
 - Timeout: ``timeout`` seconds after the start, all ranks still running are ended and named.
+- No progress: every child answers status requests (``prismllm.status``). When no process made
+  a communication call, wait or iteration boundary for ``status_after`` seconds, the launcher
+  prints where each stands (its program's line, the call it is in, its last calls; the
+  assistant: each proxy's call with the sandbox), again after twice as long, and so on; the
+  same report ends a timeout's message, and is printed on Ctrl-C after 10 s without progress.
 - No process is left behind, however the launcher ends: children run in their own session
   (so a terminal's Ctrl-C reaches only the launcher, which then ends them), every exit path of
   ``launch`` goes through one clean-up, SIGTERM/SIGHUP/SIGINT to the launcher end the children
@@ -64,6 +69,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from prismllm.errors import PrismError
+from prismllm.status import StatusBoard
 
 DEFAULT_RUNNER = "prismllm.comm.bootstrap"
 
@@ -97,6 +103,7 @@ TORCHRUN_ENV_VARS = (
 )
 
 LineSink = Callable[[int, str, str], None]  # (rank, "stdout" | "stderr", line with its "\n")
+LAUNCHER_ID = -(10**9)  # the id the launcher's own lines (status reports) carry to a sink
 
 
 @dataclasses.dataclass
@@ -169,6 +176,10 @@ class LaunchSpec:
     tail_lines: int = 20  # lines of stdout and stderr kept per rank for the failure report
     # Supervision.
     timeout: float | None = None  # seconds; None: no limit
+    # seconds without any child's progress before the launcher prints where each stands
+    # (prismllm.status; None: never, except in a timeout's message); default $PRISM_STATUS_AFTER
+    # ("off": never), else 300
+    status_after: float | None = dataclasses.field(default_factory=lambda: status_after_default())
     grace_period: float = 5.0  # between SIGTERM and SIGKILL when ending ranks
     handle_signals: bool = True  # install SIGTERM/SIGHUP/SIGINT handlers (main thread only)
     watchdog: bool = True  # a helper process that ends the ranks' process groups if the
@@ -184,6 +195,19 @@ class LaunchSpec:
     # Called once every child has started, with {id: pid} (ranks, then extras' negative ids),
     # while the run goes on: how a caller publishes the pids for whoever watches the run.
     on_start: Callable[[dict[int, int]], None] | None = None
+
+
+def status_after_default() -> float | None:
+    """``$PRISM_STATUS_AFTER`` (seconds, or "off"), else 300."""
+    v = os.environ.get("PRISM_STATUS_AFTER", "").strip()
+    if not v:
+        return 300.0
+    if v.lower() in ("off", "none", "0"):
+        return None
+    try:
+        return float(v)
+    except ValueError:
+        raise LaunchError(f"PRISM_STATUS_AFTER={v!r}: expected seconds or 'off'") from None
 
 
 @dataclasses.dataclass
@@ -714,6 +738,7 @@ def _failure_message(
     shown_lines: int = 6,
     names: Mapping[int, str] | None = None,
     extra_grace: float | None = None,
+    status: Sequence[str] = (),
 ) -> str:
     lines: list[str] = []
     if failure.kind == "timeout":
@@ -722,6 +747,7 @@ def _failure_message(
         what = (f"ranks still running: {format_ranks(running)}" if all(r >= 0 for r in running)
                 else f"still running: {_who(running, names)}")
         lines.append(f"timed out{after}; {what} (ended by the launcher)")
+        lines.extend(status)
     elif failure.kind == "lingering":
         lines.append(
             f"{_who(failure.running_ranks, names)} still running {extra_grace or 0:g} s after every "
@@ -781,6 +807,9 @@ class _Launcher:
         self.escalate = threading.Event()
         self.old_handlers: dict[int, object] = {}
         self.names: dict[int, str] = {}  # extra id -> name
+        self.board: StatusBoard | None = None  # the children's status files (prismllm.status)
+        self.status_kept = False  # a report named the status directory: keep it
+        self.status_lines: list[str] = []  # the report a timeout's message ends with
 
     # -- signals -----------------------------------------------------------------------------
     def _on_signal(self, signum, frame) -> None:
@@ -948,7 +977,10 @@ class _Launcher:
             prefix = f"[{ex.name}]: " if spec.line_prefix else ""
             slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", ex.name)
             jobs.append((xid, -1, list(ex.argv), env, None, prefix, spec.passthrough, slug))
+        status_dir = log_dir / "status" if log_dir is not None else Path(tempfile.mkdtemp(prefix="prism-status-"))
+        self.board = StatusBoard(status_dir, {j[0]: j[7] for j in jobs})
         for rank, local_rank, cmd, env, error_file, prefix, visible, log_name in jobs:
+            env.update(self.board.env(rank))
             what = f"rank {rank}" if rank >= 0 else self.names[rank]
             self.deferring = True
             try:
@@ -984,11 +1016,40 @@ class _Launcher:
                              name=f"prism-launcher-wait-{rank}").start()
             self._raise_deferred()
 
+    def _who(self, ids: Sequence[int]) -> str:
+        return _who(ids, self.names)
+
+    def _status_report(self, head: str) -> list[str]:
+        """``head`` and where each live child stands (``prismllm.status``)."""
+        if self.board is None:
+            return []
+        alive = sorted((c.rank for c in self._alive()), key=lambda r: (r < 0, abs(r)))
+        lines = [head, *self.board.report(alive, self._who)]
+        lines.append(f"  every thread's stack, per process: {self.board.dir}{os.sep}*.status")
+        self.status_kept = True
+        return lines
+
+    def _print(self, lines: list[str]) -> None:
+        sink = self.spec.sink or _default_sink
+        for ln in lines:
+            sink(LAUNCHER_ID, "stderr", f"prism: {ln}\n")
+
     def _supervise(self, t0: float) -> RankFailure | None:
         spec = self.spec
         deadline = None if spec.timeout is None else t0 + spec.timeout
         linger: float | None = None  # when every rank had exited 0 while extras still ran
+        report_after = spec.status_after
+        next_check = time.monotonic()
         while self._alive():
+            now = time.monotonic()
+            if spec.status_after is not None and self.board is not None and now >= next_check:
+                next_check = now + 1.0
+                idle = self.board.poll_progress()
+                if idle < spec.status_after:
+                    report_after = spec.status_after
+                elif idle >= report_after:
+                    self._print(self._status_report(f"no communication for {idle:.0f} s; where each process stands:"))
+                    report_after = 2 * idle
             wait = 0.25 if deadline is None else min(0.25, max(0.0, deadline - time.monotonic()))
             events = self._drain_exits(wait)
             failed = [e for e in events if e[1] != 0]
@@ -998,6 +1059,7 @@ class _Launcher:
                 return RankFailure("exit" if rc > 0 else "signal", rank, rc, [], [])
             if deadline is not None and time.monotonic() >= deadline and self._alive():
                 running = sorted(c.rank for c in self._alive())
+                self.status_lines = self._status_report("where each process stood:")
                 return RankFailure("timeout", None, None, running, [])
             alive = self._alive()
             if spec.nproc and alive and all(c.rank < 0 for c in alive):  # only extras left
@@ -1033,6 +1095,10 @@ class _Launcher:
                 failure = self._supervise(t0)
             except _Signalled as s:
                 interrupted = s.signum
+                self.cleaning = True  # a second signal now ends the children at once
+                if s.signum == signal.SIGINT and self.board is not None and self.board.poll_progress() >= 10:
+                    # stopped after a while without progress: most likely a hang, so say where
+                    self._print(self._status_report("interrupted; where each process stood:"))
         finally:
             self.cleaning = True
             try:
@@ -1053,6 +1119,8 @@ class _Launcher:
                         log.close()
                     except OSError:
                         pass
+                if self.board is not None and log_dir is None and not self.status_kept:
+                    shutil.rmtree(self.board.dir, ignore_errors=True)
                 self._restore_signals()
         if interrupted is not None:
             if interrupted == signal.SIGINT:
@@ -1083,6 +1151,7 @@ class _Launcher:
                 log_dir=log_dir,
                 names=self.names,
                 extra_grace=spec.extra_grace,
+                status=self.status_lines,
             )
         return LaunchResult(
             ok=failure is None,

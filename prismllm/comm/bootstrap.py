@@ -103,6 +103,11 @@ def main(argv: list[str] | None = None) -> None:
         except (PrismError, ValueError) as e:
             print(f"prism: error: {e}", file=sys.stderr)
             raise SystemExit(3) from None
+    from prismllm.status import reporter
+
+    status = reporter()  # the launcher's hang diagnosis: where this rank stands, on request
+    if status is not None and rec is not None:
+        status.add(rec.status_lines, rec.progress)
     history = os.environ.get("PRISM_MEMORY_HISTORY") if rec is not None else None
     if history:
         from prismllm.comm import memhistory

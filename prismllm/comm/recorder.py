@@ -156,6 +156,7 @@ class Recorder:
         self.coal_async = True  # the open _coalescing_manager's async_ops
         self.pending_sync: Any = None  # RecordingWork issued sync, not yet waited
         self.outstanding: dict[int, Any] = {}  # id -> RecordingWork not yet waited/settled
+        self.waiting: Any = None  # the RecordingWork whose wait the program is in
         self.bwd_cb_queued = False
         self.bwd_works: list[Any] = []
         self.in_bwd = getattr(torch._C, "_current_graph_task_id", None)
@@ -495,6 +496,44 @@ class Recorder:
         for j in w._rows:
             self.m_async[j] = 1
 
+    # ---- status (prismllm.status: read from the reporter's thread, under the GIL) -------
+    def progress(self) -> int:
+        """A count that moves with every call, wait and boundary."""
+        if self.native is not None:
+            t = self.native.self_time()
+            return t["calls"] + t["waits"] + t["boundaries"]
+        return len(self.n_kind)
+
+    def _call_text(self, j: int, now: int) -> str:
+        peer = self.m_peer[j]
+        to = {"send": " to", "recv": " from"}.get(self.m_op[j], " root")
+        age = (now - self.p_host[self.m_p0[j]]) / 1e9
+        return (f"call {j} {self.m_op[j]} ({self.m_api[j]}) on group {self.m_group[j]!r} seq {self.m_seq[j]}"
+                + (f"{to} rank {peer}" if peer >= 0 else "") + f", issued {age:.1f} s ago")
+
+    def status_lines(self) -> list[str]:
+        """Where the rank stands in its communication: the call it waits on, the calls not
+        yet waited, its last call."""
+        n = len(self.m_op)
+        if self.native is not None:
+            t = self.native.self_time()
+            return [f"{t['calls']} call(s) and {t['waits']} wait(s) so far (native recorder), iteration "
+                    f"boundaries {t['boundaries']}"]
+        if not n:
+            return ["no communication call yet"]
+        now = _now()
+        lines = [f"{n} call(s) so far, in iteration {self.iteration}"]
+        waiting = self.waiting
+        if waiting is not None:
+            lines.append("waiting on " + "; ".join(self._call_text(j, now) for j in waiting._rows))
+        open_rows = [j for w in list(self.outstanding.values()) if w is not waiting for j in w._rows]
+        if open_rows:
+            lines.append(f"{len(open_rows)} call(s) issued, not yet waited; the oldest: "
+                         + self._call_text(min(open_rows), now))
+        if waiting is None or waiting._rows[-1] != n - 1:
+            lines.append("last: " + self._call_text(n - 1, now))
+        return lines
+
     # ---- waits --------------------------------------------------------------------------
     def wait(self, work: Any, fn, args) -> Any:
         """The program waits on ``work``; ``fn(*args)`` performs the backend's wait."""
@@ -505,9 +544,11 @@ class Recorder:
             if self.pending_sync is not None:
                 self._demote_sync()
             self._close_span(self.point())
+        self.waiting = work  # for a status report (prismllm.status) while the wait blocks
         try:
             return fn(*args)
         finally:
+            self.waiting = None
             pa = self.point()
             work._state = ST_WAITED
             self.outstanding.pop(id(work), None)

@@ -81,6 +81,7 @@ from prismllm.errors import PrismError
 from prismllm.generate.store import TensorStore, dtype_from_name
 from prismllm.replay import compensate as C
 from prismllm.replay.engine import ExternalEvent, Replay, ReplayGraph
+from prismllm.status import reporter
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import P2P_OPS
 
@@ -106,6 +107,9 @@ class _Group:
     staged: dict[int, C.SmallCall] = dataclasses.field(default_factory=dict)  # instance -> prepared
     stream: Any = None  # CUDA stream the staged buffers are written on
     entered: bool = False  # a call was entered on it (real timing: the first goes at once)
+    issued: int = 0  # calls entered on the small group
+    finished: int = 0  # ... and completed
+    waiting: tuple[list[_Job], float] | None = None  # the entered job the completer waits on, since
     pg: Any = None
     thread: threading.Thread | None = None
 
@@ -263,6 +267,7 @@ class Assistant:
                     self._wait_until(grp, jobs[0])
                 t0 = self._now()
                 works = C.issue(grp.pg, calls[0]) if len(calls) == 1 else C.issue_batch(grp.pg, calls)
+                grp.issued += len(calls)
                 self._issue_ns += (self._now() - t0 - self._issue_ns) // 8  # running mean (a rough figure)
                 inflight.put((jobs, calls, works))  # blocks while IN_FLIGHT calls are outstanding
                 self._stage(grp, jobs[-1].event.instance)
@@ -288,8 +293,10 @@ class Assistant:
             if item is None:
                 return
             jobs, calls, works = item
+            grp.waiting = (jobs, time.monotonic())
             try:
                 self._finish(grp, jobs, calls, works)
+                grp.waiting = None
             except BaseException as e:  # noqa: BLE001
                 self._done.put((grp, AssistantError(f"{self.graph.describe(jobs[0].event.nodes[0])}: the proxy's "
                                                     f"call failed: {e}")))
@@ -317,6 +324,7 @@ class Assistant:
                 # calibrated graph delays them, a faster one lets them go earlier
                 self._drift = self._now() - self._origin - jobs[-1].end_ns
         self.completed += len(calls)
+        grp.finished += len(calls)
 
     def _wait_until(self, grp: _Group, job: _Job) -> None:
         """Sleep until the wall clock reaches the job's logical ready time (moved by the drift),
@@ -334,6 +342,39 @@ class Assistant:
         delay = self._origin + ready_ns + self._drift - self._issue_ns - self._now()
         if delay > 0:
             time.sleep(delay / 1e9)
+
+    # ------------------------------------------------------------------ status
+    def progress(self) -> int:
+        """A count that moves with every call a proxy enters or completes."""
+        return sum(grp.issued + grp.finished for grp in self.groups.values())
+
+    def status_lines(self, limit: int = 12) -> list[str]:
+        """Where each proxy stands with the sandbox (prismllm.status): the groups whose calls
+        are not all done, the longest-waiting first."""
+        now = time.monotonic()
+        lines = [f"{self.answered} call(s) with the sandbox planned, {self.completed} completed "
+                 f"({self.timing} timing, {len(self.groups)} group(s))"]
+        open_groups = []
+        for grp in self.groups.values():
+            label = f"group {self.trace.group_label(grp.gid)}"
+            if grp.pg is None:
+                open_groups.append((float("inf"), f"{label}: making its small group (the sandbox has not joined)"))
+                continue
+            if grp.finished == len(grp.upcoming):
+                continue
+            state = f"{label}: {grp.issued} of {len(grp.upcoming)} call(s) entered, {grp.finished} completed"
+            waiting = grp.waiting
+            if waiting is None:
+                open_groups.append((0.0, state))
+                continue
+            age = now - waiting[1]
+            open_groups.append((age, f"{state}; waiting {age:.1f} s for "
+                                     f"{self.graph.describe(waiting[0][0].event.nodes[0])} with the sandbox"))
+        open_groups.sort(key=lambda t: -t[0])
+        lines += [t[1] for t in open_groups[:limit]]
+        if len(open_groups) > limit:
+            lines.append(f"... and {len(open_groups) - limit} more group(s)")
+        return lines
 
     # ------------------------------------------------------------------ one call
     def _store(self, rank: int) -> TensorStore:
@@ -543,6 +584,7 @@ class Assistant:
 
 def main() -> int:
     t0 = time.monotonic()
+    status = reporter()  # the launcher's hang diagnosis: its stacks from the start, its proxies once made
     try:
         from prismllm.comm.emulate import parse_ranks
 
@@ -582,6 +624,8 @@ def main() -> int:
         except ValueError:
             raise AssistantError("PRISM_ASSISTANT_INDEX / PRISM_ASSISTANTS: expected numbers") from None
         a = Assistant(trace, sandbox, store, connect, timeout, backend, timing, ahead, index, count)
+        if status is not None:
+            status.add(a.status_lines, a.progress)
         a.run()
         if os.environ.get("PRISM_REPLAY_OUT"):
             a.write_result(os.environ["PRISM_REPLAY_OUT"])
