@@ -60,6 +60,39 @@ def test_native_graph_equals_python_paths(tmp_path, case):
     assert graphs[True].manifest["world_size"] == nproc
 
 
+MISMATCH = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+t = torch.ones(4)
+for _ in range(3):
+    dist.all_reduce(t)
+if dist.get_rank() == 1:
+    dist.broadcast(t, src=0)  # rank 0 never joins it
+else:
+    dist.irecv(t, src=1).wait()  # and rank 1 never sends
+"""
+
+
+def test_a_hung_recording_says_where_each_rank_waits(tmp_path):
+    """Two ranks wait on calls that never match: the timeout's message names, per rank, the
+    program's line, the call it waits on (op, group, peer or root) and its counts, from the
+    native recorder (prismllm.status; the Python recorder's report: test_emulate_faults)."""
+    script = tmp_path / "mismatch.py"
+    script.write_text(MISMATCH)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRISM_NATIVE": "1"}
+    p = subprocess.run([PRISM, "record", "--nproc", "2", "--devices", "cpu", "--out", str(tmp_path / "g"),
+                        "--timeout", "10", "--", str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode != 0
+    err = p.stderr
+    assert "prism record: error: timed out after 10 s; ranks still running: 0-1" in err, err
+    rank0, rank1 = err.split("  rank 0: ")[1].split("  rank 1: ")
+    assert rank0.startswith("at mismatch.py:10 in <module>"), err
+    assert rank1.startswith("at mismatch.py:8 in <module>, in broadcast (distributed_c10d.py)"), err
+    assert "waiting on call 3 recv" in rank0 and "on group '0' from rank 1" in rank0, err
+    assert "waiting on call 3 broadcast" in rank1 and "on group '0' root rank 0" in rank1, err
+    assert "4 call(s), 3 wait(s)" in rank0, err
+
+
 def test_native_backend_is_what_torch_dispatches_to(tmp_path):
     """Under native recording the program's groups are plain C++ ProcessGroups whose backend is
     the recording wrapper, and ``dist.get_backend`` still answers the program's backend."""

@@ -508,17 +508,15 @@ class Recorder:
         peer = self.m_peer[j]
         to = {"send": " to", "recv": " from"}.get(self.m_op[j], " root")
         age = (now - self.p_host[self.m_p0[j]]) / 1e9
-        return (f"call {j} {self.m_op[j]} ({self.m_api[j]}) on group {self.m_group[j]!r} seq {self.m_seq[j]}"
-                + (f"{to} rank {peer}" if peer >= 0 else "") + f", issued {age:.1f} s ago")
+        return (f"call {j} {self.m_op[j]} on group {self.m_group[j]!r}" + (f"{to} rank {peer}" if peer >= 0 else "")
+                + f" (seq {self.m_seq[j]}, {self.m_api[j]}), issued {age:.1f} s ago")
 
     def status_lines(self) -> list[str]:
         """Where the rank stands in its communication: the call it waits on, the calls not
         yet waited, its last call."""
         n = len(self.m_op)
         if self.native is not None:
-            t = self.native.self_time()
-            return [f"{t['calls']} call(s) and {t['waits']} wait(s) so far (native recorder), iteration "
-                    f"boundaries {t['boundaries']}"]
+            return self._native_status_lines()
         if not n:
             return ["no communication call yet"]
         now = _now()
@@ -532,6 +530,27 @@ class Recorder:
                          + self._call_text(min(open_rows), now))
         if waiting is None or waiting._rows[-1] != n - 1:
             lines.append("last: " + self._call_text(n - 1, now))
+        return lines
+
+    def _native_status_lines(self) -> list[str]:
+        from prismllm.comm.native.replay import group_table
+
+        st = self.native.status()
+        groups = group_table(self.groups)
+        ops = self.native.OPS
+
+        def text(row) -> str:
+            k, op, gid, peer = row
+            name = ops[op]
+            to = {"send": " to", "recv": " from"}.get(name, " root")
+            return (f"call {k} {name} on group {groups.get(gid, (f'gid{gid}',))[0]!r}"
+                    + (f"{to} rank {peer}" if peer >= 0 else ""))
+
+        lines = [f"{st['calls']} call(s), {st['waits']} wait(s), {st['boundaries']} iteration boundaries so far"]
+        if st["waiting"] is not None:
+            lines.append("waiting on " + text(st["waiting"]))
+        if st["last"] is not None and st["last"] != st["waiting"]:
+            lines.append("last: " + text(st["last"]))
         return lines
 
     # ---- waits --------------------------------------------------------------------------

@@ -442,6 +442,11 @@ class Log {
   bool bwd_queued_ = false;
   bool durations_ok_ = true;
   int32_t last_sync_ = -1;  // the Work of the last call issued sync, while nothing followed
+  int32_t waiting_ = -1;  // the Work the program is waiting on (a status report's answer)
+  const Row* row_at(int64_t k) const {
+    return (k >= 0 && k < static_cast<int64_t>(rows_.size())) ? &rows_[k] : nullptr;
+  }
+  int64_t num_rows() const { return static_cast<int64_t>(rows_.size()); }
   int8_t sync_p2p_ = 0;     // set by Python's send/recv: the next P2P call is waited at once
   std::vector<std::string> labels_;
   std::deque<WorkState> works_;
@@ -520,6 +525,7 @@ class RecordedWork : public Work {
     auto& log = the_log();
     std::lock_guard<std::mutex> g(log.mu);
     if (waited_) return -2;
+    log.waiting_ = wid_;
     // A wait right after its own sync issue needs no "before" point (the Python rule).
     int64_t p = log.last_sync_ == wid_ ? -1 : log.point(true);
     log.last_sync_ = -1;
@@ -532,6 +538,7 @@ class RecordedWork : public Work {
     std::lock_guard<std::mutex> g(log.mu);
     log.self.waits++;
     log.self.inner_wait_ns += t2 - t1;
+    if (log.waiting_ == wid_) log.waiting_ = -1;
     if (before == -2) {  // waited before: not a point of program order
       log.self.wait_ns += (t1 - t0) + (steady_ns() - t2);
       return;
@@ -920,6 +927,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["calls"] = t.calls; d["call_ns"] = t.call_ns; d["inner_call_ns"] = t.inner_call_ns;
     d["waits"] = t.waits; d["wait_ns"] = t.wait_ns; d["inner_wait_ns"] = t.inner_wait_ns;
     d["boundaries"] = t.boundaries; d["boundary_ns"] = t.boundary_ns;
+    return d;
+  });
+  // Where the rank stands (prismllm.status): counts, its last call's row and the awaited one's.
+  m.def("status", [] {
+    auto& log = the_log();
+    std::lock_guard<std::mutex> g(log.mu);
+    auto row = [&](int64_t k) -> py::object {
+      const Row* r = log.row_at(k);
+      if (r == nullptr) return py::none();
+      return py::make_tuple(k, r->op, r->gid, r->peer);
+    };
+    py::dict d;
+    d["calls"] = log.self.calls; d["waits"] = log.self.waits; d["boundaries"] = log.self.boundaries;
+    d["last"] = row(log.num_rows() - 1);
+    int32_t w = log.waiting_;
+    d["waiting"] = (w >= 0 && w < static_cast<int32_t>(log.works_.size())) ? row(log.works_[w].row0) : py::none();
     return d;
   });
   m.attr("OPS") = std::vector<std::string>(std::begin(kOps), std::end(kOps));

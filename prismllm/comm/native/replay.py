@@ -113,7 +113,7 @@ class ReplayRecorder(Recorder):
         self._rets.extend(p for p in rets if p >= 0)
 
 
-def _group_table(groups: list[Any]) -> dict[int, tuple[str, list[int]]]:
+def group_table(groups: list[Any]) -> dict[int, tuple[str, list[int]]]:
     """gid of each native backend -> (group name, global ranks)."""
     table: dict[int, tuple[str, list[int]]] = {}
     for pg in groups:
@@ -130,7 +130,7 @@ def replay(live: Recorder, log: dict[str, Any]) -> ReplayRecorder:
     mod = live.native
     ops, apis = list(mod.OPS), list(mod.APIS)
     rec = ReplayRecorder(live, log)
-    groups = _group_table(live.groups)
+    groups = group_table(live.groups)
     rows, lists, works_log, labels = log["rows"], log["lists"], log["works"], log["labels"]
     works: dict[int, _Work] = {}
     seq: dict[str, int] = {}
