@@ -118,8 +118,8 @@ def descendants(pid: int) -> list[int]:
     return [p for p in found if pid_alive(p)]
 
 
-def run_to_end(setup, out: Path, fault: str) -> tuple[int, str]:
-    proc = start(setup, out, fault)
+def run_to_end(setup, out: Path, fault: str, **kw) -> tuple[int, str]:
+    proc = start(setup, out, fault, **kw)
     try:
         _, err = proc.communicate(timeout=150)
     finally:
@@ -260,15 +260,9 @@ def test_a_stalled_run_says_where_each_process_stood(setup, tmp_path):
     process stood: the sandbox rank at the program's line, the assistant waiting for a call with
     the sandbox (prismllm.status). Before that, with no progress for PRISM_STATUS_AFTER seconds,
     the launcher printed the same report while the run went on."""
-    out = tmp_path / "emu"
-    proc = start(setup, out, "stall", tmp_path / "stalled", timeout=16, env={"PRISM_STATUS_AFTER": "5"})
-    try:
-        _, err = proc.communicate(timeout=150)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode != 0
+    rc, err = run_to_end(setup, tmp_path / "emu", "stall", mark=tmp_path / "stalled", timeout=16,
+                         env={"PRISM_STATUS_AFTER": "5"})
+    assert rc != 0
     line = verdict(err)
     assert line.startswith("timed out after 16 s"), err
     early = re.search(r"^prism: no communication for (\d+) s; where each process stands:$", err, re.M)
