@@ -111,3 +111,29 @@ def test_compute_under_load_takes_compute_from_every_rank_at_once(bare, tmp_path
     p = prism("time", "--graph", str(bare), "--out", str(tmp_path / "g"), "--devices", "cuda", "--compute-under-load",
               "--", GPT3D, *ARGS)
     assert p.returncode == 2 and "--compute-under-load is for CPU timing" in p.stderr, p.stderr
+
+
+def test_a_stuck_slice_is_not_silent(tmp_path):
+    """The status report a slice's launcher writes to the slice's log reaches the user as it is
+    written (whole lines, once each), and a slice that timed out fails with its error and the
+    report of where each process stood, line by line."""
+    from prismllm.time.slices import _failure_lines, _StatusRelay
+
+    log = tmp_path / "slice-00001.log"
+    said: list[str] = []
+    relay = _StatusRelay(said.append)
+    log.write_text("iteration 1/3 | loss 4.1\nprism: no communication for 300 s; where each process stands:\nprism:   ra")
+    relay.poll([(1, [1], log)])
+    assert said == ["slice 1 (ranks 1): no communication for 300 s; where each process stands:"]
+    with open(log, "a") as f:
+        f.write("nk 1: at train.py:12 in step\n")
+    relay.next_check = 0.0
+    relay.poll([(1, [1], log)])
+    assert said[1:] == ["slice 1 (ranks 1):   rank 1: at train.py:12 in step"]
+    with open(log, "a") as f:
+        f.write("prism emulate: error: timed out after 16 s; still running: rank 1, assistant\n"
+                "where each process stood:\n  rank 1: at train.py:12 in step\n")
+    assert _failure_lines(log.read_text()).splitlines() == [
+        "timed out after 16 s; still running: rank 1, assistant", "where each process stood:",
+        "  rank 1: at train.py:12 in step"]
+    assert _failure_lines("a\nb\nTraceback\nValueError: x\n") == "a | b | Traceback | ValueError: x"

@@ -104,6 +104,7 @@ TORCHRUN_ENV_VARS = (
 
 LineSink = Callable[[int, str, str], None]  # (rank, "stdout" | "stderr", line with its "\n")
 LAUNCHER_ID = -(10**9)  # the id the launcher's own lines (status reports) carry to a sink
+STATUS_PREFIX = "prism: "  # how the launcher's own lines begin
 
 
 @dataclasses.dataclass
@@ -1032,7 +1033,7 @@ class _Launcher:
     def _print(self, lines: list[str]) -> None:
         sink = self.spec.sink or _default_sink
         for ln in lines:
-            sink(LAUNCHER_ID, "stderr", f"prism: {ln}\n")
+            sink(LAUNCHER_ID, "stderr", f"{STATUS_PREFIX}{ln}\n")
 
     def _supervise(self, t0: float) -> RankFailure | None:
         spec = self.spec

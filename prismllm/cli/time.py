@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
         def progress(done: int, total: int, ranks: list[int], seconds: float) -> None:
             bar.update(task, completed=done, total=total,
                        description=f"last: ranks {','.join(map(str, ranks))} in {seconds:.1f} s")
-        res = time_slices(opts, progress)
+        res = time_slices(opts, progress, say=lambda line: bar.console.print(f"prism time: {line}", highlight=False,
+                                                                           markup=False, soft_wrap=True))
     print(f"prism time: {len(res.timed_ranks)} of {res.world_size} rank(s) timed in {len(res.slices)} slice(s)"
           + (f" ({res.resumed} done before)" if res.resumed else "")
           + f" in {res.wall_s:.1f} s; timed graph in {res.graph}", file=sys.stderr)

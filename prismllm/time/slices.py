@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
-from prismllm.capture.launcher import gpu_ids
+from prismllm.capture.launcher import STATUS_PREFIX, gpu_ids
 from prismllm.capture.record import parse_gpu_list
 from prismllm.emulate.fingerprint import check_program
 from prismllm.errors import PrismError
@@ -173,10 +173,49 @@ def _with_compute_of(trace: PrismTrace, other: PrismTrace) -> PrismTrace:
     return dataclasses.replace(trace, nodes=nodes)
 
 
-def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], float], None] | None = None
-                ) -> TimeResult:
+class _StatusRelay:
+    """Passes on the status report lines (``prism: ...``, prismllm.status) that the running
+    slices' launchers write to their logs, checked once a second."""
+
+    def __init__(self, say: Callable[[str], None] | None):
+        self.say = say
+        self.offsets: dict[int, int] = {}
+        self.next_check = 0.0
+
+    def poll(self, logs: list[tuple[int, list[int], Path]]) -> None:
+        if self.say is None or time.monotonic() < self.next_check:
+            return
+        self.next_check = time.monotonic() + 1.0
+        for k, ranks, path in logs:
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self.offsets.get(k, 0))
+                    data = f.read()
+            except OSError:
+                continue
+            end = data.rfind(b"\n") + 1  # whole lines only
+            self.offsets[k] = self.offsets.get(k, 0) + end
+            for line in data[:end].decode(errors="replace").splitlines():
+                if line.startswith(STATUS_PREFIX):
+                    self.say(f"slice {k} (ranks {','.join(map(str, ranks))}): {line[len(STATUS_PREFIX):]}")
+
+
+def _failure_lines(log: str) -> str:
+    """How a slice's emulation ended, from its log: its error and, after a timeout, the report
+    of where each process stood (on lines of their own); else its last lines."""
+    lines = log.strip().splitlines()
+    err = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("prism emulate: error:")), None)
+    if err is None:
+        return " | ".join(lines[-6:])
+    return "\n".join([lines[err][len("prism emulate: error: "):], *lines[err + 1:]])
+
+
+def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], float], None] | None = None,
+                say: Callable[[str], None] | None = None) -> TimeResult:
     """Run every slice not done yet, then assemble the timed graph. ``progress(done, total,
-    ranks, seconds)`` is called after each slice."""
+    ranks, seconds)`` is called after each slice; ``say(line)`` with each status report line a
+    running slice's launcher writes to its log (a slice that makes no progress:
+    ``prismllm.status``), so that a stuck slice is not a silent one."""
     from prismllm.trace.assemble import assemble_replicated, assemble_spool
 
     t0 = time.monotonic()
@@ -224,6 +263,7 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
     gpus = _gpu_sets(opts, min(opts.parallel, max(1, len(todo))))
     running: list[tuple[subprocess.Popen, int, list[int], float, str | None, Path]] = []
     free = list(gpus)
+    relay = _StatusRelay(say)
     try:
         while todo or running:
             while todo and free:
@@ -239,14 +279,14 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
                 log.close()
                 running.append((p, k, s, time.monotonic(), dev, so))
             time.sleep(0.1)
+            relay.poll([(k, s, out / SLICES_DIR / f"slice-{k:05d}.log") for _, k, s, *_ in running])
             for item in [r for r in running if r[0].poll() is not None]:
                 p, k, s, t1, dev, so = item
                 running.remove(item)
                 free.append(dev)
                 if p.returncode != 0 or not _done(so, s):
-                    tail = (out / SLICES_DIR / f"slice-{k:05d}.log").read_text().strip().splitlines()[-6:]
                     raise PrismError(f"slice {k} (ranks {s}) failed (exit status {p.returncode}): "
-                                     + " | ".join(tail))
+                                     + _failure_lines((out / SLICES_DIR / f"slice-{k:05d}.log").read_text()))
                 done += 1
                 if progress is not None:
                     progress(done, len(slices), s, time.monotonic() - t1)
