@@ -302,18 +302,25 @@ class StatusBoard:
                detail_up_to: int = 8) -> list[str]:
         """Where ``children`` stand: one line per distinct place (``who(ids)`` names the
         processes there), and what each process said about itself, for every process when at
-        most ``detail_up_to`` answered, else for the first of each place."""
-        answers = self.request(children, wait_s)
+        most ``detail_up_to`` answered, else for the first of each place. Empty when none of
+        them runs a reporter."""
+        # a child that never wrote its progress file runs no reporter (a plain script): not asked
+        live = [c for c in children if (self.dir / f"{self.names[c]}.progress").exists()]
+        if not live:
+            return []
+        answers: dict[int, ProcessStatus | None | str] = dict(self.request(live, wait_s))
+        answers.update({c: "no status (not a prism process)" for c in children if c not in answers})
         places: dict[str, list[int]] = {}
         for c, st in answers.items():
-            places.setdefault(st.summary() if st is not None else f"no answer within {wait_s:g} s", []).append(c)
-        many = sum(st is not None for st in answers.values()) > detail_up_to
+            place = st if isinstance(st, str) else st.summary() if st is not None else f"no answer within {wait_s:g} s"
+            places.setdefault(place, []).append(c)
+        many = sum(isinstance(st, ProcessStatus) for st in answers.values()) > detail_up_to
         lines = []
         for place, ids in places.items():
             lines.append(f"  {who(ids)}: {place}")
             for c in ids[:1] if many else ids:
                 st = answers[c]
-                if st is not None and st.said:
+                if isinstance(st, ProcessStatus) and st.said:
                     lines.extend(f"    {who([c]) + ': ' if len(ids) > 1 else ''}{s}" for s in st.said)
         return lines
 

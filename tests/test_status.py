@@ -95,3 +95,16 @@ def test_a_run_that_reported_nothing_leaves_no_status_directory(tmp_path, monkey
     res = launch(LaunchSpec(nproc=2, script=str(script), runner=None, devices="cpu"))
     assert res.ok, res.message
     assert [p.name for p in tmp_path.iterdir()] == ["s.py"]
+
+
+def test_a_timeout_of_plain_scripts_asks_nothing(tmp_path, monkeypatch):
+    """Children that run no reporter (runner=None: the script alone) are not waited for: the
+    timeout's message is the plain one, at once, and no status directory stays."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    script = tmp_path / "s.py"
+    script.write_text("import time; time.sleep(60)\n")
+    t0 = time.monotonic()
+    res = launch(LaunchSpec(nproc=2, script=str(script), runner=None, devices="cpu", timeout=1.5, grace_period=1))
+    assert time.monotonic() - t0 < 6
+    assert res.message == "timed out after 1.5 s; ranks still running: 0-1 (ended by the launcher)"
+    assert [p.name for p in tmp_path.iterdir()] == ["s.py"]

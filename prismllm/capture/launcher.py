@@ -1025,10 +1025,11 @@ class _Launcher:
         if self.board is None:
             return []
         alive = sorted((c.rank for c in self._alive()), key=lambda r: (r < 0, abs(r)))
-        lines = [head, *self.board.report(alive, self._who)]
-        lines.append(f"  every thread's stack, per process: {self.board.dir}{os.sep}*.status")
+        where = self.board.report(alive, self._who)
+        if not where:  # plain scripts: nothing to ask
+            return []
         self.status_kept = True
-        return lines
+        return [head, *where, f"  every thread's stack, per process: {self.board.dir}{os.sep}*.status"]
 
     def _print(self, lines: list[str]) -> None:
         sink = self.spec.sink or _default_sink
