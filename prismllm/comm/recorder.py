@@ -105,6 +105,13 @@ _COMM_OBJ_COLS = ("m_op", "m_group", "m_red", "m_dtype", "m_shape", "m_insp", "m
                   "m_api", "m_label")  # fmt: skip
 
 
+def _call_words(index: int, op: str, group: str, peer: int) -> str:
+    """'call 3 recv on group '0' from rank 1': one call in a status report (prismllm.status);
+    ``peer`` is a send's destination, a recv's source, a rooted op's root (-1: none)."""
+    to = {"send": "to", "recv": "from"}.get(op, "root")
+    return f"call {index} {op} on group {group!r}" + (f" {to} rank {peer}" if peer >= 0 else "")
+
+
 class Recorder:
     """Records one rank. All methods run on the program's thread (autograd's, during
     backward) except the Future done-callbacks, which only store a timestamp."""
@@ -505,18 +512,16 @@ class Recorder:
         return len(self.n_kind)
 
     def _call_text(self, j: int, now: int) -> str:
-        peer = self.m_peer[j]
-        to = {"send": " to", "recv": " from"}.get(self.m_op[j], " root")
         age = (now - self.p_host[self.m_p0[j]]) / 1e9
-        return (f"call {j} {self.m_op[j]} on group {self.m_group[j]!r}" + (f"{to} rank {peer}" if peer >= 0 else "")
+        return (_call_words(j, self.m_op[j], self.m_group[j], self.m_peer[j])
                 + f" (seq {self.m_seq[j]}, {self.m_api[j]}), issued {age:.1f} s ago")
 
     def status_lines(self) -> list[str]:
         """Where the rank stands in its communication: the call it waits on, the calls not
         yet waited, its last call."""
-        n = len(self.m_op)
         if self.native is not None:
             return self._native_status_lines()
+        n = len(self.m_op)
         if not n:
             return ["no communication call yet"]
         now = _now()
@@ -541,10 +546,7 @@ class Recorder:
 
         def text(row) -> str:
             k, op, gid, peer = row
-            name = ops[op]
-            to = {"send": " to", "recv": " from"}.get(name, " root")
-            return (f"call {k} {name} on group {groups.get(gid, (f'gid{gid}',))[0]!r}"
-                    + (f"{to} rank {peer}" if peer >= 0 else ""))
+            return _call_words(k, ops[op], groups.get(gid, (f"gid{gid}",))[0], peer)
 
         lines = [f"{st['calls']} call(s), {st['waits']} wait(s), {st['boundaries']} iteration boundaries so far"]
         if st["waiting"] is not None:

@@ -188,7 +188,6 @@ class Assistant:
         self.groups: dict[int, _Group] = {}
         self.answered = 0
         self.staged_hits = 0  # calls whose buffers were ready when they came due
-        self.completed = 0  # calls the sandbox and the proxies completed for real
         real = set(self.sandbox)
         if not 0 <= index < count:
             raise AssistantError(f"assistant {index} of {count}: expected 0 <= index < count")
@@ -323,7 +322,6 @@ class Assistant:
                 # replay planned it to end at ``end_ns``; a sandbox that is slower than the
                 # calibrated graph delays them, a faster one lets them go earlier
                 self._drift = self._now() - self._origin - jobs[-1].end_ns
-        self.completed += len(calls)
         grp.finished += len(calls)
 
     def _wait_until(self, grp: _Group, job: _Job) -> None:
@@ -344,6 +342,11 @@ class Assistant:
             time.sleep(delay / 1e9)
 
     # ------------------------------------------------------------------ status
+    @property
+    def completed(self) -> int:
+        """Calls the sandbox and the proxies completed for real."""
+        return sum(grp.finished for grp in self.groups.values())
+
     def progress(self) -> int:
         """A count that moves with every call a proxy enters or completes."""
         return sum(grp.issued + grp.finished for grp in self.groups.values())

@@ -42,6 +42,7 @@ SLICES_DIR = "slices"
 GRAPH_DIR = "graph"
 LOAD_DIR = "load"  # the compute-under-load pass (its own slices and graph)
 STATE_FILE = "time.json"
+_EMULATE_ERROR = "prism emulate: error: "  # how a slice's `prism emulate` reports its failure
 
 
 @dataclasses.dataclass
@@ -173,6 +174,16 @@ def _with_compute_of(trace: PrismTrace, other: PrismTrace) -> PrismTrace:
     return dataclasses.replace(trace, nodes=nodes)
 
 
+def _slice_dir(out: Path, k: int) -> Path:
+    """Slice ``k``'s emulation output."""
+    return out / SLICES_DIR / f"slice-{k:05d}"
+
+
+def _slice_log(out: Path, k: int) -> Path:
+    """Slice ``k``'s console."""
+    return out / SLICES_DIR / f"slice-{k:05d}.log"
+
+
 class _StatusRelay:
     """Passes on the status report lines (``prism: ...``, prismllm.status) that the running
     slices' launchers write to their logs, checked once a second."""
@@ -204,10 +215,10 @@ def _failure_lines(log: str) -> str:
     """How a slice's emulation ended, from its log: its error and, after a timeout, the report
     of where each process stood (on lines of their own); else its last lines."""
     lines = log.strip().splitlines()
-    err = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("prism emulate: error:")), None)
+    err = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith(_EMULATE_ERROR)), None)
     if err is None:
         return " | ".join(lines[-6:])
-    return "\n".join([lines[err][len("prism emulate: error: "):], *lines[err + 1:]])
+    return "\n".join([lines[err][len(_EMULATE_ERROR):], *lines[err + 1:]])
 
 
 def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], float], None] | None = None,
@@ -257,7 +268,7 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
     (out / SLICES_DIR).mkdir(parents=True, exist_ok=True)
     sf.write_text(json.dumps(state, indent=1) + "\n")
 
-    todo = [(k, s) for k, s in enumerate(slices) if not _done(out / SLICES_DIR / f"slice-{k:05d}", s)]
+    todo = [(k, s) for k, s in enumerate(slices) if not _done(_slice_dir(out, k), s)]
     resumed = len(slices) - len(todo)
     done = resumed
     gpus = _gpu_sets(opts, min(opts.parallel, max(1, len(todo))))
@@ -269,24 +280,24 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
             while todo and free:
                 k, s = todo.pop(0)
                 dev = free.pop(0)
-                so = out / SLICES_DIR / f"slice-{k:05d}"
+                so = _slice_dir(out, k)
                 env = dict(os.environ)
                 if dev is not None:
                     env["CUDA_VISIBLE_DEVICES"] = dev
-                log = open(out / SLICES_DIR / f"slice-{k:05d}.log", "w")
+                log = open(_slice_log(out, k), "w")
                 p = subprocess.Popen(_emulate_cmd(opts, graph, s, so), stdout=log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)
                 log.close()
                 running.append((p, k, s, time.monotonic(), dev, so))
             time.sleep(0.1)
-            relay.poll([(k, s, out / SLICES_DIR / f"slice-{k:05d}.log") for _, k, s, *_ in running])
+            relay.poll([(k, s, _slice_log(out, k)) for _, k, s, *_ in running])
             for item in [r for r in running if r[0].poll() is not None]:
                 p, k, s, t1, dev, so = item
                 running.remove(item)
                 free.append(dev)
                 if p.returncode != 0 or not _done(so, s):
                     raise PrismError(f"slice {k} (ranks {s}) failed (exit status {p.returncode}): "
-                                     + _failure_lines((out / SLICES_DIR / f"slice-{k:05d}.log").read_text()))
+                                     + _failure_lines(_slice_log(out, k).read_text()))
                 done += 1
                 if progress is not None:
                     progress(done, len(slices), s, time.monotonic() - t1)
@@ -315,8 +326,8 @@ def time_slices(opts: TimeOptions, progress: Callable[[int, int, list[int], floa
     for k, s in enumerate(slices):
         for r in s:
             name = f"rank-{r:06d}.msgpack"
-            shutil.copyfile(out / SLICES_DIR / f"slice-{k:05d}" / "ranklogs" / name, spool / name)
-        sl = json.loads((out / SLICES_DIR / f"slice-{k:05d}" / "emulate.json").read_text())
+            shutil.copyfile(_slice_dir(out, k) / "ranklogs" / name, spool / name)
+        sl = json.loads((_slice_dir(out, k) / "emulate.json").read_text())
         for r, m in sl.get("sandbox_results", {}).items():
             left_out[r] = int(m.get("emulation_overhead_left_out_ns", 0))
     # the bare graph's manifest, its program fingerprint and command included (what
