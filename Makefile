@@ -7,26 +7,48 @@ PY := $(VENV)/bin/python
 # The CPU build of torch that lies on disk here; never an unpinned torch (it pulls CUDA).
 TORCH_PIN ?= torch==2.13.0
 DEMO_OUT ?= out/demo
+# The embedded default: examples/gpt3d.py, a tiny model that runs in seconds on two CPU cores, at 32
+# ranks (TP2 x PP2 x DP8); the last rank runs for real in the emulation.
+DEMO_ARGS := --tp 2 --pp 2 --layers 2 --hidden 32 --heads 4 --seq 16 --vocab 128 --micro-batch 1 \
+             --global-batch 32 --iters 3
 
-.PHONY: venv demo test test-gpu clean
+.PHONY: venv test-env demo test test-gpu clean
 
 venv: $(VENV)/.installed
+test-env: $(VENV)/.test-installed
 
+# The package and what it needs to run. A Python that is itself a virtual environment (the GPU
+# machines' /opt/torch/.venv holds torch) is not what --system-site-packages exposes, so its
+# site-packages are added with a .pth file; no build isolation, so that nothing is fetched where
+# everything is already there (GPU machines have no network).
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PYTHON) -c "import site, sys; sys.prefix != sys.base_prefix and print(site.getsitepackages()[0])" \
+		> "$$($(PY) -c 'import site; print(site.getsitepackages()[0])')/_prism_parent.pth"
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-build-isolation -e .
 	touch $@
 
-# The whole pipeline (capture -> time -> calibrate -> emulate) on a 32-rank gpt3d job.
-demo: venv
-	$(VENV)/bin/prism demo --out $(DEMO_OUT) --force
+# ... and what the tests use (pyproject's test extras; Holistic Trace Analysis without its
+# declared requirements, which pull in Jupyter).
+$(VENV)/.test-installed: $(VENV)/.installed
+	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
+	$(PY) -m pip install -q --no-deps holistictraceanalysis==0.5.0
+	touch $@
 
-test: venv
+# The whole pipeline (capture -> time -> calibrate -> emulate -> report) on the embedded default,
+# on a GPU when there is one (one GPU: the sandbox rank and the assistant share it).
+demo: venv
+	$(VENV)/bin/prism run --world 32 --layout tp=2,pp=2 --sandbox 31 --out $(DEMO_OUT) --force \
+		-- examples/gpt3d.py $(DEMO_ARGS)
+
+test: test-env
+	$(VENV)/bin/ruff check prismllm tests benchmarks examples
+	$(VENV)/bin/ruff format --check prismllm tests benchmarks examples
 	$(PY) -m pytest -q
 
 # On a GPU machine (see README): the GPU-marked tests.
-test-gpu: venv
+test-gpu: test-env
 	$(PY) -m pytest -q -m gpu
 
 clean:

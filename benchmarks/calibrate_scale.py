@@ -35,8 +35,22 @@ ROOT = Path(__file__).resolve().parents[1]
 GPT3D = ROOT / "examples" / "gpt3d.py"
 RESULTS = ROOT / "benchmarks" / "results"
 PRISM = str(Path(sys.executable).with_name("prism"))
-TINY = ["--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128", "--micro-batch", "1",
-        "--iters", "3", "--bucket-mb", "0.01"]
+TINY = [
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq",
+    "16",
+    "--vocab",
+    "128",
+    "--micro-batch",
+    "1",
+    "--iters",
+    "3",
+    "--bucket-mb",
+    "0.01",
+]
 
 
 def cases(quick: bool) -> dict[str, dict]:
@@ -45,8 +59,12 @@ def cases(quick: bool) -> dict[str, dict]:
     for n in (small, large):
         tag = str(n)
         dp = n // 16
-        out[f"gpt3d{tag}"] = {"kind": "gpt3d", "world": n, "layout": "tp=2,pp=8",
-                              "args": ["--tp", "2", "--pp", "8", "--layers", "8", "--global-batch", str(2 * dp)]}
+        out[f"gpt3d{tag}"] = {
+            "kind": "gpt3d",
+            "world": n,
+            "layout": "tp=2,pp=8",
+            "args": ["--tp", "2", "--pp", "8", "--layers", "8", "--global-batch", str(2 * dp)],
+        }
         out[f"synth{tag}"] = {"kind": "synth", "world": n, "nodes_per_rank": 500, "tp": 8, "pp": 4}
     return out
 
@@ -60,8 +78,27 @@ def build(name: str, case: dict, work: Path) -> tuple[Path, dict]:
     g.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     if case["kind"] == "gpt3d":
-        cmd = [PRISM, "capture", "--mode", "solo", "--world", str(case["world"]), "--devices", "2", "--device", "cpu",
-               "--layout", case["layout"], "--out", str(g), "--force", "--", str(GPT3D), *TINY, *case["args"]]
+        cmd = [
+            PRISM,
+            "capture",
+            "--mode",
+            "solo",
+            "--world",
+            str(case["world"]),
+            "--devices",
+            "2",
+            "--device",
+            "cpu",
+            "--layout",
+            case["layout"],
+            "--out",
+            str(g),
+            "--force",
+            "--",
+            str(GPT3D),
+            *TINY,
+            *case["args"],
+        ]
         print(f"[{name}] {' '.join(cmd)}", file=sys.stderr, flush=True)
         p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if p.returncode != 0:
@@ -70,14 +107,27 @@ def build(name: str, case: dict, work: Path) -> tuple[Path, dict]:
     else:
         # in a child process: this one stays small, so the children's peak RSS (wait4, which
         # counts the forked copy of this process before exec) is theirs alone
-        code = ("import sys\n"
-                "from prismllm.trace import assemble\n"
-                "from prismllm.trace.synth import synthetic_logs\n"
-                "w, n, tp, pp, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]\n"
-                "assemble(synthetic_logs(w, n, tp=tp, pp=pp, iterations=3), {'mode': 'record', 'command': ['synthetic']}).save(out)\n")
+        code = (
+            "import sys\n"
+            "from prismllm.trace import assemble\n"
+            "from prismllm.trace.synth import synthetic_logs\n"
+            "w, n, tp, pp, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]\n"
+            "assemble(synthetic_logs(w, n, tp=tp, pp=pp, iterations=3), {'mode': 'record', 'command': ['synthetic']}).save(out)\n"
+        )
         print(f"[{name}] synthetic_logs({case['world']}, {case['nodes_per_rank']})", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-c", code, str(case["world"]), str(case["nodes_per_rank"]), str(case["tp"]),
-                        str(case["pp"]), str(g)], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                code,
+                str(case["world"]),
+                str(case["nodes_per_rank"]),
+                str(case["tp"]),
+                str(case["pp"]),
+                str(g),
+            ],
+            check=True,
+        )
         how = {"synthetic_logs": [case["world"], case["nodes_per_rank"]], "tp": case["tp"], "pp": case["pp"]}
     meta = {"case": case, **how, "build_s": round(time.perf_counter() - t0, 1)}
     stamp.write_text(json.dumps(meta, indent=1) + "\n")
@@ -91,7 +141,9 @@ def run_measured(graph: Path, cal: Path, extra: list[str]) -> dict:
     err_path = cal.with_suffix(".stderr")
     t0 = time.perf_counter()
     with open(out_path, "w") as fo, open(err_path, "w") as fe:
-        p = subprocess.Popen([PRISM, "calibrate", str(graph), "--out", str(cal), "--json", *extra], stdout=fo, stderr=fe)
+        p = subprocess.Popen(
+            [PRISM, "calibrate", str(graph), "--out", str(cal), "--json", *extra], stdout=fo, stderr=fe
+        )
         _, status, ru = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0
     p.returncode = os.waitstatus_to_exitcode(status)
@@ -100,11 +152,18 @@ def run_measured(graph: Path, cal: Path, extra: list[str]) -> dict:
     s = json.loads(out_path.read_text())
     out_path.unlink()
     err_path.unlink()
-    return {"wall_s": round(wall, 2), "peak_rss_mb": round(ru.ru_maxrss / 1024, 1), "cpu_s": round(ru.ru_utime + ru.ru_stime, 2),
-            "stages_s": s["solve"], "predicted_iteration_ns": s["predicted_iteration_ns"],
-            "critical_path_segments": len(s["critical_path"]["segments"]) if s["critical_path"] else None,
-            "bubble_fraction": (s["pipeline_bubble"] or {}).get("fraction"), "nodes": s["nodes"],
-            "instances": s["instances"], "ranks": s["ranks"]}
+    return {
+        "wall_s": round(wall, 2),
+        "peak_rss_mb": round(ru.ru_maxrss / 1024, 1),
+        "cpu_s": round(ru.ru_utime + ru.ru_stime, 2),
+        "stages_s": s["solve"],
+        "predicted_iteration_ns": s["predicted_iteration_ns"],
+        "critical_path_segments": len(s["critical_path"]["segments"]) if s["critical_path"] else None,
+        "bubble_fraction": (s["pipeline_bubble"] or {}).get("fraction"),
+        "nodes": s["nodes"],
+        "instances": s["instances"],
+        "ranks": s["ranks"],
+    }
 
 
 def loadavg() -> float:
@@ -133,10 +192,14 @@ def markdown(results: list[dict], meta: dict) -> str:
                 f"{'yes' if run['validate'] else 'no'} | {run['wall_s']:.1f} | "
                 f"{run['peak_rss_mb']:.0f} | {st.get('load_s', 0):.2f} | {st.get('validate_s', 0):.2f} | "
                 f"{st.get('build_s', 0):.2f} | {st.get('replay_s', 0):.2f} | {st.get('analyze_s', 0):.2f} | "
-                f"{st.get('write_s', 0):.2f} | {st.get('rounds')} | {run['loadavg_before']} |")
-    lines += ["", "Stage columns are seconds inside the command (load = reading GRAPH; build = ReplayGraph; "
-              "solve = the replay; analyze = critical path, per-rank accounting, summary; write = "
-              "calibrated.parquet + summary.json); wall also counts the interpreter start and imports."]
+                f"{st.get('write_s', 0):.2f} | {st.get('rounds')} | {run['loadavg_before']} |"
+            )
+    lines += [
+        "",
+        "Stage columns are seconds inside the command (load = reading GRAPH; build = ReplayGraph; "
+        "solve = the replay; analyze = critical path, per-rank accounting, summary; write = "
+        "calibrated.parquet + summary.json); wall also counts the interpreter start and imports.",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -146,8 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default=str(ROOT / "out" / "calibrate_scale"), help="graphs and outputs (kept)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="64/128-rank cases (smoke test)")
-    ap.add_argument("--machine", default=f"{platform.node()}, {os.cpu_count()} CPUs",
-                    help="how to name this machine in the results")
+    ap.add_argument(
+        "--machine", default=f"{platform.node()}, {os.cpu_count()} CPUs", help="how to name this machine in the results"
+    )
     ap.add_argument("--results", default=str(RESULTS / "calibrate_scale"), help="results path without suffix")
     args = ap.parse_args(argv)
     all_cases = cases(args.quick)
@@ -169,8 +233,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{n}] run {i}: {json.dumps(run)}", file=sys.stderr, flush=True)
                 runs.append(run)
         results.append({"case": n, "graph": meta, "runs": runs})
-    meta = {"machine": args.machine, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "repeat": args.repeat, "quick": args.quick, "date": time.strftime("%Y-%m-%d %H:%M")}
+    meta = {
+        "machine": args.machine,
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "repeat": args.repeat,
+        "quick": args.quick,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+    }
     path = Path(args.results + ("-quick" if args.quick else ""))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")

@@ -30,8 +30,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 GPT3D = ROOT / "examples" / "gpt3d.py"
 RESULTS = ROOT / "benchmarks" / "results"
-TINY = ["--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128", "--micro-batch", "1",
-        "--iters", "2", "--bucket-mb", "0.01"]
+TINY = [
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq",
+    "16",
+    "--vocab",
+    "128",
+    "--micro-batch",
+    "1",
+    "--iters",
+    "2",
+    "--bucket-mb",
+    "0.01",
+]
 
 
 def cases(quick: bool) -> dict[str, dict]:
@@ -50,8 +64,22 @@ def cases(quick: bool) -> dict[str, dict]:
         out[f"moe{size}"] = {
             "world": world,
             "layout": f"tp=2,pp={pp},ep={ep}",
-            "args": ["--tp", "2", "--pp", str(pp), "--layers", str(pp), "--global-batch", str(2 * dp),
-                     "--num-experts", "8", "--topk", "2", "--ep", str(ep)],
+            "args": [
+                "--tp",
+                "2",
+                "--pp",
+                str(pp),
+                "--layers",
+                str(pp),
+                "--global-batch",
+                str(2 * dp),
+                "--num-experts",
+                "8",
+                "--topk",
+                "2",
+                "--ep",
+                str(ep),
+            ],
         }
     return out
 
@@ -99,17 +127,40 @@ def compact_estimate(path: Path, reps: list[int], work: Path) -> dict:
 def run_case(name: str, case: dict, devices: int, work: Path) -> dict:
     out = work / name
     prism = str(Path(sys.executable).with_name("prism"))
-    cmd = [prism, "capture", "--mode", "solo", "--world", str(case["world"]), "--devices", str(devices),
-           "--device", "cpu", "--layout", case["layout"], "--out", str(out), "--force", "--",
-           str(GPT3D), *TINY, *case["args"]]
+    cmd = [
+        prism,
+        "capture",
+        "--mode",
+        "solo",
+        "--world",
+        str(case["world"]),
+        "--devices",
+        str(devices),
+        "--device",
+        "cpu",
+        "--layout",
+        case["layout"],
+        "--out",
+        str(out),
+        "--force",
+        "--",
+        str(GPT3D),
+        *TINY,
+        *case["args"],
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     print(f"[{name}] {' '.join(cmd)}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        return {"case": name, "world": case["world"], "layout": case["layout"], "ok": False,
-                "error": (proc.stderr or proc.stdout)[-2000:]}
+        return {
+            "case": name,
+            "world": case["world"],
+            "layout": case["layout"],
+            "ok": False,
+            "error": (proc.stderr or proc.stdout)[-2000:],
+        }
     m = json.loads((out / "manifest.json").read_text())
     cap = m["capture"]
     load_s, nodes = load_time(out)
@@ -147,7 +198,9 @@ def markdown(results: list[dict], meta: dict) -> str:
     ]
     for r in results:
         if not r.get("ok"):
-            lines.append(f"| {r['case']} | {r['world']} | {r['layout']} | failed: {r['error'].strip().splitlines()[-1][:80]} |")
+            lines.append(
+                f"| {r['case']} | {r['world']} | {r['layout']} | failed: {r['error'].strip().splitlines()[-1][:80]} |"
+            )
             continue
         lines.append(
             f"| {r['case']} | {r['world']} | {r['layout']} | {r['ranks_run']} | {r['wall_s']:.1f} | {r['run_s']:.1f} | "
@@ -182,8 +235,13 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep and not args.out:
             shutil.rmtree(work, ignore_errors=True)
-    meta = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "devices": args.devices, "quick": args.quick}
+    meta = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "devices": args.devices,
+        "quick": args.quick,
+    }
     path = Path(args.results + ("-quick" if args.quick else ""))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": results}, indent=1) + "\n")

@@ -33,15 +33,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from fidelity import (GPT3D, PRISM, SIZES, load, make_case, ms, per_rank_compute,  # noqa: E402
-                      per_rank_iterations, steady_median)
+from fidelity import GPT3D, PRISM, SIZES, load, make_case, ms, per_rank_compute, per_rank_iterations, steady_median  # noqa: E402
 from tracing_overhead import machine  # noqa: E402
 
 KINDS = ("matmul", "spin")
 # one load process: computes until killed (OMP_NUM_THREADS=1, as the ranks)
-LOAD = {"matmul": "import torch; torch.set_num_threads(1); a = torch.randn(256, 256); c = torch.empty(256, 256)\n"
-                  "while True: torch.mm(a, a, out=c)",
-        "spin": "while True:\n    x = 0\n    for i in range(20000): x += i"}
+LOAD = {
+    "matmul": "import torch; torch.set_num_threads(1); a = torch.randn(256, 256); c = torch.empty(256, 256)\n"
+    "while True: torch.mm(a, a, out=c)",
+    "spin": "while True:\n    x = 0\n    for i in range(20000): x += i",
+}
 
 
 class Load:
@@ -49,8 +50,9 @@ class Load:
 
     def __init__(self, n: int, kind: str):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-        self.procs = [subprocess.Popen([sys.executable, "-c", LOAD[kind]], env=env, start_new_session=False)
-                      for _ in range(n)]
+        self.procs = [
+            subprocess.Popen([sys.executable, "-c", LOAD[kind]], env=env, start_new_session=False) for _ in range(n)
+        ]
 
     def stop(self) -> None:
         for p in self.procs:
@@ -61,20 +63,36 @@ class Load:
 def one_run(nproc: int, args: list[str], out: Path, timeout: float) -> dict:
     """`prism record` of one job: median compute and iteration (ms) over steady iterations and ranks."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONUNBUFFERED": "1"}
-    p = subprocess.run([*PRISM, "record", "--nproc", str(nproc), "--devices", "cpu", "--out", str(out), "--force",
-                        "--", GPT3D, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(
+        [*PRISM, "record", "--nproc", str(nproc), "--devices", "cpu", "--out", str(out), "--force", "--", GPT3D, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     if p.returncode:
         raise SystemExit(f"cpu_contention: prism record failed ({p.returncode}):\n{(p.stdout + p.stderr)[-2000:]}")
     trace = load(out)
     comp, its = per_rank_compute(trace), per_rank_iterations(trace)
     steady = lambda v: ms(steady_median(v, 1))  # noqa: E731  (the first iteration warms up)
-    return {"compute_ms": statistics.median(steady(v) for v in comp.values()),
-            "iteration_ms": statistics.median(steady(v) for v in its.values()),
-            "compute_ms_per_rank": {str(r): round(steady(v), 3) for r, v in comp.items()}}
+    return {
+        "compute_ms": statistics.median(steady(v) for v in comp.values()),
+        "iteration_ms": statistics.median(steady(v) for v in its.values()),
+        "compute_ms_per_rank": {str(r): round(steady(v), 3) for r, v in comp.items()},
+    }
 
 
-def measure(name: str, world: int, rounds: int, kinds: list[str], iters: int, timeout: float, work: Path,
-            done: callable, into: list) -> None:
+def measure(
+    name: str,
+    world: int,
+    rounds: int,
+    kinds: list[str],
+    iters: int,
+    timeout: float,
+    work: Path,
+    done: callable,
+    into: list,
+) -> None:
     full = make_case(name, world)
     if isinstance(full, str):
         raise SystemExit(f"cpu_contention: {name} at N={world}: {full}")
@@ -85,11 +103,18 @@ def measure(name: str, world: int, rounds: int, kinds: list[str], iters: int, ti
     workers = world - small
     modes = ["world", "pair", *[f"pair+{k}" for k in kinds]]
     runs: dict[str, list[dict]] = {m: [] for m in modes}
-    out = {"case": name, "world": world, "title": full.title, "pair": pair.title, "workers": workers, "runs": runs,
-           "modes": {}}
+    out = {
+        "case": name,
+        "world": world,
+        "title": full.title,
+        "pair": pair.title,
+        "workers": workers,
+        "runs": runs,
+        "modes": {},
+    }
     into.append(out)  # saved after every run (``done``)
     for i in range(rounds):
-        order = modes[i % len(modes):] + modes[:i % len(modes)]
+        order = modes[i % len(modes) :] + modes[: i % len(modes)]
         for mode in order:
             t0 = time.time()
             if mode == "world":
@@ -104,16 +129,22 @@ def measure(name: str, world: int, rounds: int, kinds: list[str], iters: int, ti
                     if hl is not None:
                         hl.stop()
             runs[mode].append(r)
-            print(f"{name} round {i + 1}/{rounds} {mode:12s} compute {r['compute_ms']:8.2f} ms  iteration "
-                  f"{r['iteration_ms']:8.2f} ms  ({time.time() - t0:.0f} s)", flush=True)
+            print(
+                f"{name} round {i + 1}/{rounds} {mode:12s} compute {r['compute_ms']:8.2f} ms  iteration "
+                f"{r['iteration_ms']:8.2f} ms  ({time.time() - t0:.0f} s)",
+                flush=True,
+            )
             done()
     ref = statistics.median(r["compute_ms"] for r in runs["world"]) if runs["world"] else None
     for mode, v in runs.items():
         if not v:
             continue
         med = statistics.median(r["compute_ms"] for r in v)
-        out["modes"][mode] = {"compute_ms": med, "iteration_ms": statistics.median(r["iteration_ms"] for r in v),
-                              "compute_vs_world": (med / ref - 1) if ref else None}
+        out["modes"][mode] = {
+            "compute_ms": med,
+            "iteration_ms": statistics.median(r["iteration_ms"] for r in v),
+            "compute_vs_world": (med / ref - 1) if ref else None,
+        }
         print(f"{name} {mode:12s} compute median {med:8.2f} ms ({100 * (med / ref - 1):+.1f} % vs world)", flush=True)
     done()
 
@@ -130,8 +161,13 @@ def main() -> None:
     a = ap.parse_args()
     if a.world > (os.cpu_count() or 1):
         ap.error(f"--world {a.world} exceeds this host's {os.cpu_count()} cores (the real job would be oversubscribed)")
-    doc = {"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"), "rounds": a.rounds, "iters": a.iters,
-           "cases": []}
+    doc = {
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "rounds": a.rounds,
+        "iters": a.iters,
+        "cases": [],
+    }
 
     def save() -> None:
         if a.json:

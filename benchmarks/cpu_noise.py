@@ -42,10 +42,18 @@ def one_run(nproc: int, args: list[str], pinned: bool, timeout: float) -> float:
     port = free_port()
     procs = []
     for r in range(nproc):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(r),
-               "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-               "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1",
-               "CUDA_VISIBLE_DEVICES": ""}  # fmt: skip  (a CPU run, also on a GPU host)
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(r),
+            "LOCAL_RANK": str(r),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "CUDA_VISIBLE_DEVICES": "",
+        }  # fmt: skip  (a CPU run, also on a GPU host)
         cmd = [sys.executable, str(ROOT / "examples" / "gpt3d.py"), *args]
         if pinned:
             cmd = ["taskset", "-c", str(r), *cmd]
@@ -57,8 +65,10 @@ def one_run(nproc: int, args: list[str], pinned: bool, timeout: float) -> float:
             try:
                 out, _ = p.communicate(timeout=max(deadline - time.time(), 1))
             except subprocess.TimeoutExpired:
-                raise SystemExit(f"cpu_noise: rank {r} did not finish within {timeout:.0f} s "
-                                 f"({' '.join(cmd)}); raise --timeout if the job is just slow") from None
+                raise SystemExit(
+                    f"cpu_noise: rank {r} did not finish within {timeout:.0f} s "
+                    f"({' '.join(cmd)}); raise --timeout if the job is just slow"
+                ) from None
             outs.append(out)
             if p.returncode:
                 raise SystemExit(f"cpu_noise: a rank failed (exit {p.returncode}):\n{out[-2000:]}")
@@ -88,8 +98,10 @@ def measure(name: str, nproc: int, runs: int, iters: int, timeout: float) -> dic
         med = statistics.median(v)
         cv = statistics.stdev(v) / statistics.mean(v) if len(v) > 1 else 0.0
         out["modes"][mode] = {"runs_ms": v, "median_ms": med, "spread": (max(v) - min(v)) / med, "cv": cv}
-        print(f"{name} {mode:6s} median {med:.2f} ms, spread {100 * (max(v) - min(v)) / med:.1f} %, "
-              f"cv {100 * cv:.1f} %", flush=True)
+        print(
+            f"{name} {mode:6s} median {med:.2f} ms, spread {100 * (max(v) - min(v)) / med:.1f} %, cv {100 * cv:.1f} %",
+            flush=True,
+        )
     return out
 
 
@@ -106,8 +118,18 @@ def main() -> None:
         ap.error(f"--nproc {a.nproc} exceeds this host's {os.cpu_count()} cores (pinning needs one core a rank)")
     cases = [measure(c, a.nproc, a.runs, a.iters, a.timeout) for c in a.cases.split(",")]
     if a.json:
-        Path(a.json).write_text(json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d %H:%M"),
-                                            "runs": a.runs, "iters": a.iters, "cases": cases}, indent=2))
+        Path(a.json).write_text(
+            json.dumps(
+                {
+                    "machine": machine(),
+                    "date": time.strftime("%Y-%m-%d %H:%M"),
+                    "runs": a.runs,
+                    "iters": a.iters,
+                    "cases": cases,
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

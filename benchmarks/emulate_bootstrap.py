@@ -34,10 +34,14 @@ from tracing_overhead import machine
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = str(ROOT / "benchmarks" / "programs" / "bootstrap.py")
 PRISM = str(Path(sys.executable).with_name("prism"))
-BOOT = re.compile(r"BOOTSTRAP world (\d+) init_s ([\d.]+) barrier_s ([\d.]+) all_reduce_s ([\d.]+) "
-                  r"sum \S+ gpu_reserved (\d+) rss (\d+)")
-ASSIST = re.compile(r"prism assistant: replayed (\d+) virtual.* in ([\d.]+) s; peak RSS (\d+) MiB"
-                    r"(?:, GPU memory in use (\d+) MiB)?")
+BOOT = re.compile(
+    r"BOOTSTRAP world (\d+) init_s ([\d.]+) barrier_s ([\d.]+) all_reduce_s ([\d.]+) "
+    r"sum \S+ gpu_reserved (\d+) rss (\d+)"
+)
+ASSIST = re.compile(
+    r"prism assistant: replayed (\d+) virtual.* in ([\d.]+) s; peak RSS (\d+) MiB"
+    r"(?:, GPU memory in use (\d+) MiB)?"
+)
 
 
 def _end_group(p: subprocess.Popen, grace: float = 10.0) -> None:
@@ -63,8 +67,14 @@ def run(cmd: list[str], timeout: float, env: dict | None = None) -> tuple[int, s
     """Run ``cmd`` (its own process group), output captured; on timeout or interruption its
     whole group is ended. (rc, stdout + stderr, wall s); rc 124 on timeout."""
     t0 = time.perf_counter()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, **(env or {})}, start_new_session=True)
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
     try:
         out, err = p.communicate(timeout=timeout)
         return p.returncode, out + err, time.perf_counter() - t0
@@ -81,20 +91,61 @@ def boot_fields(out: str) -> dict:
     m = BOOT.search(out)
     if not m:
         return {}
-    return {"init_s": float(m[2]), "barrier_s": float(m[3]), "all_reduce_s": float(m[4]),
-            "sandbox_gpu_reserved_bytes": int(m[5]), "sandbox_rss_bytes": int(m[6])}
+    return {
+        "init_s": float(m[2]),
+        "barrier_s": float(m[3]),
+        "all_reduce_s": float(m[4]),
+        "sandbox_gpu_reserved_bytes": int(m[5]),
+        "sandbox_rss_bytes": int(m[6]),
+    }
 
 
 def emulated(n: int, devices: str, work: Path) -> dict:
     graph, out = work / f"graph{n}", work / f"emu{n}"
-    rc, text, t_cap = run([PRISM, "capture", "--mode", "solo", "--world", str(n), "--devices", "2",
-                           "--layout", "tp=1,pp=1", "--out", str(graph), "--force", "--", PROGRAM], 1800)
+    rc, text, t_cap = run(
+        [
+            PRISM,
+            "capture",
+            "--mode",
+            "solo",
+            "--world",
+            str(n),
+            "--devices",
+            "2",
+            "--layout",
+            "tp=1,pp=1",
+            "--out",
+            str(graph),
+            "--force",
+            "--",
+            PROGRAM,
+        ],
+        1800,
+    )
     res: dict = {"world": n, "capture_wall_s": round(t_cap, 2)}
     if rc:
         res["error"] = "capture: " + text[-1500:]
         return res
-    rc, text, t_emu = run([PRISM, "emulate", "--graph", str(graph), "--sandbox", "0", "--devices", devices,
-                           "--inputs", "generated", "--out", str(out), "--force", "--", PROGRAM], 1800)
+    rc, text, t_emu = run(
+        [
+            PRISM,
+            "emulate",
+            "--graph",
+            str(graph),
+            "--sandbox",
+            "0",
+            "--devices",
+            devices,
+            "--inputs",
+            "generated",
+            "--out",
+            str(out),
+            "--force",
+            "--",
+            PROGRAM,
+        ],
+        1800,
+    )
     res["emulate_wall_s"] = round(t_emu, 2)
     if rc:
         res["error"] = "emulate: " + text[-1500:]
@@ -108,18 +159,22 @@ def emulated(n: int, devices: str, work: Path) -> dict:
     return res
 
 
-def vanilla_run(n: int, devices: str, program: str = PROGRAM, args: tuple | list = (),
-                timeout: float = 1800) -> tuple[int, str, float]:
+def vanilla_run(
+    n: int, devices: str, program: str = PROGRAM, args: tuple | list = (), timeout: float = 1800
+) -> tuple[int, str, float]:
     """The vanilla way: a real process per rank (`torch.distributed.run`); on GPU several per
     device, each told by NCCL_HOSTID that it is its own host (the program does that when
     PRISM_VANILLA_HOSTS=1), NVLink multicast off in every child. (rc, output, wall s)."""
-    from prismllm.capture.launcher import NVLS_OFF_ENV
+    from prismllm.launch import NVLS_OFF_ENV
 
     env = {"PRISM_VANILLA_HOSTS": "1", "OMP_NUM_THREADS": "1", **NVLS_OFF_ENV}
     if devices == "cpu":
         env["CUDA_VISIBLE_DEVICES"] = ""
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(n), program, *args], timeout, env)
+    return run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), program, *args],
+        timeout,
+        env,
+    )
 
 
 def vanilla(n: int, devices: str) -> dict:
@@ -133,26 +188,38 @@ def vanilla(n: int, devices: str) -> dict:
 
 def markdown(r: dict) -> str:
     m = r["machine"]
-    lines = [f"Machine: {m.get('gpu') or 'CPU'} ×{m.get('gpus') or ''} {m.get('cpus')} cores, torch "
-             f"{m.get('torch')}; devices {r['devices']}", "",
-             "| N | init (s) | barrier (s) | all-reduce (s) | sandbox RSS (MiB) | sandbox GPU reserved (MiB) "
-             "| assistant RSS (MiB) | assistant GPU in use (MiB) | prism emulate wall (s) | capture wall (s) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Machine: {m.get('gpu') or 'CPU'} ×{m.get('gpus') or ''} {m.get('cpus')} cores, torch "
+        f"{m.get('torch')}; devices {r['devices']}",
+        "",
+        "| N | init (s) | barrier (s) | all-reduce (s) | sandbox RSS (MiB) | sandbox GPU reserved (MiB) "
+        "| assistant RSS (MiB) | assistant GPU in use (MiB) | prism emulate wall (s) | capture wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in r["emulated"]:
         if "error" in c:
             lines.append(f"| {c['world']} | failed: {c['error'][:80]!r} |")
             continue
         mib = lambda k: f"{c[k] / 2**20:.0f}" if k in c else "–"  # noqa: E731
-        lines.append(f"| {c['world']} | {c.get('init_s', '–')} | {c.get('barrier_s', '–')} | "
-                     f"{c.get('all_reduce_s', '–')} | {mib('sandbox_rss_bytes')} | {mib('sandbox_gpu_reserved_bytes')} | "
-                     f"{mib('assistant_rss_bytes')} | {mib('assistant_gpu_in_use_bytes')} | {c['emulate_wall_s']} | "
-                     f"{c['capture_wall_s']} |")
+        lines.append(
+            f"| {c['world']} | {c.get('init_s', '–')} | {c.get('barrier_s', '–')} | "
+            f"{c.get('all_reduce_s', '–')} | {mib('sandbox_rss_bytes')} | {mib('sandbox_gpu_reserved_bytes')} | "
+            f"{mib('assistant_rss_bytes')} | {mib('assistant_gpu_in_use_bytes')} | {c['emulate_wall_s']} | "
+            f"{c['capture_wall_s']} |"
+        )
     if r["vanilla"]:
-        lines += ["", "Vanilla (a process per rank):", "", "| N | ok | init (s) | barrier (s) | all-reduce (s) | wall (s) |",
-                  "|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Vanilla (a process per rank):",
+            "",
+            "| N | ok | init (s) | barrier (s) | all-reduce (s) | wall (s) |",
+            "|---|---|---|---|---|---|",
+        ]
         for c in r["vanilla"]:
-            lines.append(f"| {c['world']} | {c['ok']} | {c.get('init_s', '–')} | {c.get('barrier_s', '–')} | "
-                         f"{c.get('all_reduce_s', '–')} | {c['wall_s']} |")
+            lines.append(
+                f"| {c['world']} | {c['ok']} | {c.get('init_s', '–')} | {c.get('barrier_s', '–')} | "
+                f"{c.get('all_reduce_s', '–')} | {c['wall_s']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -163,8 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vanilla", default="16,64", help="world sizes for the vanilla way (stops at the first failure)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    res = {"benchmark": "emulate_bootstrap", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-           "devices": a.devices, "emulated": [], "vanilla": []}
+    res = {
+        "benchmark": "emulate_bootstrap",
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "devices": a.devices,
+        "emulated": [],
+        "vanilla": [],
+    }
     with tempfile.TemporaryDirectory(prefix="prism-boot-") as tmp:
         for n in [int(x) for x in a.worlds.split(",") if x]:
             c = emulated(n, a.devices, Path(tmp))

@@ -72,10 +72,21 @@ CASES = ("tp", "pp", "vpp", "dpopt", "moe", "mixed")
 # latency (about 1 ms on a 2-vCPU VM, with a wide scatter) is not most of it; tens of ms an
 # iteration on an H100/H200
 SIZES = {
-    "cpu": ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--vocab", "512",
-            "--micro-batch", "2"],
-    "cuda": ["--layers", "4", "--hidden", "1024", "--heads", "16", "--seq", "512", "--vocab", "32000",
-             "--micro-batch", "2"],
+    "cpu": ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--vocab", "512", "--micro-batch", "2"],
+    "cuda": [
+        "--layers",
+        "4",
+        "--hidden",
+        "1024",
+        "--heads",
+        "16",
+        "--seq",
+        "512",
+        "--vocab",
+        "32000",
+        "--micro-batch",
+        "2",
+    ],
 }
 PROBE_SIZES = {"cpu": "4KB,256KB,1MB,4MB,16MB", "cuda": "64KB,1MB,16MB,64MB"}
 # bytes factor of each collective's alpha-beta time (n: group size; S: the larger of a member's
@@ -117,9 +128,13 @@ class Case:
 
     @property
     def title(self) -> str:
-        parts = [f"TP{self.tp}" if self.tp > 1 else "", f"PP{self.pp}" if self.pp > 1 else "",
-                 f"VPP{self.vpp}" if self.vpp > 1 else "", f"DP{self.dp}" if self.dp > 1 else "",
-                 f"EP{self.ep}" if self.ep > 1 else ""]
+        parts = [
+            f"TP{self.tp}" if self.tp > 1 else "",
+            f"PP{self.pp}" if self.pp > 1 else "",
+            f"VPP{self.vpp}" if self.vpp > 1 else "",
+            f"DP{self.dp}" if self.dp > 1 else "",
+            f"EP{self.ep}" if self.ep > 1 else "",
+        ]
         extra = [x for x, on in (("SP", self.sp), ("dist-opt", self.dist_opt)) if on]
         if self.moe:
             extra.append(f"MoE {self.flags[self.flags.index('--num-experts') + 1]} experts")
@@ -249,9 +264,12 @@ def loss_gap(losses: list[str], ref: list[str]) -> float | None:
 
 def git_commit() -> str:
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
         return head + ("+uncommitted" if dirty else "")
     except OSError:
         return "?"
@@ -301,12 +319,28 @@ class Runner:
 def probe(devices: str, work: Path, timeout: float, env: dict[str, str]) -> dict:
     """Latency and bandwidth of this machine's link: a 2-rank all-reduce (plain torchrun) at two
     sizes, median of 20 calls each; t = alpha + S / bw by least squares (a 2-rank ring all-reduce moves S)."""
-    from prismllm.capture.launcher import NVLS_OFF_ENV
+    from prismllm.launch import NVLS_OFF_ENV
 
     sizes = PROBE_SIZES[devices]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", ALLREDUCE,
-           "--sizes", sizes, "--warmup", "5", "--iters", "20", "--mem-factor", "0",
-           "--backend", "nccl" if devices == "cuda" else "gloo"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        ALLREDUCE,
+        "--sizes",
+        sizes,
+        "--warmup",
+        "5",
+        "--iters",
+        "20",
+        "--mem-factor",
+        "0",
+        "--backend",
+        "nccl" if devices == "cuda" else "gloo",
+    ]
     penv = {**env, **NVLS_OFF_ENV}
     if devices == "cpu":
         penv["CUDA_VISIBLE_DEVICES"] = ""
@@ -335,15 +369,19 @@ def fit_alpha_beta(points: list[dict]) -> dict:
     var = sum((x - ms) ** 2 for x, _ in pts)
     slope = sum((x - ms) * (t - mt) for x, t in pts) / var if var > 0 else 0.0
     bw = 1.0 / slope if slope > 0 else float("inf")
-    return {"sizes_bytes": [x for x, _ in pts], "median_s": [t for _, t in pts],
-            "alpha_s": max(mt - slope * ms if slope > 0 else min(t for _, t in pts), 0.0), "bandwidth_Bps": bw}
+    return {
+        "sizes_bytes": [x for x, _ in pts],
+        "median_s": [t for _, t in pts],
+        "alpha_s": max(mt - slope * ms if slope > 0 else min(t for _, t in pts), 0.0),
+        "bandwidth_Bps": bw,
+    }
 
 
 def alpha_beta_transfer(graph, trace, alpha_s: float, bw: float):
     """Per instance of a ReplayGraph: alpha + factor(op, n) * S / bw, in ns (0 for groups of 1)."""
     import numpy as np
 
-    from prismllm.replay.engine import INST_P2P
+    from prismllm.replay import INST_P2P
 
     ib = trace.column("in_bytes").astype(np.int64)[graph.row]
     ob = trace.column("out_bytes").astype(np.int64)[graph.row]
@@ -355,8 +393,10 @@ def alpha_beta_transfer(graph, trace, alpha_s: float, bw: float):
     n = graph.group_size[graph.inst_group]
     ops = [graph.op_names[c] for c in graph.inst_op]
     p2p = graph.inst_kind == INST_P2P
-    factor = np.array([P2P_FACTOR if p else FACTORS.get(op, lambda k: P2P_FACTOR)(int(k))
-                       for op, k, p in zip(ops, n, p2p)], dtype=float)
+    factor = np.array(
+        [P2P_FACTOR if p else FACTORS.get(op, lambda k: P2P_FACTOR)(int(k)) for op, k, p in zip(ops, n, p2p)],
+        dtype=float,
+    )
     t = alpha_s + factor * size / bw
     t = np.where(p2p | (n > 1), t, 0.0)
     return np.rint(t * 1e9).astype(np.int64)
@@ -367,8 +407,8 @@ def pure_model(structure: Path, durations: Path, ab: dict, sandbox: list[int], w
     the same structure: the solo capture or the timed graph) and alpha-beta transfers."""
     import numpy as np
 
-    from prismllm.calibrate.solve import check_same_structure, issue_gaps, measured
-    from prismllm.replay.engine import Replay, ReplayGraph
+    from prismllm.replay import Replay, ReplayGraph
+    from prismllm.replay.durations import check_same_structure, issue_gaps, measured
     from prismllm.trace.graph import PrismTrace
 
     trace = PrismTrace.load(structure)
@@ -384,11 +424,13 @@ def pure_model(structure: Path, durations: Path, ab: dict, sandbox: list[int], w
     transfer = alpha_beta_transfer(g, trace, ab["alpha_s"], ab["bandwidth_Bps"])
     res = Replay(g, compute=compute, transfer=transfer, issue=issue_gaps(g, m.start_ns)).run_to_end()
     per = {int(r): [int(x) for x in res.rank_iteration_ns[i]] for i, r in enumerate(g.ranks)}
-    return {"rank_iteration_ns": {str(r): per[r] for r in sandbox},
-            "rank_ns": {str(r): steady_median(per[r], warmup) for r in sandbox},
-            "job_ns": steady_median([int(x) for x in res.iteration_ns], warmup),
-            "unknown_compute": int((~g.is_comm & (m.duration_ns < 0)).sum()),
-            "transfer_total_ms_per_iteration": round(float(transfer.sum()) / 1e6 / max(1, len(g.iterations)), 3)}
+    return {
+        "rank_iteration_ns": {str(r): per[r] for r in sandbox},
+        "rank_ns": {str(r): steady_median(per[r], warmup) for r in sandbox},
+        "job_ns": steady_median([int(x) for x in res.iteration_ns], warmup),
+        "unknown_compute": int((~g.is_comm & (m.duration_ns < 0)).sum()),
+        "transfer_total_ms_per_iteration": round(float(transfer.sum()) / 1e6 / max(1, len(g.iterations)), 3),
+    }
 
 
 # ---------------------------------------------------------------------------------- one case
@@ -414,13 +456,30 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
     # MoE routes on the values: always the recorded ones. Dense: "auto" records them on the CPU
     # (the sandbox then computes the real run's numbers: its losses are checked) and generates
     # zeros on GPUs (fine for dense timing; spares a tensor-saving run of GBs and device time)
-    inputs = "recorded" if case.moe else opts.inputs if opts.inputs != "auto" else (
-        "generated" if dev == "cuda" else "recorded")
+    inputs = (
+        "recorded"
+        if case.moe
+        else opts.inputs
+        if opts.inputs != "auto"
+        else ("generated" if dev == "cuda" else "recorded")
+    )
     res: dict[str, Any] = {
-        "case": case.name, "world": n, "layout": case.title, "devices": dev, "sandbox": sandbox,
-        "gpt3d_args": args, "bare_graph": "real recording saving tensors (MoE routes on values: its structure and tensors)"
-        if case.moe else f"solo capture (--layout {case.hint})", "inputs": inputs, "error": None,
-        "failed_stage": None, "stage_wall_s": {}, "noise": bool(opts.noise), "repeats": opts.repeats}
+        "case": case.name,
+        "world": n,
+        "layout": case.title,
+        "devices": dev,
+        "sandbox": sandbox,
+        "gpt3d_args": args,
+        "bare_graph": "real recording saving tensors (MoE routes on values: its structure and tensors)"
+        if case.moe
+        else f"solo capture (--layout {case.hint})",
+        "inputs": inputs,
+        "error": None,
+        "failed_stage": None,
+        "stage_wall_s": {},
+        "noise": bool(opts.noise),
+        "repeats": opts.repeats,
+    }
     R = Runner(label, work, opts.timeout, opts.env)
     res["stage_wall_s"] = R.walls
     prog = ["--", GPT3D, *args]
@@ -430,15 +489,19 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
     def real_run(stage: str, out: Path) -> tuple[dict, str]:
         """`prism record` of the program into ``out``: the sandbox ranks' iteration and compute
         times and the job's (medians of the steady iterations), and the command's output."""
-        text = R.cmd(stage, [*PRISM, "record", "--nproc", str(n), "--devices", launch_devices(opts, n), "--out",
-                             str(out), *prog])
+        text = R.cmd(
+            stage, [*PRISM, "record", "--nproc", str(n), "--devices", launch_devices(opts, n), "--out", str(out), *prog]
+        )
         trace = load(out)
         per, comp = per_rank_iterations(trace), per_rank_compute(trace)
         job = job_iterations(per)
-        return {"rank_iteration_ns": {str(r): per.get(r, []) for r in sandbox},
-                "rank_ns": {str(r): steady_median(per.get(r, []), opts.warmup) for r in sandbox},
-                "rank_compute_ns": {str(r): steady_median(comp.get(r, []), opts.warmup) for r in sandbox},
-                "job_iteration_ns": job, "job_ns": steady_median(job, opts.warmup)}, text
+        return {
+            "rank_iteration_ns": {str(r): per.get(r, []) for r in sandbox},
+            "rank_ns": {str(r): steady_median(per.get(r, []), opts.warmup) for r in sandbox},
+            "rank_compute_ns": {str(r): steady_median(comp.get(r, []), opts.warmup) for r in sandbox},
+            "job_iteration_ns": job,
+            "job_ns": steady_median(job, opts.warmup),
+        }, text
 
     try:
         # 1. the real run: the reference (timing and memory), recorded without saving tensors
@@ -446,15 +509,32 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
         timing, text = real_run("record", real)
         peaks = json.loads((real / "manifest.json").read_text()).get("peak_memory_bytes") or {}
         pr = printed(text)
-        res["real"] = {**timing, "printed_iter_time_ms": pr["iter_time_ms"],
-                       "printed_ms": steady_median(pr["iter_time_ms"], opts.warmup),
-                       "peak_memory_bytes": {str(r): int(peaks.get(str(r), -1)) for r in sandbox}}
+        res["real"] = {
+            **timing,
+            "printed_iter_time_ms": pr["iter_time_ms"],
+            "printed_ms": steady_median(pr["iter_time_ms"], opts.warmup),
+            "peak_memory_bytes": {str(r): int(peaks.get(str(r), -1)) for r in sandbox},
+        }
         # ... and the same command again saving every collective's inputs and outputs: the
         # virtual ranks' inputs (and MoE's bare graph); its timings are never read
         losses_ref = pr["losses"]
         if inputs == "recorded":
-            text = R.cmd("record_tensors", [*PRISM, "record", "--nproc", str(n), "--devices", launch_devices(opts, n), "--out",
-                                            str(saved), "--save-tensors", "all,inputs", *prog])
+            text = R.cmd(
+                "record_tensors",
+                [
+                    *PRISM,
+                    "record",
+                    "--nproc",
+                    str(n),
+                    "--devices",
+                    launch_devices(opts, n),
+                    "--out",
+                    str(saved),
+                    "--save-tensors",
+                    "all,inputs",
+                    *prog,
+                ],
+            )
             losses_ref = printed(text)["losses"]
         tensors = saved / "tensors"
         # 2. the bare graph
@@ -462,45 +542,99 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
             graph_b = saved
         else:
             cap_dev = str(min(n, opts.gpus)) if dev == "cuda" else str(min(n, max(2, (os.cpu_count() or 2) // 2), 8))
-            R.cmd("capture", [*PRISM, "capture", "--mode", "solo", "--world", str(n), "--devices", cap_dev,
-                              "--device", dev, "--layout", case.hint, "--out", str(bare), *prog])
+            R.cmd(
+                "capture",
+                [
+                    *PRISM,
+                    "capture",
+                    "--mode",
+                    "solo",
+                    "--world",
+                    str(n),
+                    "--devices",
+                    cap_dev,
+                    "--device",
+                    dev,
+                    "--layout",
+                    case.hint,
+                    "--out",
+                    str(bare),
+                    *prog,
+                ],
+            )
             graph_b = bare
         # 3. slice timing, 4. calibration
-        tcmd = [*PRISM, "time", "--graph", str(graph_b), "--out", str(timed), "--devices", launch_devices(opts, 2),
-                "--inputs", inputs,
-                "--parallel", str(opts.time_parallel)] + (["--every-rank"] if opts.time_every_rank else []) + (
-                    ["--compute-under-load"] if opts.compute_under_load else [])
+        tcmd = (
+            [
+                *PRISM,
+                "time",
+                "--graph",
+                str(graph_b),
+                "--out",
+                str(timed),
+                "--devices",
+                launch_devices(opts, 2),
+                "--inputs",
+                inputs,
+                "--parallel",
+                str(opts.time_parallel),
+            ]
+            + (["--every-rank"] if opts.time_every_rank else [])
+            + (["--compute-under-load"] if opts.compute_under_load else [])
+        )
         if inputs == "recorded":
             tcmd += ["--tensors", str(tensors)]
         R.cmd("time", [*tcmd, *prog])
-        text = R.cmd("calibrate", [*PRISM, "calibrate", str(timed / "graph"), "--out", str(cal), "--write-graph",
-                                   "--json"])
+        text = R.cmd(
+            "calibrate", [*PRISM, "calibrate", str(timed / "graph"), "--out", str(cal), "--write-graph", "--json"]
+        )
         summary = json.loads((cal / "summary.json").read_text())
         cal_rank = per_rank_iterations(load(cal / "graph"))
         cal_job = [it.get("predicted_ns") for it in summary.get("iterations", [])]
-        res["calibrated"] = {"rank_ns": {str(r): steady_median(cal_rank.get(r, []), opts.warmup) for r in sandbox},
-                             "job_ns": steady_median(cal_job, opts.warmup), "job_iteration_ns": cal_job,
-                             "timed_graph_job_ns": summary.get("recorded_iteration_ns"),
-                             "summary_predicted_iteration_ns": summary.get("predicted_iteration_ns")}
+        res["calibrated"] = {
+            "rank_ns": {str(r): steady_median(cal_rank.get(r, []), opts.warmup) for r in sandbox},
+            "job_ns": steady_median(cal_job, opts.warmup),
+            "job_iteration_ns": cal_job,
+            "timed_graph_job_ns": summary.get("recorded_iteration_ns"),
+            "summary_predicted_iteration_ns": summary.get("predicted_iteration_ns"),
+        }
 
         # 5. emulation (real-time replay), 6. baseline (b): fast replay
         def emulate(stage: str, timing: str, out: Path) -> dict:
-            cmd = [*PRISM, "emulate", "--graph", str(cal / "graph"), "--sandbox", sb, "--out", str(out),
-                   "--devices", launch_devices(opts, len(sandbox) + 1), "--timing", timing, "--inputs", inputs]
+            cmd = [
+                *PRISM,
+                "emulate",
+                "--graph",
+                str(cal / "graph"),
+                "--sandbox",
+                sb,
+                "--out",
+                str(out),
+                "--devices",
+                launch_devices(opts, len(sandbox) + 1),
+                "--timing",
+                timing,
+                "--inputs",
+                inputs,
+            ]
             if inputs == "recorded":
                 cmd += ["--tensors", str(tensors)]
             text = R.cmd(stage, [*cmd, *prog])
             emu = json.loads((out / "emulate.json").read_text())
             sr = emu.get("sandbox_results") or {}
             pr_e = printed(text)
-            d = {"timing": emu.get("timing"),
-                 "rank_iteration_ns": {str(r): (sr.get(str(r)) or {}).get("iteration_ns", []) for r in sandbox},
-                 "peak_memory_bytes": {str(r): int((sr.get(str(r)) or {}).get("peak_memory_bytes", -1))
-                                       for r in sandbox},
-                 "rank_compute_ns": {str(r): steady_median((sr.get(str(r)) or {}).get("compute_ns", []), opts.warmup)
-                                     for r in sandbox},
-                 "virtual_ranks_ns": (emu.get("replay") or {}).get("median_steady_iteration_ns"),
-                 "printed_iter_time_ms": pr_e["iter_time_ms"]}
+            d = {
+                "timing": emu.get("timing"),
+                "rank_iteration_ns": {str(r): (sr.get(str(r)) or {}).get("iteration_ns", []) for r in sandbox},
+                "peak_memory_bytes": {
+                    str(r): int((sr.get(str(r)) or {}).get("peak_memory_bytes", -1)) for r in sandbox
+                },
+                "rank_compute_ns": {
+                    str(r): steady_median((sr.get(str(r)) or {}).get("compute_ns", []), opts.warmup) for r in sandbox
+                },
+                "virtual_ranks_ns": (emu.get("replay") or {}).get("median_steady_iteration_ns"),
+                "printed_iter_time_ms": pr_e["iter_time_ms"],
+            }
             d["rank_ns"] = {r: steady_median(v, opts.warmup) for r, v in d["rank_iteration_ns"].items()}
             if n - 1 in sandbox and inputs == "recorded":  # the reporting rank against the run it replays
                 d["losses_equal_recorded"] = bool(pr_e["losses"]) and pr_e["losses"] == losses_ref
@@ -523,14 +657,17 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
             fake = {}
             for r in sandbox:
                 try:
-                    text = R.cmd(f"fake_pg_rank{r}", [sys.executable, FAKE_PG, "--rank", str(r), "--world", str(n),
-                                                      "--", GPT3D, *args],
-                                 env={"CUDA_VISIBLE_DEVICES": opts.first_gpu})
+                    text = R.cmd(
+                        f"fake_pg_rank{r}",
+                        [sys.executable, FAKE_PG, "--rank", str(r), "--world", str(n), "--", GPT3D, *args],
+                        env={"CUDA_VISIBLE_DEVICES": opts.first_gpu},
+                    )
                 except StageError as e:
                     text = str(e)
                 line = next((ln for ln in text.splitlines() if ln.startswith("FAKEPG ")), None)
-                fake[str(r)] = json.loads(line.split(" ", 1)[1]) if line else {"error": text[-300:],
-                                                                                 "peak_memory_bytes": -1}
+                fake[str(r)] = (
+                    json.loads(line.split(" ", 1)[1]) if line else {"error": text[-300:], "peak_memory_bytes": -1}
+                )
             R.walls["fake_pg"] = round(sum(v for k, v in R.walls.items() if k.startswith("fake_pg_rank")), 2)
             res["baseline_c"] = {"per_rank": fake}
         else:
@@ -590,35 +727,71 @@ def rows(res: dict) -> list[dict]:
         fast, pred, pure = get("baseline_b"), get("calibrated"), get("baseline_a")
         pred_job = (res.get("calibrated") or {}).get("job_ns")
         pure_job = (res.get("baseline_a") or {}).get("job_ns")
-        row = {"case": res["case"], "world": res["world"], "layout": res["layout"], "devices": res["devices"],
-               "sandbox_rank": int(r), "bare_graph": "record" if res["case"] == "moe" else "solo",
-               "real_ms": ms(ref), "emulated_ms": ms(emu), "emulated_err": rel(emu, ref),
-               "predicted_ms": ms(pred), "predicted_err": rel(pred, ref),
-               "real_job_ms": ms(ref_job), "predicted_job_ms": ms(pred_job), "predicted_job_err": rel(pred_job, ref_job),
-               "baseline_a_ms": ms(pure), "baseline_a_err": rel(pure, ref),
-               "baseline_a_job_ms": ms(pure_job), "baseline_a_job_err": rel(pure_job, ref_job),
-               "baseline_b_ms": ms(fast), "baseline_b_err": rel(fast, ref),
-               "real_compute_ms": ms(comp["real"]), "emulated_compute_ms": ms(comp["emulated"]),
-               "emulated_compute_err": rel(comp["emulated"], comp["real"])}
+        row = {
+            "case": res["case"],
+            "world": res["world"],
+            "layout": res["layout"],
+            "devices": res["devices"],
+            "sandbox_rank": int(r),
+            "bare_graph": "record" if res["case"] == "moe" else "solo",
+            "real_ms": ms(ref),
+            "emulated_ms": ms(emu),
+            "emulated_err": rel(emu, ref),
+            "predicted_ms": ms(pred),
+            "predicted_err": rel(pred, ref),
+            "real_job_ms": ms(ref_job),
+            "predicted_job_ms": ms(pred_job),
+            "predicted_job_err": rel(pred_job, ref_job),
+            "baseline_a_ms": ms(pure),
+            "baseline_a_err": rel(pure, ref),
+            "baseline_a_job_ms": ms(pure_job),
+            "baseline_a_job_err": rel(pure_job, ref_job),
+            "baseline_b_ms": ms(fast),
+            "baseline_b_err": rel(fast, ref),
+            "real_compute_ms": ms(comp["real"]),
+            "emulated_compute_ms": ms(comp["emulated"]),
+            "emulated_compute_err": rel(comp["emulated"], comp["real"]),
+        }
         if len(real_runs) > 1 or len(emu_runs) > 1:
-            row.update(real_runs_ms=[ms(x) for x in real_runs], emulated_runs_ms=[ms(x) for x in emu_runs],
-                       real_spread=spread(real_runs), emulated_spread=spread(emu_runs))
+            row.update(
+                real_runs_ms=[ms(x) for x in real_runs],
+                emulated_runs_ms=[ms(x) for x in emu_runs],
+                real_spread=spread(real_runs),
+                emulated_spread=spread(emu_runs),
+            )
         if "real_again" in res or res.get("noise"):
             again = get("real_again")
             row.update(real_again_ms=ms(again), real_again_err=rel(again, ref))
         if cpu:
-            row.update(peak_real="n/a", peak_emulated="n/a", peak_emulated_diff="n/a", peak_emulated_rel="n/a",
-                       peak_fake_pg="n/a", peak_fake_pg_diff="n/a", peak_fake_pg_rel="n/a")
+            row.update(
+                peak_real="n/a",
+                peak_emulated="n/a",
+                peak_emulated_diff="n/a",
+                peak_emulated_rel="n/a",
+                peak_fake_pg="n/a",
+                peak_fake_pg_diff="n/a",
+                peak_fake_pg_rel="n/a",
+            )
         else:
             pr, pe = _mem(res.get("real"), r), _mem(res.get("emulated"), r)
             fk = ((res.get("baseline_c") or {}).get("per_rank") or {}).get(r) or {}
-            pf = fk.get("peak_memory_bytes") if isinstance(fk.get("peak_memory_bytes"), int) and fk.get(
-                "peak_memory_bytes", -1) >= 0 else None
+            pf = (
+                fk.get("peak_memory_bytes")
+                if isinstance(fk.get("peak_memory_bytes"), int) and fk.get("peak_memory_bytes", -1) >= 0
+                else None
+            )
             diff = lambda x: None if x is None or pr is None else x - pr  # noqa: E731
-            row.update(peak_real=pr, peak_emulated=pe, peak_emulated_diff=diff(pe), peak_emulated_rel=rel(pe, pr),
-                       peak_fake_pg=pf if pf is not None else (("failed: " + str(fk.get("error"))[:120])
-                                                               if fk.get("error") else None),
-                       peak_fake_pg_diff=diff(pf), peak_fake_pg_rel=rel(pf, pr))
+            row.update(
+                peak_real=pr,
+                peak_emulated=pe,
+                peak_emulated_diff=diff(pe),
+                peak_emulated_rel=rel(pe, pr),
+                peak_fake_pg=pf
+                if pf is not None
+                else (("failed: " + str(fk.get("error"))[:120]) if fk.get("error") else None),
+                peak_fake_pg_diff=diff(pf),
+                peak_fake_pg_rel=rel(pf, pr),
+            )
         row["error"] = res.get("error")
         out.append(row)
     return out
@@ -627,8 +800,9 @@ def rows(res: dict) -> list[dict]:
 def runs_of(res: dict, key: str, r: str, field: str = "rank_ns") -> list[float]:
     """Rank ``r``'s ``field`` (iteration or compute time) in each run of ``key`` (real / emulated)
     that measured it."""
-    return [x for x in (((run.get(field) or {}).get(r)) for run in (res.get(key) or {}).get("runs") or [])
-            if x is not None]
+    return [
+        x for x in (((run.get(field) or {}).get(r)) for run in (res.get(key) or {}).get("runs") or []) if x is not None
+    ]
 
 
 def spread(values: list[float]) -> float | None:
@@ -671,62 +845,91 @@ def markdown(result: dict) -> str:
     ab = result.get("alpha_beta") or {}
     noise = any(c.get("noise") for c in result["cases"])
     reps = max((c.get("repeats", 1) for c in result["cases"]), default=1)
-    runs = lambda row, k: (", ".join(_f(x, "{:.1f}") for x in row.get(k + "_runs_ms") or [])  # noqa: E731
-                           + f" ({_pct(row.get(k + '_spread'))})")
-    lines = [f"Machine: {m.get('gpu') or 'CPU'}{' ×' + str(m['gpus']) if m.get('gpus') else ''}, {m.get('cpus')} cores, "
-             f"torch {m.get('torch')}, {result['date']}, commit {result['commit']}; devices {result['devices']}; "
-             f"{result['iters']} iterations, steady = all but the first {result['warmup']}",
-             *(["**One GPU shared by every process (--shared-gpu)**: NCCL talks through sockets, so the time "
-                "columns are no fidelity figures; the memory columns are."] if result.get("shared_gpu") else []),
-             f"Alpha-beta fit (2-rank all-reduce, {ab.get('backend', '?')}): alpha "
-             f"{_f(ab.get('alpha_s') and ab['alpha_s'] * 1e6, '{:.1f}')} µs, bandwidth "
-             f"{_f(ab.get('bandwidth_Bps') and ab['bandwidth_Bps'] / 1e9, '{:.3f}')} GB/s" if ab else
-             "Alpha-beta fit: none (--shared-gpu), no baseline (a)" if result.get("shared_gpu") else
-             "Alpha-beta fit: failed (no baseline (a))", "",
-             "Per sandbox rank (iteration time: median of the steady iterations of that rank; errors against the real run"
-             + (f"; real and emulated: the median of {reps} runs each, alternating, their spread in the last columns):"
-                if reps > 1 else "):"),
-             "",
-             "| case | N | layout | sandbox rank | real ms | emulated ms (err) | calibrated prediction ms (err) "
-             "| (a) pure model ms (err) | (b) fast replay ms (err) | peak mem real (bytes) | emulated (diff) "
-             "| (c) fake PG (diff) | compute ms real → emulated (diff) |" + (" real again ms (noise) |" if noise else "")
-             + (" real runs ms (spread) | emulated runs ms (spread) |" if reps > 1 else ""),
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if noise else "")
-             + ("---|---|" if reps > 1 else "")]
+    runs = lambda row, k: (  # noqa: E731
+        ", ".join(_f(x, "{:.1f}") for x in row.get(k + "_runs_ms") or []) + f" ({_pct(row.get(k + '_spread'))})"
+    )
+    lines = [
+        f"Machine: {m.get('gpu') or 'CPU'}{' ×' + str(m['gpus']) if m.get('gpus') else ''}, {m.get('cpus')} cores, "
+        f"torch {m.get('torch')}, {result['date']}, commit {result['commit']}; devices {result['devices']}; "
+        f"{result['iters']} iterations, steady = all but the first {result['warmup']}",
+        *(
+            [
+                "**One GPU shared by every process (--shared-gpu)**: NCCL talks through sockets, so the time "
+                "columns are no fidelity figures; the memory columns are."
+            ]
+            if result.get("shared_gpu")
+            else []
+        ),
+        f"Alpha-beta fit (2-rank all-reduce, {ab.get('backend', '?')}): alpha "
+        f"{_f(ab.get('alpha_s') and ab['alpha_s'] * 1e6, '{:.1f}')} µs, bandwidth "
+        f"{_f(ab.get('bandwidth_Bps') and ab['bandwidth_Bps'] / 1e9, '{:.3f}')} GB/s"
+        if ab
+        else "Alpha-beta fit: none (--shared-gpu), no baseline (a)"
+        if result.get("shared_gpu")
+        else "Alpha-beta fit: failed (no baseline (a))",
+        "",
+        "Per sandbox rank (iteration time: median of the steady iterations of that rank; errors against the real run"
+        + (
+            f"; real and emulated: the median of {reps} runs each, alternating, their spread in the last columns):"
+            if reps > 1
+            else "):"
+        ),
+        "",
+        "| case | N | layout | sandbox rank | real ms | emulated ms (err) | calibrated prediction ms (err) "
+        "| (a) pure model ms (err) | (b) fast replay ms (err) | peak mem real (bytes) | emulated (diff) "
+        "| (c) fake PG (diff) | compute ms real → emulated (diff) |"
+        + (" real again ms (noise) |" if noise else "")
+        + (" real runs ms (spread) | emulated runs ms (spread) |" if reps > 1 else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+        + ("---|" if noise else "")
+        + ("---|---|" if reps > 1 else ""),
+    ]
     for c in result["cases"]:
         for row in c["rows"]:
             if row["real_ms"] is None and c.get("error"):
-                lines.append(f"| {c['case']} | {c['world']} | {c['layout']} | {row['sandbox_rank']} | failed: "
-                             f"{c['error'][:160]} | | | | | | | | |" + (" |" if noise else "")
-                             + (" | |" if reps > 1 else ""))
+                lines.append(
+                    f"| {c['case']} | {c['world']} | {c['layout']} | {row['sandbox_rank']} | failed: "
+                    f"{c['error'][:160]} | | | | | | | | |" + (" |" if noise else "") + (" | |" if reps > 1 else "")
+                )
                 continue
             cell = lambda k: f"{_f(row.get(k + '_ms'))} ({_pct(row.get(k + '_err'))})"  # noqa: E731
-            lines.append(f"| {c['case']} | {c['world']} | {c['layout']} | {row['sandbox_rank']} | {_f(row['real_ms'])} "
-                         f"| {cell('emulated')} | {cell('predicted')} | {cell('baseline_a')} | {cell('baseline_b')} "
-                         f"| {_bytes(row['peak_real'])} | {_diff(row['peak_emulated_diff'], row['peak_emulated_rel'])} "
-                         f"| {fake_cell(row)} | {_f(row.get('real_compute_ms'))} → {_f(row.get('emulated_compute_ms'))} "
-                         f"({_pct(row.get('emulated_compute_err'))}) |"
-                         + (f" {cell('real_again')} |" if noise else "")
-                         + (f" {runs(row, 'real')} | {runs(row, 'emulated')} |" if reps > 1 else ""))
-    lines += ["", "Whole job (iteration time: per iteration the slowest rank, median of the steady ones):", "",
-              "| case | N | layout | real ms | calibrated prediction ms (err) | (a) pure model ms (err) "
-              "| (a) compute from | bare graph | stage wall s |",
-              "|---|---|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {c['case']} | {c['world']} | {c['layout']} | {row['sandbox_rank']} | {_f(row['real_ms'])} "
+                f"| {cell('emulated')} | {cell('predicted')} | {cell('baseline_a')} | {cell('baseline_b')} "
+                f"| {_bytes(row['peak_real'])} | {_diff(row['peak_emulated_diff'], row['peak_emulated_rel'])} "
+                f"| {fake_cell(row)} | {_f(row.get('real_compute_ms'))} → {_f(row.get('emulated_compute_ms'))} "
+                f"({_pct(row.get('emulated_compute_err'))}) |"
+                + (f" {cell('real_again')} |" if noise else "")
+                + (f" {runs(row, 'real')} | {runs(row, 'emulated')} |" if reps > 1 else "")
+            )
+    lines += [
+        "",
+        "Whole job (iteration time: per iteration the slowest rank, median of the steady ones):",
+        "",
+        "| case | N | layout | real ms | calibrated prediction ms (err) | (a) pure model ms (err) "
+        "| (a) compute from | bare graph | stage wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in result["cases"]:
         r0 = c["rows"][0] if c["rows"] else {}
         walls = ", ".join(f"{k} {v:.0f}" for k, v in c["stage_wall_s"].items() if not k.startswith("fake_pg_rank"))
-        lines.append(f"| {c['case']} | {c['world']} | {c['layout']} | {_f(r0.get('real_job_ms'))} "
-                     f"| {_f(r0.get('predicted_job_ms'))} ({_pct(r0.get('predicted_job_err'))}) "
-                     f"| {_f(r0.get('baseline_a_job_ms'))} ({_pct(r0.get('baseline_a_job_err'))}) "
-                     f"| {(c.get('baseline_a') or {}).get('compute_from', '–')} | {'record' if c['case'] == 'moe' else 'solo'} "
-                     f"| {walls} |")
+        lines.append(
+            f"| {c['case']} | {c['world']} | {c['layout']} | {_f(r0.get('real_job_ms'))} "
+            f"| {_f(r0.get('predicted_job_ms'))} ({_pct(r0.get('predicted_job_err'))}) "
+            f"| {_f(r0.get('baseline_a_job_ms'))} ({_pct(r0.get('baseline_a_job_err'))}) "
+            f"| {(c.get('baseline_a') or {}).get('compute_from', '–')} | {'record' if c['case'] == 'moe' else 'solo'} "
+            f"| {walls} |"
+        )
     failed = [c for c in result["cases"] if c.get("error")]
     if failed:
         lines += ["", "Failed cases (columns after the failed stage are empty):", ""]
         lines += [f"- {c['case']} N={c['world']}: {c['error']}" for c in failed]
     if result.get("skipped"):
-        lines += ["", "Not run (the world size does not allow the layout): "
-                  + "; ".join(f"{s['case']} N={s['world']}: {s['why']}" for s in result["skipped"])]
+        lines += [
+            "",
+            "Not run (the world size does not allow the layout): "
+            + "; ".join(f"{s['case']} N={s['world']}: {s['why']}" for s in result["skipped"]),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -738,32 +941,58 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=None, help="training iterations (default 10)")
     ap.add_argument("--warmup", type=int, default=1, help="leading iterations left out of every median")
     ap.add_argument("--sandbox", default="auto", help="auto, last, or ranks such as 0,last")
-    ap.add_argument("--inputs", choices=["auto", "recorded", "generated"], default="auto",
-                    help="virtual ranks' inputs in time and emulate: recorded (a tensor-saving run of the real "
-                         "command), generated (zeros), auto (recorded on cpu, generated on cuda); MoE: always recorded")
+    ap.add_argument(
+        "--inputs",
+        choices=["auto", "recorded", "generated"],
+        default="auto",
+        help="virtual ranks' inputs in time and emulate: recorded (a tensor-saving run of the real "
+        "command), generated (zeros), auto (recorded on cpu, generated on cuda); MoE: always recorded",
+    )
     ap.add_argument("--model-args", default=None, help="gpt3d size flags replacing the defaults for --devices")
-    ap.add_argument("--micro-batches", type=int, default=None,
-                    help="micro-batches per DP rank and iteration (default max(4, 2 x pipeline stages))")
+    ap.add_argument(
+        "--micro-batches",
+        type=int,
+        default=None,
+        help="micro-batches per DP rank and iteration (default max(4, 2 x pipeline stages))",
+    )
     ap.add_argument("--time-parallel", type=int, default=1, help="`prism time --parallel` (slices at a time)")
     ap.add_argument("--time-every-rank", action="store_true", help="`prism time --every-rank` (DP replicas timed too)")
     ap.add_argument("--compute-under-load", action="store_true", help="`prism time --compute-under-load` (CPU)")
-    ap.add_argument("--noise", action="store_true",
-                    help="record the real run once more at the end of each case: its difference from the first "
-                         "is the noise floor of the errors")
-    ap.add_argument("--repeats", type=int, default=1, metavar="K",
-                    help="run the real job and the emulation K times each, alternating, and compare their "
-                         "medians (each run's figure and the spread are kept): for hosts whose runs drift")
+    ap.add_argument(
+        "--noise",
+        action="store_true",
+        help="record the real run once more at the end of each case: its difference from the first "
+        "is the noise floor of the errors",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="K",
+        help="run the real job and the emulation K times each, alternating, and compare their "
+        "medians (each run's figure and the spread are kept): for hosts whose runs drift",
+    )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per stage")
-    ap.add_argument("--alpha-beta", default=None, metavar="ALPHA_S,BW_BPS",
-                    help="skip the probe: latency (s) and bandwidth (bytes/s) of the pure model")
+    ap.add_argument(
+        "--alpha-beta",
+        default=None,
+        metavar="ALPHA_S,BW_BPS",
+        help="skip the probe: latency (s) and bandwidth (bytes/s) of the pure model",
+    )
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=None, help="markdown table (default: the JSON path with .md)")
-    ap.add_argument("--merge", action="store_true",
-                    help="add to the cases of an existing --json (a case and N run again replace theirs): split a "
-                         "long suite over several invocations")
-    ap.add_argument("--shared-gpu", action="store_true",
-                    help="cuda: every process (real ranks, sandbox, assistant) on the first visible GPU, each NCCL's "
-                         "own host: for the memory columns on a one-GPU machine (times then go through sockets)")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="add to the cases of an existing --json (a case and N run again replace theirs): split a "
+        "long suite over several invocations",
+    )
+    ap.add_argument(
+        "--shared-gpu",
+        action="store_true",
+        help="cuda: every process (real ranks, sandbox, assistant) on the first visible GPU, each NCCL's "
+        "own host: for the memory columns on a one-GPU machine (times then go through sockets)",
+    )
     ap.add_argument("--keep", default=None, help="keep every stage's output (graphs, logs) in this directory")
     a = ap.parse_args(argv)
     a.iters = a.iters or 10
@@ -804,11 +1033,25 @@ def main(argv: list[str] | None = None) -> int:
                 plan.append(c)
     json_path = Path(a.json or ROOT / "benchmarks" / "results" / f"fidelity_{a.devices}.json")
     md_path = Path(a.md) if a.md else json_path.with_suffix(".md")
-    result = {"benchmark": "fidelity", "machine": machine(), "date": time.strftime("%Y-%m-%d"), "commit": git_commit(),
-              "devices": a.devices, "iters": a.iters, "warmup": a.warmup, "sandbox": a.sandbox, "inputs": a.inputs,
-              "noise": a.noise, "repeats": a.repeats, "shared_gpu": a.shared_gpu,
-              "model_args": shlex.split(a.model_args) if a.model_args else SIZES[a.devices],
-              "argv": sys.argv[1:] if argv is None else argv, "alpha_beta": None, "cases": [], "skipped": skipped}
+    result = {
+        "benchmark": "fidelity",
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": git_commit(),
+        "devices": a.devices,
+        "iters": a.iters,
+        "warmup": a.warmup,
+        "sandbox": a.sandbox,
+        "inputs": a.inputs,
+        "noise": a.noise,
+        "repeats": a.repeats,
+        "shared_gpu": a.shared_gpu,
+        "model_args": shlex.split(a.model_args) if a.model_args else SIZES[a.devices],
+        "argv": sys.argv[1:] if argv is None else argv,
+        "alpha_beta": None,
+        "cases": [],
+        "skipped": skipped,
+    }
 
     earlier: list[dict] = []
     if a.merge and json_path.is_file():
@@ -817,8 +1060,10 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--merge: {json_path} holds --devices {old.get('devices')} results")
         redo = {(c.name, c.world) for c in plan}
         earlier = [c for c in old.get("cases", []) if (c["case"], c["world"]) not in redo]
-        result["invocations"] = [*old.get("invocations", [{k: old.get(k) for k in (
-            "date", "commit", "argv", "alpha_beta")}]), {k: result[k] for k in ("date", "commit", "argv")}]
+        result["invocations"] = [
+            *old.get("invocations", [{k: old.get(k) for k in ("date", "commit", "argv", "alpha_beta")}]),
+            {k: result[k] for k in ("date", "commit", "argv")},
+        ]
 
     def write() -> None:
         json_path.parent.mkdir(parents=True, exist_ok=True)

@@ -55,8 +55,8 @@ from allreduce_sizes import DEFAULT_SIZES, fits, fmt_size, parse_sizes  # noqa: 
 from emulate_bootstrap import run, vanilla_run  # noqa: E402
 from tracing_overhead import machine  # noqa: E402
 
-from prismllm.capture.launcher import NVLS_OFF_ENV  # noqa: E402
-from prismllm.replay.compensate import plan_all_reduce  # noqa: E402
+from prismllm.launch import NVLS_OFF_ENV  # noqa: E402
+from prismllm.pruning.plans import plan_all_reduce  # noqa: E402
 
 PROGRAM = str(ROOT / "benchmarks" / "programs" / "allreduce_sizes.py")
 PRISM = str(Path(sys.executable).with_name("prism"))
@@ -104,10 +104,17 @@ def pool(rounds: list[dict | None]) -> dict | None:
     if len(got) == 1 and len(rounds) == 1:
         return got[0]
     times = [t for d in got for t in d["times_us"]]
-    out = {**got[0], "median_us": round(statistics.median(times), 2), "min_us": min(times),
-           "mean_us": round(statistics.fmean(times), 2), "max_us": max(times), "times_us": times,
-           "loop_us": round(statistics.fmean(d["loop_us"] for d in got), 2),
-           "round_medians_us": [d["median_us"] for d in got], "rounds": len(got)}
+    out = {
+        **got[0],
+        "median_us": round(statistics.median(times), 2),
+        "min_us": min(times),
+        "mean_us": round(statistics.fmean(times), 2),
+        "max_us": max(times),
+        "times_us": times,
+        "loop_us": round(statistics.fmean(d["loop_us"] for d in got), 2),
+        "round_medians_us": [d["median_us"] for d in got],
+        "rounds": len(got),
+    }
     rec = [d["recorded_us"] for d in got if "recorded_us" in d]
     if rec:
         out["recorded_us"] = round(statistics.median(rec), 2)
@@ -122,19 +129,31 @@ def link_bytes(n: int, nbytes: int) -> dict:
     item = torch.empty((), dtype=DTYPE).element_size()
     p = plan_all_reduce(n, [0], (nbytes // item,), "sum", dtype=DTYPE)
     lb = p.bytes[0]
-    return {"small_group": p.group.size, "slot_bytes": p.slot * item, "pad_bytes": p.pad * item,
-            "scratch_bytes": p.scratch[0], "small_send": lb.send, "small_recv": lb.recv,
-            "logical_send": lb.logical_send, "logical_recv": lb.logical_recv,
-            "ratio": round(lb.ratio, 6)}
+    return {
+        "small_group": p.group.size,
+        "slot_bytes": p.slot * item,
+        "pad_bytes": p.pad * item,
+        "scratch_bytes": p.scratch[0],
+        "small_send": lb.send,
+        "small_recv": lb.recv,
+        "logical_send": lb.logical_send,
+        "logical_recv": lb.logical_recv,
+        "ratio": round(lb.ratio, 6),
+    }
 
 
 def commit() -> str:
     """HEAD of the checkout, '+dirty' if prismllm/ has changes (the assistant's code matters here)."""
     try:
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "prismllm"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "prismllm"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -153,18 +172,29 @@ class Bench:
         self.dev_bytes, self.ndev = device_info(a.devices)
         self.reserve = int(a.reserve_gb * GIB)
         self.res: dict = {
-            "benchmark": "pruning_latency", "machine": machine(), "date": time.strftime("%Y-%m-%d"),
-            "devices": a.devices, "dtype": str(DTYPE).replace("torch.", ""), "warmup": a.warmup,
-            "iters": a.iters, "real": a.real, "rounds": a.rounds, "commit": commit(),
+            "benchmark": "pruning_latency",
+            "machine": machine(),
+            "date": time.strftime("%Y-%m-%d"),
+            "devices": a.devices,
+            "dtype": str(DTYPE).replace("torch.", ""),
+            "warmup": a.warmup,
+            "iters": a.iters,
+            "real": a.real,
+            "rounds": a.rounds,
+            "commit": commit(),
             "stage_ahead": os.environ.get("PRISM_STAGE_AHEAD", "default"),
             "measured": "latency: per call, on rank 0's device (CUDA events around each all_reduce "
-                        "on the current stream) or wall clock (gloo); median/min/mean over --iters calls; "
-                        "'recorded': the recording layer's duration of the same calls in the run's graph "
-                        "(NCCL's own events on GPU), median",
+            "on the current stream) or wall clock (gloo); median/min/mean over --iters calls; "
+            "'recorded': the recording layer's duration of the same calls in the run's graph "
+            "(NCCL's own events on GPU), median",
             "computed": "bytes: small_* from compensate.plan_all_reduce (the pruned call's buffer, "
-                        "ring on k+1 = 2 members: 2k/(k+1)*slot each way), logical_* = 2(n-1)/n*S each "
-                        "way (the logical ring); no link counter is read",
-            "two": [], "many": [], "runs": [], "skipped": []}
+            "ring on k+1 = 2 members: 2k/(k+1)*slot each way), logical_* = 2(n-1)/n*S each "
+            "way (the logical ring); no link counter is read",
+            "two": [],
+            "many": [],
+            "runs": [],
+            "skipped": [],
+        }
 
     # -- memory: decided here, for every variant alike (the program's own check is off) --
     def feasible(self, sizes: list[int], variant: str, n: int) -> list[int]:
@@ -181,17 +211,36 @@ class Bench:
             if fits(need, self.dev_bytes, ppd, 1.0, self.reserve):
                 ok.append(s)
             else:
-                note = {"variant": variant, "world": n, "bytes": s, "size": fmt_size(s), "needs_bytes": need,
-                        "procs_per_device": ppd, "device_bytes": self.dev_bytes}
+                note = {
+                    "variant": variant,
+                    "world": n,
+                    "bytes": s,
+                    "size": fmt_size(s),
+                    "needs_bytes": need,
+                    "procs_per_device": ppd,
+                    "device_bytes": self.dev_bytes,
+                }
                 self.res["skipped"].append(note)
-                print(f"  skip {variant} N={n} {fmt_size(s)}: needs {need / GIB:.1f} GiB of a "
-                      f"{self.dev_bytes / GIB:.0f} GiB device shared by {ppd}", flush=True)
+                print(
+                    f"  skip {variant} N={n} {fmt_size(s)}: needs {need / GIB:.1f} GiB of a "
+                    f"{self.dev_bytes / GIB:.0f} GiB device shared by {ppd}",
+                    flush=True,
+                )
         return ok
 
     def prog_args(self, sizes: list[int]) -> list[str]:
-        return ["--sizes", ",".join(fmt_size(s) for s in sizes), "--warmup", str(self.a.warmup),
-                "--iters", str(self.a.iters), "--mem-factor", "0",
-                "--backend", "nccl" if self.a.devices == "cuda" else "gloo"]
+        return [
+            "--sizes",
+            ",".join(fmt_size(s) for s in sizes),
+            "--warmup",
+            str(self.a.warmup),
+            "--iters",
+            str(self.a.iters),
+            "--mem-factor",
+            "0",
+            "--backend",
+            "nccl" if self.a.devices == "cuda" else "gloo",
+        ]
 
     def _run(self, label: str, world: int, cmd: list[str], env: dict | None = None) -> tuple[int, str, float]:
         print(f"  {label} ...", flush=True)
@@ -210,12 +259,34 @@ class Bench:
     def real(self, sizes: list[int], label: str = "") -> dict[int, dict]:
         args = self.prog_args(sizes)
         if self.a.real == "record":
-            cmd = [PRISM, "record", "--nproc", "2", "--devices", self.a.devices, "--out",
-                   str(self.work / "real2"), "--force", "--timeout", str(self.a.timeout), "--", PROGRAM, *args]
+            cmd = [
+                PRISM,
+                "record",
+                "--nproc",
+                "2",
+                "--devices",
+                self.a.devices,
+                "--out",
+                str(self.work / "real2"),
+                "--force",
+                "--timeout",
+                str(self.a.timeout),
+                "--",
+                PROGRAM,
+                *args,
+            ]
             env = None
         else:
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                   PROGRAM, *args]
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                PROGRAM,
+                *args,
+            ]
             env = {"OMP_NUM_THREADS": "1", **NVLS_OFF_ENV}
             if self.a.devices == "cpu":
                 env["CUDA_VISIBLE_DEVICES"] = ""
@@ -225,8 +296,11 @@ class Bench:
             try:
                 from prismllm.trace.graph import PrismTrace
 
-                cols = PrismTrace.load(self.work / "real2").nodes.select(
-                    ["rank", "kind", "op", "in_bytes", "duration_ns"]).to_pydict()
+                cols = (
+                    PrismTrace.load(self.work / "real2")
+                    .nodes.select(["rank", "kind", "op", "in_bytes", "duration_ns"])
+                    .to_pydict()
+                )
                 for b, us in recorded_us(cols, sizes, self.a.iters).items():
                     if b in got:
                         got[b]["recorded_us"] = us
@@ -236,18 +310,60 @@ class Bench:
 
     def capture(self, n: int, sizes: list[int]) -> Path | None:
         graph = self.work / f"graph{n}"
-        rc, _, _ = self._run(f"capture N={n}", n, [
-            PRISM, "capture", "--mode", "solo", "--world", str(n), "--devices", "1", "--device", self.a.devices,
-            "--layout", "tp=1,pp=1", "--out", str(graph), "--force", "--timeout", str(self.a.timeout),
-            "--", PROGRAM, *self.prog_args(sizes)])
+        rc, _, _ = self._run(
+            f"capture N={n}",
+            n,
+            [
+                PRISM,
+                "capture",
+                "--mode",
+                "solo",
+                "--world",
+                str(n),
+                "--devices",
+                "1",
+                "--device",
+                self.a.devices,
+                "--layout",
+                "tp=1,pp=1",
+                "--out",
+                str(graph),
+                "--force",
+                "--timeout",
+                str(self.a.timeout),
+                "--",
+                PROGRAM,
+                *self.prog_args(sizes),
+            ],
+        )
         return None if rc else graph
 
     def emulate(self, n: int, graph: Path, sizes: list[int], label: str = "") -> dict[int, dict]:
         out = self.work / f"emu{n}"
-        rc, text, _ = self._run(f"emulate N={n}{label}", n, [
-            PRISM, "emulate", "--graph", str(graph), "--sandbox", "0", "--devices", self.a.devices,
-            "--inputs", "generated", "--out", str(out), "--force", "--timeout", str(self.a.timeout),
-            "--", PROGRAM, *self.prog_args(sizes)])
+        rc, text, _ = self._run(
+            f"emulate N={n}{label}",
+            n,
+            [
+                PRISM,
+                "emulate",
+                "--graph",
+                str(graph),
+                "--sandbox",
+                "0",
+                "--devices",
+                self.a.devices,
+                "--inputs",
+                "generated",
+                "--out",
+                str(out),
+                "--force",
+                "--timeout",
+                str(self.a.timeout),
+                "--",
+                PROGRAM,
+                *self.prog_args(sizes),
+            ],
+        )
         m = re.search(r"prism assistant: .*", text)
         if m:
             self.res["runs"][-1]["assistant"] = m[0]
@@ -271,14 +387,16 @@ class Bench:
     def vanilla(self, n: int, sizes: list[int]) -> tuple[dict[int, dict], bool]:
         label = f"vanilla N={n}"
         print(f"  {label} ...", flush=True)
-        rc, text, _ = self._note(label, n, *vanilla_run(n, self.a.devices, PROGRAM, self.prog_args(sizes),
-                                                       self.a.timeout))
+        rc, text, _ = self._note(
+            label, n, *vanilla_run(n, self.a.devices, PROGRAM, self.prog_args(sizes), self.a.timeout)
+        )
         return parse(text), rc == 0
 
     # -- cases --
     def case_two(self, sizes: list[int]) -> None:
-        print(f"case A: 2 logical members, sizes {','.join(map(fmt_size, sizes))}, "
-              f"{self.a.rounds} round(s)", flush=True)
+        print(
+            f"case A: 2 logical members, sizes {','.join(map(fmt_size, sizes))}, {self.a.rounds} round(s)", flush=True
+        )
         rs = self.feasible(sizes, "real", 2)
         es = self.feasible(sizes, "emulated", 2)
         graph = self.capture(2, es) if es else None
@@ -286,7 +404,7 @@ class Bench:
         emu: list[dict] = []
         for r in range(self.a.rounds):  # interleaved, alternating which goes first
             tag = f", round {r + 1}" if self.a.rounds > 1 else ""
-            for which in (("real", "emulated") if r % 2 == 0 else ("emulated", "real")):
+            for which in ("real", "emulated") if r % 2 == 0 else ("emulated", "real"):
                 if which == "real" and rs:
                     real.append(self.real(rs, tag))
                 elif which == "emulated" and graph:
@@ -315,8 +433,15 @@ class Bench:
                     van, vanilla_ok = self.vanilla(n, vs)
             for s in sizes:
                 e, v = emu.get(s), van.get(s)
-                row = {"world": n, "bytes": s, "size": fmt_size(s), "emulated": e, "vanilla": v,
-                       "vanilla_run": vanilla_run_here, "link": link_bytes(n, s)}
+                row = {
+                    "world": n,
+                    "bytes": s,
+                    "size": fmt_size(s),
+                    "emulated": e,
+                    "vanilla": v,
+                    "vanilla_run": vanilla_run_here,
+                    "link": link_bytes(n, s),
+                }
                 if e and v:
                     row["emulated_over_vanilla"] = e["median_us"] / v["median_us"]
                 self.res["many"].append(row)
@@ -358,55 +483,79 @@ def _gbs(nbytes: int, d: dict | None) -> str:
 def markdown(r: dict) -> str:
     m = r["machine"]
     dev = f"{m.get('gpu')} ×{m.get('gpus')}" if m.get("gpu") else "CPU"
-    lines = [f"Machine: {dev}, {m.get('cpus')} cores, torch {m.get('torch')}; devices {r['devices']}; "
-             f"{r['date']}; {r['dtype']}, {r['warmup']} warm-up + {r['iters']} timed calls per size; "
-             f"real run: {r['real']}; case A rounds: {r.get('rounds', 1)}; commit {r.get('commit')}, "
-             f"PRISM_STAGE_AHEAD {r.get('stage_ahead')}", "",
-             f"Measured: {r['measured']}.", "",
-             f"Computed: {r['computed']}.", ""]
+    lines = [
+        f"Machine: {dev}, {m.get('cpus')} cores, torch {m.get('torch')}; devices {r['devices']}; "
+        f"{r['date']}; {r['dtype']}, {r['warmup']} warm-up + {r['iters']} timed calls per size; "
+        f"real run: {r['real']}; case A rounds: {r.get('rounds', 1)}; commit {r.get('commit')}, "
+        f"PRISM_STAGE_AHEAD {r.get('stage_ahead')}",
+        "",
+        f"Measured: {r['measured']}.",
+        "",
+        f"Computed: {r['computed']}.",
+        "",
+    ]
     if r["two"]:
-        lines += ["Case A, 2 logical members (rank 0; µs per call, median of the timed calls; "
-                  "rel. error = (emulated - real) / real):", "",
-                  "| size | real (µs) | emulated (µs) | rel. error | real min | emulated min "
-                  "| real, recorded (µs) | emulated, recorded (µs) "
-                  "| sandbox link MiB each way (small group of 2, computed) | logical ring MiB each way (computed) "
-                  "| real link GB/s | emulated link GB/s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "Case A, 2 logical members (rank 0; µs per call, median of the timed calls; "
+            "rel. error = (emulated - real) / real):",
+            "",
+            "| size | real (µs) | emulated (µs) | rel. error | real min | emulated min "
+            "| real, recorded (µs) | emulated, recorded (µs) "
+            "| sandbox link MiB each way (small group of 2, computed) | logical ring MiB each way (computed) "
+            "| real link GB/s | emulated link GB/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for c in r["two"]:
             lb = c["link"]
             err = f"{c['rel_err_median'] * 100:+.2f}%" if "rel_err_median" in c else "–"
-            lines.append(f"| {c['size']} | {_us(c['real'])} | {_us(c['emulated'])} | {err} | "
-                         f"{_us(c['real'], 'min_us')} | {_us(c['emulated'], 'min_us')} | "
-                         f"{_us(c['real'], 'recorded_us')} | {_us(c['emulated'], 'recorded_us')} | {_mb(lb['small_send'])} | "
-                         f"{_mb(lb['logical_send'])} | {_gbs(lb['logical_send'], c['real'])} | "
-                         f"{_gbs(lb['small_send'], c['emulated'])} |")
+            lines.append(
+                f"| {c['size']} | {_us(c['real'])} | {_us(c['emulated'])} | {err} | "
+                f"{_us(c['real'], 'min_us')} | {_us(c['emulated'], 'min_us')} | "
+                f"{_us(c['real'], 'recorded_us')} | {_us(c['emulated'], 'recorded_us')} | {_mb(lb['small_send'])} | "
+                f"{_mb(lb['logical_send'])} | {_gbs(lb['logical_send'], c['real'])} | "
+                f"{_gbs(lb['small_send'], c['emulated'])} |"
+            )
         lines.append("")
     if r["many"]:
-        lines += ["Case B, N logical members, one sandbox rank (rank 0) and one assistant, against the "
-                  "vanilla way (a process per rank):", "",
-                  "| N | size | emulated (µs) | vanilla (µs) | emulated / vanilla | emulated min | vanilla min "
-                  "| emulated, recorded (µs) "
-                  "| sandbox link MiB each way (small group of 2, computed) | logical ring MiB each way (computed) "
-                  "| pad MiB | sandbox scratch MiB | emulated link GB/s |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "Case B, N logical members, one sandbox rank (rank 0) and one assistant, against the "
+            "vanilla way (a process per rank):",
+            "",
+            "| N | size | emulated (µs) | vanilla (µs) | emulated / vanilla | emulated min | vanilla min "
+            "| emulated, recorded (µs) "
+            "| sandbox link MiB each way (small group of 2, computed) | logical ring MiB each way (computed) "
+            "| pad MiB | sandbox scratch MiB | emulated link GB/s |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for c in r["many"]:
             lb = c["link"]
-            ratio = f"{c['emulated_over_vanilla']:.3f}" if "emulated_over_vanilla" in c else (
-                "–" if c["vanilla_run"] else "not run")
-            lines.append(f"| {c['world']} | {c['size']} | {_us(c['emulated'])} | {_us(c['vanilla'])} | {ratio} | "
-                         f"{_us(c['emulated'], 'min_us')} | {_us(c['vanilla'], 'min_us')} | "
-                         f"{_us(c['emulated'], 'recorded_us')} | {_mb(lb['small_send'])} | "
-                         f"{_mb(lb['logical_send'])} | {_mb(lb['pad_bytes'])} | {_mb(lb['scratch_bytes'])} | "
-                         f"{_gbs(lb['small_send'], c['emulated'])} |")
+            ratio = (
+                f"{c['emulated_over_vanilla']:.3f}"
+                if "emulated_over_vanilla" in c
+                else ("–" if c["vanilla_run"] else "not run")
+            )
+            lines.append(
+                f"| {c['world']} | {c['size']} | {_us(c['emulated'])} | {_us(c['vanilla'])} | {ratio} | "
+                f"{_us(c['emulated'], 'min_us')} | {_us(c['vanilla'], 'min_us')} | "
+                f"{_us(c['emulated'], 'recorded_us')} | {_mb(lb['small_send'])} | "
+                f"{_mb(lb['logical_send'])} | {_mb(lb['pad_bytes'])} | {_mb(lb['scratch_bytes'])} | "
+                f"{_gbs(lb['small_send'], c['emulated'])} |"
+            )
         lines.append("")
     if r["runs"]:
-        lines += ["Runs (whole command, processes started and ended included):", "",
-                  "| run | exit | wall (s) |", "|---|---|---|"]
+        lines += [
+            "Runs (whole command, processes started and ended included):",
+            "",
+            "| run | exit | wall (s) |",
+            "|---|---|---|",
+        ]
         lines += [f"| {x['run']} | {x['rc']} | {x['wall_s']} |" for x in r["runs"]]
         lines.append("")
     if r["skipped"]:
-        lines += ["Skipped (memory): " + "; ".join(f"{s['variant']} N={s['world']} {s['size']}"
-                                                   for s in r["skipped"]), ""]
+        lines += [
+            "Skipped (memory): " + "; ".join(f"{s['variant']} N={s['world']} {s['size']}" for s in r["skipped"]),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -414,24 +563,42 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--sizes", default=None, help="case A sizes (default: 16MB,...,8GB on cuda; 1MB,4MB,16MB on cpu)")
-    ap.add_argument("--sizes-many", default=None,
-                    help="case B sizes (default: --sizes if given, else 16MB,256MB,1GB on cuda; 1MB,4MB on cpu)")
+    ap.add_argument(
+        "--sizes-many",
+        default=None,
+        help="case B sizes (default: --sizes if given, else 16MB,256MB,1GB on cuda; 1MB,4MB on cpu)",
+    )
     ap.add_argument("--worlds", default="2,16,32,64,128", help="2: case A; every other N: case B")
     ap.add_argument("--vanilla-max", type=int, default=64, help="largest N run the vanilla way (0: none)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
-    ap.add_argument("--rounds", type=int, default=1,
-                    help="case A: real and emulated runs this many times each, interleaved (alternating "
-                         "which goes first); statistics over every timed call of every round")
-    ap.add_argument("--real", choices=["record", "torchrun"], default="record",
-                    help="case A's real run: `prism record --nproc 2` (default; the recording layer the "
-                         "emulated sandbox also runs under) or plain torchrun")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="case A: real and emulated runs this many times each, interleaved (alternating "
+        "which goes first); statistics over every timed call of every round",
+    )
+    ap.add_argument(
+        "--real",
+        choices=["record", "torchrun"],
+        default="record",
+        help="case A's real run: `prism record --nproc 2` (default; the recording layer the "
+        "emulated sandbox also runs under) or plain torchrun",
+    )
     ap.add_argument("--timeout", type=int, default=600, help="seconds for each run")
-    ap.add_argument("--reserve-gb", type=float, default=1.0,
-                    help="memory per process kept for the runtime when deciding which sizes fit")
-    ap.add_argument("--merge", action="store_true",
-                    help="keep the --json file's results for the worlds not run now (split a long "
-                         "benchmark over several invocations; same devices, machine and settings)")
+    ap.add_argument(
+        "--reserve-gb",
+        type=float,
+        default=1.0,
+        help="memory per process kept for the runtime when deciding which sizes fit",
+    )
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the --json file's results for the worlds not run now (split a long "
+        "benchmark over several invocations; same devices, machine and settings)",
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--md", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -450,8 +617,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.merge and a.json.exists():
         old = json.loads(a.json.read_text())
         now = {"devices": a.devices, "warmup": a.warmup, "iters": a.iters, "gpu": machine().get("gpu")}
-        was = {"devices": old.get("devices"), "warmup": old.get("warmup"), "iters": old.get("iters"),
-               "gpu": old.get("machine", {}).get("gpu")}
+        was = {
+            "devices": old.get("devices"),
+            "warmup": old.get("warmup"),
+            "iters": old.get("iters"),
+            "gpu": old.get("machine", {}).get("gpu"),
+        }
         if now != was:
             ap.error(f"--merge: {a.json} was run with {was}, this run is {now}")
     t0 = time.perf_counter()

@@ -28,8 +28,24 @@ from tracing_overhead import machine
 ROOT = Path(__file__).resolve().parents[1]
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
 PRISM = str(Path(sys.executable).with_name("prism"))
-MODEL = ["--hidden", "1024", "--heads", "16", "--layers", "4", "--seq", "1024", "--vocab", "32000",
-         "--micro-batch", "2", "--global-batch", "8", "--iters", "3"]
+MODEL = [
+    "--hidden",
+    "1024",
+    "--heads",
+    "16",
+    "--layers",
+    "4",
+    "--seq",
+    "1024",
+    "--vocab",
+    "32000",
+    "--micro-batch",
+    "2",
+    "--global-batch",
+    "8",
+    "--iters",
+    "3",
+]
 CASES: dict[str, list[str]] = {
     "tp2": ["--tp", "2", *MODEL],
     "pp2": ["--pp", "2", *MODEL],
@@ -37,8 +53,26 @@ CASES: dict[str, list[str]] = {
     "ep2": ["--ep", "2", "--num-experts", "4", "--topk", "2", *MODEL],
     # Activations of one micro-batch outgrow an H200 (~23 GB a layer): out of memory in the
     # first forward pass, a few layers in.
-    "oom": ["--tp", "2", "--hidden", "4096", "--heads", "32", "--layers", "8", "--seq", "4096",
-            "--vocab", "32000", "--micro-batch", "64", "--global-batch", "64", "--iters", "1"],
+    "oom": [
+        "--tp",
+        "2",
+        "--hidden",
+        "4096",
+        "--heads",
+        "32",
+        "--layers",
+        "8",
+        "--seq",
+        "4096",
+        "--vocab",
+        "32000",
+        "--micro-batch",
+        "64",
+        "--global-batch",
+        "64",
+        "--iters",
+        "1",
+    ],
 }
 STORE_CASES = ("pp2", "ep2")  # also replayed from a recorded-tensor store
 OOM_RE = re.compile(r"CUDA out of memory\. Tried to allocate ([0-9.]+ [KMG]iB)")
@@ -57,13 +91,43 @@ def run(cmd: list[str], timeout: float = 900) -> tuple[int, str, float]:
 
 
 def real_cmd(args: list[str], out: Path, *extra: str) -> list[str]:
-    return [PRISM, "record", "--nproc", "2", "--devices", "cuda", "--out", str(out), "--force",
-            *extra, "--", GPT3D, *args]
+    return [
+        PRISM,
+        "record",
+        "--nproc",
+        "2",
+        "--devices",
+        "cuda",
+        "--out",
+        str(out),
+        "--force",
+        *extra,
+        "--",
+        GPT3D,
+        *args,
+    ]
 
 
 def solo_cmd(args: list[str], out: Path, *extra: str) -> list[str]:
-    return [PRISM, "capture", "--mode", "solo", "--world", "2", "--devices", "2", "--device",
-            "cuda", "--out", str(out), "--force", *extra, "--", GPT3D, *args]
+    return [
+        PRISM,
+        "capture",
+        "--mode",
+        "solo",
+        "--world",
+        "2",
+        "--devices",
+        "2",
+        "--device",
+        "cuda",
+        "--out",
+        str(out),
+        "--force",
+        *extra,
+        "--",
+        GPT3D,
+        *args,
+    ]
 
 
 def peaks(graph: Path) -> dict[int, int]:
@@ -79,8 +143,10 @@ def spool_state(graph: Path) -> dict[int, dict]:
     out = {}
     for f in sorted((graph / ".spool").glob("rank-*.msgpack")):
         log = read_ranklog(f)
-        out[log.rank] = {"comm_calls": sum(n["kind"] == "comm" for n in log.nodes),
-                         "peak_memory_bytes": log.peak_memory_bytes}
+        out[log.rank] = {
+            "comm_calls": sum(n["kind"] == "comm" for n in log.nodes),
+            "peak_memory_bytes": log.peak_memory_bytes,
+        }
     return out
 
 
@@ -95,8 +161,12 @@ def memory_case(name: str, args: list[str], work: Path) -> dict:
     runs = [("real", real_cmd(args, work / f"{name}-real"))]
     if name in STORE_CASES:
         store = str(work / f"{name}-store")
-        runs.append(("real_saving", real_cmd(args, work / f"{name}-real-saving", "--save-tensors",
-                                             "all", "--tensor-store", store)))
+        runs.append(
+            (
+                "real_saving",
+                real_cmd(args, work / f"{name}-real-saving", "--save-tensors", "all", "--tensor-store", store),
+            )
+        )
         variants["solo_store"] = solo_cmd(args, work / f"{name}-solo-store", "--tensors", store)
     runs += list(variants.items())
     res: dict = {"case": name, "args": args}
@@ -146,14 +216,22 @@ def oom_case(args: list[str], work: Path) -> dict:
     real, solo = work / "oom-real", work / "oom-solo"
     rc_r, out_r, t_r = run(real_cmd(args, real))
     rc_s, out_s, t_s = run(solo_cmd(args, solo))
-    res = {"case": "oom", "args": args, "real_rc": rc_r, "solo_rc": rc_s,
-           "real_wall_s": round(t_r, 1), "solo_wall_s": round(t_s, 1),
-           "real_request": sorted(set(OOM_RE.findall(out_r))),
-           "solo_request": sorted(set(OOM_RE.findall(out_s))),
-           "real_ranks": spool_state(real), "solo_ranks": spool_state(solo)}
+    res = {
+        "case": "oom",
+        "args": args,
+        "real_rc": rc_r,
+        "solo_rc": rc_s,
+        "real_wall_s": round(t_r, 1),
+        "solo_wall_s": round(t_s, 1),
+        "real_request": sorted(set(OOM_RE.findall(out_r))),
+        "solo_request": sorted(set(OOM_RE.findall(out_s))),
+        "real_ranks": spool_state(real),
+        "solo_ranks": spool_state(solo),
+    }
     res["both_oom"] = bool(rc_r and rc_s and res["real_request"] and res["solo_request"])
-    res["same_point"] = res["both_oom"] and res["real_request"] == res["solo_request"] and \
-        res["real_ranks"] == res["solo_ranks"]
+    res["same_point"] = (
+        res["both_oom"] and res["real_request"] == res["solo_request"] and res["real_ranks"] == res["solo_ranks"]
+    )
     if not res["both_oom"]:
         res["real_tail"], res["solo_tail"] = out_r[-1500:], out_s[-1500:]
     return res
@@ -171,24 +249,36 @@ def _cell(c: dict, label: str, r: str) -> str:
 
 def markdown(result: dict) -> str:
     m = result["machine"]
-    lines = [f"Machine: {m.get('gpus')}× {m.get('gpu')}, torch {m.get('torch')}; "
-             f"gpt3d `{' '.join(MODEL)}` plus the layout flags.", "",
-             "| case | rank | real max_memory_allocated | solo, generated: diff | real saving tensors: "
-             "diff | solo, recorded tensors: diff |", "|---|---|---|---|---|---|"]
+    lines = [
+        f"Machine: {m.get('gpus')}× {m.get('gpu')}, torch {m.get('torch')}; "
+        f"gpt3d `{' '.join(MODEL)}` plus the layout flags.",
+        "",
+        "| case | rank | real max_memory_allocated | solo, generated: diff | real saving tensors: "
+        "diff | solo, recorded tensors: diff |",
+        "|---|---|---|---|---|---|",
+    ]
     for c in result["cases"]:
         if c["case"] == "oom":
             continue
         for r in sorted(c.get("peak_real", {"-": 0})):
-            lines.append(f"| {c['case']} | {r} | " + " | ".join(
-                _cell(c, label, r) if "peak_real" in c else "failed"
-                for label in ("real", "solo", "real_saving", "solo_store")) + " |")
+            lines.append(
+                f"| {c['case']} | {r} | "
+                + " | ".join(
+                    _cell(c, label, r) if "peak_real" in c else "failed"
+                    for label in ("real", "solo", "real_saving", "solo_store")
+                )
+                + " |"
+            )
     for c in result["cases"]:
         if c["case"] == "oom":
-            lines += ["", f"Out of memory (`{' '.join(c['args'])}`): real run "
-                      f"{'OOM' if c['real_request'] else 'no OOM'} {c['real_request']}, solo "
-                      f"{'OOM' if c['solo_request'] else 'no OOM'} {c['solo_request']}; per rank "
-                      f"(communication calls before it, peak) real {c['real_ranks']}, solo "
-                      f"{c['solo_ranks']}: same point: {c['same_point']}."]
+            lines += [
+                "",
+                f"Out of memory (`{' '.join(c['args'])}`): real run "
+                f"{'OOM' if c['real_request'] else 'no OOM'} {c['real_request']}, solo "
+                f"{'OOM' if c['solo_request'] else 'no OOM'} {c['solo_request']}; per rank "
+                f"(communication calls before it, peak) real {c['real_ranks']}, solo "
+                f"{c['solo_ranks']}: same point: {c['same_point']}.",
+            ]
     return "\n".join(lines) + "\n"
 
 
@@ -197,9 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "solo_memory.json"))
     ap.add_argument("--keep", default=None, metavar="DIR", help="keep the graphs in DIR")
-    ap.add_argument("--history", action="store_true",
-                    help="record the allocator history of every run (PRISM_MEMORY_HISTORY) and "
-                         "list the blocks live at peak in a variant but not in the real run")
+    ap.add_argument(
+        "--history",
+        action="store_true",
+        help="record the allocator history of every run (PRISM_MEMORY_HISTORY) and "
+        "list the blocks live at peak in a variant but not in the real run",
+    )
     a = ap.parse_args(argv)
     names = [c for c in a.cases.split(",") if c]
     unknown = [c for c in names if c not in CASES]
@@ -209,8 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     global HISTORY
     HISTORY = work / "history" if a.history else None
-    result = {"benchmark": "solo_memory", "machine": machine(),
-              "date": time.strftime("%Y-%m-%d"), "cases": []}
+    result = {"benchmark": "solo_memory", "machine": machine(), "date": time.strftime("%Y-%m-%d"), "cases": []}
     try:
         for name in names:
             c = oom_case(CASES[name], work) if name == "oom" else memory_case(name, CASES[name], work)

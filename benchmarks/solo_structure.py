@@ -47,8 +47,24 @@ GPT3D = str(ROOT / "examples" / "gpt3d.py")
 PRISM = str(Path(sys.executable).with_name("prism"))
 RESULTS = ROOT / "benchmarks" / "results"
 # The tiny sizes of tests/test_record_gpt3d.py (SIZES) and tests/test_capture_solo.py.
-SIZES = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
-         "--micro-batch", "1", "--iters", "2", "--bucket-mb", "0.01"]
+SIZES = [
+    "--layers",
+    "4",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq",
+    "16",
+    "--vocab",
+    "128",
+    "--micro-batch",
+    "1",
+    "--iters",
+    "2",
+    "--bucket-mb",
+    "0.01",
+]
 VARIANTS = ("layout", "nolayout", "gen")
 TIMEOUT_S = 900
 
@@ -74,9 +90,13 @@ class Case:
     def title(self, world: int) -> str:
         ep = re.search(r"ep=(\d+)", self.layout)
         dp = self.dp(world)
-        parts = [f"TP{self.tp}" if self.tp > 1 else "", f"PP{self.pp}" if self.pp > 1 else "",
-                 "VPP2" if "--vpp" in self.flags else "", f"DP{dp}",
-                 f"EP{ep.group(1)}" if ep else ""]
+        parts = [
+            f"TP{self.tp}" if self.tp > 1 else "",
+            f"PP{self.pp}" if self.pp > 1 else "",
+            "VPP2" if "--vpp" in self.flags else "",
+            f"DP{dp}",
+            f"EP{ep.group(1)}" if ep else "",
+        ]
         extra = " dist-opt" if "--dist-opt" in self.flags else ""
         if self.moe:
             extra += f" MoE {self.flags[self.flags.index('--num-experts') + 1]} experts"
@@ -87,10 +107,15 @@ CASES = [
     Case("tp2pp2", ("--tp", "2", "--pp", "2"), "tp=2,pp=2", tp=2, pp=2),
     Case("pp4", ("--pp", "4"), "pp=4", pp=4),
     Case("pp2vpp2_distopt", ("--pp", "2", "--vpp", "2", "--dist-opt"), "pp=2,vpp=2", pp=2),
-    Case("tp2ep4_moe", ("--tp", "2", "--num-experts", "8", "--topk", "2", "--ep", "4"),
-         "tp=2,ep=4", tp=2, moe=True),
-    Case("tp2pp2ep2_moe", ("--tp", "2", "--pp", "2", "--num-experts", "4", "--topk", "2", "--ep", "2"),
-         "tp=2,pp=2,ep=2", tp=2, pp=2, moe=True),
+    Case("tp2ep4_moe", ("--tp", "2", "--num-experts", "8", "--topk", "2", "--ep", "4"), "tp=2,ep=4", tp=2, moe=True),
+    Case(
+        "tp2pp2ep2_moe",
+        ("--tp", "2", "--pp", "2", "--num-experts", "4", "--topk", "2", "--ep", "2"),
+        "tp=2,pp=2,ep=2",
+        tp=2,
+        pp=2,
+        moe=True,
+    ),
 ]
 
 
@@ -107,7 +132,7 @@ def run(cmd: list[str]) -> tuple[int, str, float]:
 
 
 def representatives(layout: str | None, world: int) -> list[int]:
-    from prismllm.capture.layout import Layout, replica_plan
+    from prismllm.layout import Layout, replica_plan
 
     return replica_plan(Layout.parse(layout, world), world).representatives
 
@@ -131,9 +156,14 @@ def comm_by_rank(path: Path) -> dict[int, list[tuple]]:
     out = {}
     for r in t.ranks().tolist():
         rows = t.nodes_of(r).to_pylist()
-        out[r] = [tuple(ranks_of.get(n["group"], ()) if f == "group" else
-                        (tuple(n[f]) if isinstance(n[f], list) else n[f]) for f in FIELDS)
-                  for n in sorted(rows, key=lambda n: n["index"]) if n["kind"] == "comm"]
+        out[r] = [
+            tuple(
+                ranks_of.get(n["group"], ()) if f == "group" else (tuple(n[f]) if isinstance(n[f], list) else n[f])
+                for f in FIELDS
+            )
+            for n in sorted(rows, key=lambda n: n["index"])
+            if n["kind"] == "comm"
+        ]
     return out
 
 
@@ -159,7 +189,7 @@ def judge(real: Path, solo: Path) -> dict:
     rc, out, _ = run([PRISM, "compare", str(real), str(solo), "--json", "--structure-only"])
     if rc not in (0, 1):
         return {"equal": None, "compare_error": out[-2000:]}
-    s = json.loads(out[out.index("{"):])["structure"]
+    s = json.loads(out[out.index("{") :])["structure"]
     res = {"equal": s["equal"]}
     fd = s["first_difference"]
     if fd is not None:
@@ -172,32 +202,56 @@ def short_difference(fd: dict) -> str:
     if "node_a" not in fd:
         return fd.get("message", "")
     n = fd["node_a"] or fd["node_b"]
-    return (f"rank {fd['rank']} comm #{fd['comm_index']} {n['op']} on ranks {n['group']['ranks']}: "
-            f"{fd['field']} {fd['a']} (real) vs {fd['b']} (solo)")
+    return (
+        f"rank {fd['rank']} comm #{fd['comm_index']} {n['op']} on ranks {n['group']['ranks']}: "
+        f"{fd['field']} {fd['a']} (real) vs {fd['b']} (solo)"
+    )
 
 
-def capture_variant(case: Case, world: int, variant: str, real: Path, work: Path,
-                    devices: int) -> dict:
+def capture_variant(case: Case, world: int, variant: str, real: Path, work: Path, devices: int) -> dict:
     layout = None if variant == "nolayout" else case.layout
     tensors = real / "tensors" if case.moe and variant != "gen" else None
     out = work / f"{case.name}-{world}-{variant}"
-    cmd = [PRISM, "capture", "--mode", "solo", "--world", str(world), "--devices", str(devices),
-           "--device", "cpu", "--out", str(out), "--force"]
+    cmd = [
+        PRISM,
+        "capture",
+        "--mode",
+        "solo",
+        "--world",
+        str(world),
+        "--devices",
+        str(devices),
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        "--force",
+    ]
     if layout:
         cmd += ["--layout", layout]
     if tensors:
         cmd += ["--tensors", str(tensors)]
     cmd += ["--", GPT3D, *SIZES, *case.args(world)]
     rc, text, wall = run(cmd)
-    res: dict = {"variant": variant, "layout_hint": layout, "tensors": bool(tensors), "rc": rc,
-                 "wall_s": round(wall, 1)}
+    res: dict = {
+        "variant": variant,
+        "layout_hint": layout,
+        "tensors": bool(tensors),
+        "rc": rc,
+        "wall_s": round(wall, 1),
+    }
     if rc != 0:
         res["error"] = text[-2000:]
         return res
     g = graph_figures(out)
     cap = g.pop("manifest")["capture"]
-    res.update(ranks_run=cap["ranks_run"], representatives=cap["representatives"],
-               run_s=cap["run_wall_s"], all_to_all_reconciled=cap["all_to_all_reconciled"], **g)
+    res.update(
+        ranks_run=cap["ranks_run"],
+        representatives=cap["representatives"],
+        run_s=cap["run_wall_s"],
+        all_to_all_reconciled=cap["all_to_all_reconciled"],
+        **g,
+    )
     res.update(judge(real, out))
     if res.get("differing_ranks"):
         reps = set(cap["representatives"])
@@ -205,11 +259,16 @@ def capture_variant(case: Case, world: int, variant: str, real: Path, work: Path
     return res
 
 
-def run_case(case: Case, world: int, variants: list[str], work: Path, devices: int,
-             keep: bool) -> dict:
+def run_case(case: Case, world: int, variants: list[str], work: Path, devices: int, keep: bool) -> dict:
     real = work / f"{case.name}-{world}-real"
-    res: dict = {"case": case.name, "title": case.title(world), "world": world,
-                 "gpt3d_args": case.args(world), "layout_hint": case.layout, "moe": case.moe}
+    res: dict = {
+        "case": case.name,
+        "title": case.title(world),
+        "world": world,
+        "gpt3d_args": case.args(world),
+        "layout_hint": case.layout,
+        "moe": case.moe,
+    }
     cmd = [PRISM, "record", "--nproc", str(world), "--devices", "cpu", "--out", str(real), "--force"]
     if case.moe:
         cmd += ["--save-tensors", "all"]
@@ -235,9 +294,12 @@ def run_case(case: Case, world: int, variants: list[str], work: Path, devices: i
             res["captures"].append({"variant": v, "skipped": "the layout hint already runs every rank"})
             continue
         c = capture_variant(case, world, v, real, work, devices)
-        print(f"  [{case.name} N={world} {v}] " + json.dumps(
-            {k: c.get(k) for k in ("rc", "wall_s", "ranks_run", "equal", "differing_ranks")}),
-            file=sys.stderr, flush=True)
+        print(
+            f"  [{case.name} N={world} {v}] "
+            + json.dumps({k: c.get(k) for k in ("rc", "wall_s", "ranks_run", "equal", "differing_ranks")}),
+            file=sys.stderr,
+            flush=True,
+        )
         res["captures"].append(c)
         if not keep:
             shutil.rmtree(work / f"{case.name}-{world}-{v}", ignore_errors=True)
@@ -258,7 +320,7 @@ def markdown(result: dict) -> str:
         f"OMP_NUM_THREADS=1; {result['date']}; prismllm {m['commit'][:7]}"
         f"{' + uncommitted changes' if m['dirty'] else ''}. Capture runs G = {m['devices']} ranks "
         f"at a time. gpt3d `{' '.join(SIZES)} --global-batch N`. MoE: real run with "
-        "`--save-tensors all`, capture with `--tensors` (except \"no store\").",
+        '`--save-tensors all`, capture with `--tensors` (except "no store").',
         "",
         "| N | layout | capture | ranks run | record s | capture s | nodes | graph KB real / solo | equal | first difference (differing ranks) |",
         "|---|---|---|---|---|---|---|---|---|---|",
@@ -291,15 +353,17 @@ def markdown(result: dict) -> str:
             nodes = f"{c['nodes']:,}" if c["nodes"] == rec["nodes"] else f"{rec['nodes']:,} / {c['nodes']:,}"
             lines.append(
                 f"{head} {what} | {c['ranks_run']} of {r['world']} | {rec['wall_s']:.1f} | {c['wall_s']:.1f} | "
-                f"{nodes} | {rec['graph_bytes'] / 1e3:.0f} / {c['graph_bytes'] / 1e3:.0f} | {eq} | {diff} |")
+                f"{nodes} | {rec['graph_bytes'] / 1e3:.0f} / {c['graph_bytes'] / 1e3:.0f} | {eq} | {diff} |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def git_state() -> tuple[str, bool]:
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "prismllm", "examples"], cwd=ROOT,
-                               capture_output=True, text=True).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "prismllm", "examples"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
         return head, bool(dirty)
     except OSError:
         return "", False
@@ -308,13 +372,21 @@ def git_state() -> tuple[str, bool]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, action="append", help="world size N (repeat); default 8")
-    ap.add_argument("--layout-filter", action="append", default=None, metavar="NAME",
-                    help=f"run only case NAME, or those whose name contains NAME (repeat); cases: {', '.join(c.name for c in CASES)}")
+    ap.add_argument(
+        "--layout-filter",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help=f"run only case NAME, or those whose name contains NAME (repeat); cases: {', '.join(c.name for c in CASES)}",
+    )
     ap.add_argument("--variants", default="layout,nolayout", help=f"capture variants, from {', '.join(VARIANTS)}")
     ap.add_argument("--devices", type=int, default=2, help="ranks a capture runs at a time")
     ap.add_argument("--keep", default=None, metavar="DIR", help="keep the graphs in DIR")
-    ap.add_argument("--out", default=str(RESULTS / "solo_structure_cpu.json"),
-                    help="JSON results path (the .md table is written beside it)")
+    ap.add_argument(
+        "--out",
+        default=str(RESULTS / "solo_structure_cpu.json"),
+        help="JSON results path (the .md table is written beside it)",
+    )
     a = ap.parse_args(argv)
     worlds = a.world or [8]
     variants = [v for v in a.variants.split(",") if v]
@@ -322,12 +394,15 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         ap.error(f"unknown variant(s) {bad}; known: {', '.join(VARIANTS)}")
     names = {c.name for c in CASES}
-    cases = [c for c in CASES if not a.layout_filter
-             or any(f == c.name if f in names else f in c.name for f in a.layout_filter)]
+    cases = [
+        c
+        for c in CASES
+        if not a.layout_filter or any(f == c.name if f in names else f in c.name for f in a.layout_filter)
+    ]
     if not cases:
         ap.error(f"--layout-filter matches no case; cases: {', '.join(c.name for c in CASES)}")
-    from prismllm.capture.layout import Layout
     from prismllm.errors import PrismError
+    from prismllm.layout import Layout
 
     for w in worlds:
         for c in cases:
@@ -336,10 +411,16 @@ def main(argv: list[str] | None = None) -> int:
             except PrismError as e:
                 ap.error(f"case {c.name} at --world {w}: {e}")
     head, dirty = git_state()
-    meta = {**machine(), "commit": head, "dirty": dirty, "devices": a.devices,
-            "omp_num_threads": 1, "gpt3d_sizes": SIZES, "variants": variants}
-    result = {"benchmark": "solo_structure", "date": time.strftime("%Y-%m-%d"), "meta": meta,
-              "results": []}
+    meta = {
+        **machine(),
+        "commit": head,
+        "dirty": dirty,
+        "devices": a.devices,
+        "omp_num_threads": 1,
+        "gpt3d_sizes": SIZES,
+        "variants": variants,
+    }
+    result = {"benchmark": "solo_structure", "date": time.strftime("%Y-%m-%d"), "meta": meta, "results": []}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="prism-solo-structure-"))
@@ -358,8 +439,12 @@ def main(argv: list[str] | None = None) -> int:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
     print(markdown(result))
-    ok = all(c.get("equal") for r in result["results"] for c in r.get("captures", [])
-             if "skipped" not in c and c["variant"] != "gen")
+    ok = all(
+        c.get("equal")
+        for r in result["results"]
+        for c in r.get("captures", [])
+        if "skipped" not in c and c["variant"] != "gen"
+    )
     return 0 if ok else 1
 
 

@@ -29,9 +29,17 @@ def _write_fast(spool: Path, log) -> None:
 
     from prismllm.trace.ranklog import RANKLOG_VERSION, ranklog_path
 
-    d = {"rank": log.rank, "world_size": log.world_size, "device": log.device, "clock": log.clock,
-         "nodes": log.nodes, "groups": [{"name": g.name, "desc": g.desc, "ranks": g.ranks} for g in log.groups],
-         "iterations": log.iterations, "peak_memory_bytes": log.peak_memory_bytes, "version": RANKLOG_VERSION}
+    d = {
+        "rank": log.rank,
+        "world_size": log.world_size,
+        "device": log.device,
+        "clock": log.clock,
+        "nodes": log.nodes,
+        "groups": [{"name": g.name, "desc": g.desc, "ranks": g.ranks} for g in log.groups],
+        "iterations": log.iterations,
+        "peak_memory_bytes": log.peak_memory_bytes,
+        "version": RANKLOG_VERSION,
+    }
     with open(ranklog_path(spool, log.rank), "wb") as f:
         f.write(msgpack.packb(d, use_bin_type=True))
 
@@ -70,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         # The recorders' own writer (RankLog.to_dict = dataclasses.asdict, a deep copy) is slow
         # for 8192 logs in one process; time it on a sample and write the rest with the same
         # msgpack layout directly.
-        sample, rest = logs[: min(64, len(logs))], logs[min(64, len(logs)):]
+        sample, rest = logs[: min(64, len(logs))], logs[min(64, len(logs)) :]
         stage("write_ranklog_sample", lambda: [write_ranklog(spool, log) for log in sample])
         t["write_ranklog_per_rank_ms"] = round(1000 * t["write_ranklog_sample"] / len(sample), 2)
         stage("write_spool_fast", lambda: [_write_fast(spool, log) for log in rest])

@@ -44,16 +44,27 @@ def layout_flags(layout: str) -> list[str]:
 
 
 def command(variant: str, nproc: int, args: list[str], log: str, graph: str) -> list[str]:
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={nproc}"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     program = [*args, "--json-log", log]
     if variant == "plain":
         return [*torchrun, GPT3D, *program]
     if variant == "profiler":
         return [*torchrun, UNDER_PROFILER, GPT3D, *program]
     prism = str(Path(sys.executable).with_name("prism"))
-    return [prism, "record", "--nproc", str(nproc), "--out", graph, "--force", "--recorder", variant,
-            "--", GPT3D, *program]
+    return [
+        prism,
+        "record",
+        "--nproc",
+        str(nproc),
+        "--out",
+        graph,
+        "--force",
+        "--recorder",
+        variant,
+        "--",
+        GPT3D,
+        *program,
+    ]
 
 
 def steady(times: list[float], warmup: int) -> list[float]:
@@ -85,13 +96,14 @@ def machine() -> dict:
     return info
 
 
-def run_layout(layout: str, nproc: int, extra: list[str], rounds: int, warmup: int,
-               workdir: Path, keep_graphs: Path | None) -> dict:
+def run_layout(
+    layout: str, nproc: int, extra: list[str], rounds: int, warmup: int, workdir: Path, keep_graphs: Path | None
+) -> dict:
     args = layout_flags(layout) + extra
     samples: dict[str, list[float]] = {v: [] for v in VARIANTS}
     agreement: list[float] = []
     for r in range(rounds):
-        order = VARIANTS[r % len(VARIANTS):] + VARIANTS[: r % len(VARIANTS)]
+        order = VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]
         for variant in order:
             log = str(workdir / f"{variant}-{r}.json")
             graph = str(workdir / f"graph-{variant}-{r}")
@@ -102,9 +114,12 @@ def run_layout(layout: str, nproc: int, extra: list[str], rounds: int, warmup: i
                 sys.exit(f"{layout} {variant} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
             printed = [row["iter_time_ms"] for row in json.loads(Path(log).read_text())]
             samples[variant] += steady(printed, warmup)
-            print(f"  {layout:>12} {variant:>9} round {r}: median "
-                  f"{statistics.median(steady(printed, warmup)):.2f} ms "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(
+                f"  {layout:>12} {variant:>9} round {r}: median "
+                f"{statistics.median(steady(printed, warmup)):.2f} ms "
+                f"({time.perf_counter() - t0:.0f} s)",
+                flush=True,
+            )
             if variant in RECORDED:
                 # Iteration i of the graph spans optimizer step i-1 to step i; the program's
                 # printed time i covers the same work (iteration 0 also holds set-up).
@@ -154,26 +169,34 @@ def markdown(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--layout", action="append", required=True,
-                        help="e.g. tp=2 or pp=2,vpp=2; repeat for several layouts")
+    parser.add_argument(
+        "--layout", action="append", required=True, help="e.g. tp=2 or pp=2,vpp=2; repeat for several layouts"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--md", help="write the markdown table here")
-    parser.add_argument("--keep-graphs", type=Path,
-                        help="keep the last recorded graph of each layout in this directory")
-    parser.add_argument("gpt3d_args", nargs=argparse.REMAINDER,
-                        help="after --: arguments for examples/gpt3d.py (sizes, --iters)")
+    parser.add_argument(
+        "--keep-graphs", type=Path, help="keep the last recorded graph of each layout in this directory"
+    )
+    parser.add_argument(
+        "gpt3d_args", nargs=argparse.REMAINDER, help="after --: arguments for examples/gpt3d.py (sizes, --iters)"
+    )
     opts = parser.parse_args()
     extra = [a for a in opts.gpt3d_args if a != "--"]
-    result = {"benchmark": "tracing_overhead", "machine": machine(),
-              "date": time.strftime("%Y-%m-%d"), "warmup": opts.warmup, "rounds": opts.rounds,
-              "layouts": []}
+    result = {
+        "benchmark": "tracing_overhead",
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%d"),
+        "warmup": opts.warmup,
+        "rounds": opts.rounds,
+        "layouts": [],
+    }
     with tempfile.TemporaryDirectory(prefix="prism-overhead-") as tmp:
         for layout in opts.layout:
             result["layouts"].append(
-                run_layout(layout, opts.nproc, extra, opts.rounds, opts.warmup, Path(tmp),
-                           opts.keep_graphs))
+                run_layout(layout, opts.nproc, extra, opts.rounds, opts.warmup, Path(tmp), opts.keep_graphs)
+            )
             # Written after every layout, so a run cut short keeps what it measured.
             table = markdown(result)
             if opts.json:

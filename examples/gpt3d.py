@@ -25,6 +25,7 @@ Every layout starts from the same weights (each full tensor is drawn from a gene
 the parameter's name, then sliced) and sees the same global batch, so in fp32 the loss curve of
 any layout matches the single-process run to float tolerance.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -95,16 +96,33 @@ def parse_args(argv: list[str] | None = None) -> Config:
             p.add_argument(flag, action="store_true", help=meta["help"])
         else:
             kind = {"int": int, "float": float}.get(f.type, str)
-            p.add_argument(flag, type=kind, default=f.default, choices=meta["choices"],
-                           help=f"{meta['help']} (default: %(default)s)")
+            p.add_argument(
+                flag,
+                type=kind,
+                default=f.default,
+                choices=meta["choices"],
+                help=f"{meta['help']} (default: %(default)s)",
+            )
     return Config(**vars(p.parse_args(argv)))
 
 
 def layout_error(cfg: Config, world: int) -> str | None:
     """Everything that would make the layout impossible, checked before any communication."""
     tp, pp, vpp, ep, E = cfg.tp, cfg.pp, cfg.vpp, cfg.ep, cfg.num_experts
-    for name in ("tp", "pp", "vpp", "ep", "layers", "hidden", "heads", "vocab", "seq",
-                 "micro_batch", "global_batch", "topk"):
+    for name in (
+        "tp",
+        "pp",
+        "vpp",
+        "ep",
+        "layers",
+        "hidden",
+        "heads",
+        "vocab",
+        "seq",
+        "micro_batch",
+        "global_batch",
+        "topk",
+    ):
         if getattr(cfg, name) < 1:
             return f"--{name.replace('_', '-')} must be >= 1"
     if cfg.iters < 0 or E < 0 or cfg.ffn_hidden < 0 or cfg.clip_grad < 0 or cfg.bucket_mb <= 0:
@@ -126,8 +144,10 @@ def layout_error(cfg: Config, world: int) -> str | None:
     if cfg.sp and cfg.seq % tp:
         return f"--seq {cfg.seq} is not divisible by --tp {tp} (--sp needs seq % tp == 0)"
     if cfg.global_batch % (cfg.micro_batch * dp):
-        return (f"--global-batch {cfg.global_batch} is not divisible by --micro-batch {cfg.micro_batch}"
-                f" * dp {dp} (need global_batch % (micro_batch*dp) == 0)")
+        return (
+            f"--global-batch {cfg.global_batch} is not divisible by --micro-batch {cfg.micro_batch}"
+            f" * dp {dp} (need global_batch % (micro_batch*dp) == 0)"
+        )
     num_mb = cfg.global_batch // (cfg.micro_batch * dp)
     if ep > 1 and E == 0:
         return f"--ep {ep} requires --num-experts > 0"
@@ -140,8 +160,10 @@ def layout_error(cfg: Config, world: int) -> str | None:
     if vpp > 1 and pp == 1:
         return f"--vpp {vpp} requires --pp > 1"
     if vpp > 1 and num_mb % pp:
-        return (f"--vpp {vpp} needs the number of micro-batches ({num_mb}) to be divisible by --pp {pp}"
-                " (need num_micro_batches % pp == 0)")
+        return (
+            f"--vpp {vpp} needs the number of micro-batches ({num_mb}) to be divisible by --pp {pp}"
+            " (need num_micro_batches % pp == 0)"
+        )
     return None
 
 
@@ -163,6 +185,7 @@ class Parallel:
     i.e. rank = (pp_rank * dp + dp_rank) * tp + tp_rank. The EP group is carved out of DP:
     dp_rank = edp_rank * ep + ep_rank, so EP peers are adjacent DP ranks.
     """
+
     world: int
     rank: int
     tp: int
@@ -180,8 +203,8 @@ class Parallel:
     pp_group: object = None
     ep_group: object = None
     edp_group: object = None
-    pp_ranks: tuple[int, ...] = ()   # global ranks of my pipeline, stage order
-    tp_src: int = 0                  # global rank of TP rank 0 in my TP group
+    pp_ranks: tuple[int, ...] = ()  # global ranks of my pipeline, stage order
+    tp_src: int = 0  # global rank of TP rank 0 in my TP group
 
     @property
     def first_stage(self) -> bool:
@@ -197,8 +220,9 @@ def build_parallel(cfg: Config, world: int, rank: int) -> Parallel:
     dp = world // (tp * pp)
     edp = dp // ep
     tp_rank, dp_rank, pp_rank = rank % tp, (rank // tp) % dp, rank // (tp * dp)
-    par = Parallel(world, rank, tp, pp, dp, ep, edp, tp_rank, pp_rank, dp_rank,
-                   ep_rank=dp_rank % ep, edp_rank=dp_rank // ep)
+    par = Parallel(
+        world, rank, tp, pp, dp, ep, edp, tp_rank, pp_rank, dp_rank, ep_rank=dp_rank % ep, edp_rank=dp_rank // ep
+    )
 
     def g(p: int, d: int, t: int) -> int:
         return (p * dp + d) * tp + t
@@ -310,12 +334,12 @@ class TPRegion:
     def __init__(self, par: Parallel, sp: bool):
         self.group, self.size, self.rank, self.sp = par.tp_group, par.tp, par.tp_rank, sp
 
-    def enter(self, x: torch.Tensor) -> torch.Tensor:      # before a column-parallel linear
+    def enter(self, x: torch.Tensor) -> torch.Tensor:  # before a column-parallel linear
         if self.size == 1:
             return x
         return _GatherFromSP.apply(x, self.group, self.size) if self.sp else _CopyToTP.apply(x, self.group)
 
-    def exit(self, x: torch.Tensor) -> torch.Tensor:       # after a row-parallel linear
+    def exit(self, x: torch.Tensor) -> torch.Tensor:  # after a row-parallel linear
         if self.size == 1:
             return x
         return _ScatterToSP.apply(x, self.group, self.size) if self.sp else _ReduceFromTP.apply(x, self.group)
@@ -383,25 +407,26 @@ class Builder:
     def const(self, shape: tuple[int, ...], value: float, **flags) -> nn.Parameter:
         return self._param(torch.full(shape, value), **flags)
 
-    def _param(self, w: torch.Tensor, sp_grad: bool = False, expert: bool = False,
-               tp_sharded: bool = False) -> nn.Parameter:
+    def _param(
+        self, w: torch.Tensor, sp_grad: bool = False, expert: bool = False, tp_sharded: bool = False
+    ) -> nn.Parameter:
         p = nn.Parameter(w.to(self.device, self.dtype).contiguous())
-        p.tp_duplicate = self.par.tp > 1 and not tp_sharded   # same tensor on every TP rank
+        p.tp_duplicate = self.par.tp > 1 and not tp_sharded  # same tensor on every TP rank
         # sp_grad: replicated over TP but, under sequence parallelism, each TP rank only sees its
         # slice of the tokens, so the gradient must be summed over TP (Megatron's layernorm grads).
         p.sp_grad = sp_grad and self.cfg.sp and self.par.tp > 1
-        p.expert = expert    # reduced over the expert-data-parallel group instead of DP
+        p.expert = expert  # reduced over the expert-data-parallel group instead of DP
         return p
 
     def rows(self, n: int):
         """Shard along dim 0 (column-parallel weight, vocab-parallel embedding)."""
         r, t = self.par.tp_rank, self.par.tp
-        return lambda w: w[r * n // t:(r + 1) * n // t]
+        return lambda w: w[r * n // t : (r + 1) * n // t]
 
     def cols(self, n: int):
         """Shard along dim 1 (row-parallel weight)."""
         r, t = self.par.tp_rank, self.par.tp
-        return lambda w: w[:, r * n // t:(r + 1) * n // t]
+        return lambda w: w[:, r * n // t : (r + 1) * n // t]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,17 +452,17 @@ class Attention(nn.Module):
         nl = self.local_heads
 
         def qkv_shard(w):  # full [3*H, H] = [3, heads, head_dim, H]; keep my heads of q, k and v
-            return w.view(3, nh, H // nh, H)[:, r * nl:(r + 1) * nl].reshape(3 * nl * (H // nh), H)
+            return w.view(3, nh, H // nh, H)[:, r * nl : (r + 1) * nl].reshape(3 * nl * (H // nh), H)
 
-        self.qkv = b.normal(f"{name}.qkv.weight", (3 * H, H), 0.02, qkv_shard)          # column-parallel
-        out_std = 0.02 / (2 * cfg.layers) ** 0.5                                         # Megatron scaled init
-        self.proj = b.normal(f"{name}.proj.weight", (H, H), out_std, b.cols(H))          # row-parallel
+        self.qkv = b.normal(f"{name}.qkv.weight", (3 * H, H), 0.02, qkv_shard)  # column-parallel
+        out_std = 0.02 / (2 * cfg.layers) ** 0.5  # Megatron scaled init
+        self.proj = b.normal(f"{name}.proj.weight", (H, H), out_std, b.cols(H))  # row-parallel
 
     def forward(self, x):
-        qkv = F.linear(self.tpr.enter(x), self.qkv)                       # [s, b, 3 * local_heads * hd]
+        qkv = F.linear(self.tpr.enter(x), self.qkv)  # [s, b, 3 * local_heads * hd]
         s, bsz = qkv.shape[:2]
         q, k, v = qkv.view(s, bsz, 3, self.local_heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)       # [b, heads, s, hd]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, hd]
         o = o.permute(2, 0, 1, 3).reshape(s, bsz, self.local_heads * self.head_dim)
         return self.tpr.exit(F.linear(o, self.proj))
 
@@ -447,7 +472,7 @@ class MLP(nn.Module):
         super().__init__()
         H, Fh, L = b.cfg.hidden, b.cfg.ffn_hidden or 4 * b.cfg.hidden, b.cfg.layers
         self.tpr = b.tpr
-        self.fc1 = b.normal(f"{name}.fc1.weight", (Fh, H), 0.02, b.rows(Fh))                   # column-parallel
+        self.fc1 = b.normal(f"{name}.fc1.weight", (Fh, H), 0.02, b.rows(Fh))  # column-parallel
         self.fc2 = b.normal(f"{name}.fc2.weight", (H, Fh), 0.02 / (2 * L) ** 0.5, b.cols(Fh))  # row-parallel
 
     def forward(self, x):
@@ -489,32 +514,32 @@ class MoE(nn.Module):
         self.local = self.E // self.ep
         first = self.ep_rank * self.local
         self.router = b.normal(f"{name}.router.weight", (self.E, H), 0.02, sp_grad=True)
-        mine = range(first, first + self.local)    # only this EP rank's experts are drawn
+        mine = range(first, first + self.local)  # only this EP rank's experts are drawn
         w1 = [b.draw(f"{name}.experts.{e}.fc1.weight", (Fh, H), 0.02) for e in mine]
         w2 = [b.draw(f"{name}.experts.{e}.fc2.weight", (H, Fh), 0.02 / (2 * L) ** 0.5) for e in mine]
-        self.w1 = b._param(torch.stack(w1), sp_grad=True, expert=True)     # [local experts, F, H]
-        self.w2 = b._param(torch.stack(w2), sp_grad=True, expert=True)     # [local experts, H, F]
+        self.w1 = b._param(torch.stack(w1), sp_grad=True, expert=True)  # [local experts, F, H]
+        self.w2 = b._param(torch.stack(w2), sp_grad=True, expert=True)  # [local experts, H, F]
 
     def forward(self, x):
         s, bsz, H = x.shape
         tokens = x.reshape(-1, H)
         T, K = tokens.shape[0], self.K
-        logits = F.linear(tokens.float(), self.router.float())                  # router in fp32
+        logits = F.linear(tokens.float(), self.router.float())  # router in fp32
         top_logits, top_idx = logits.topk(K, dim=-1)
-        weights = top_logits.softmax(dim=-1).to(x.dtype)                        # [T, K]
+        weights = top_logits.softmax(dim=-1).to(x.dtype)  # [T, K]
         # Permute token copies so that they are grouped by expert (stable sort: deterministic).
         flat_idx = top_idx.reshape(-1)
         order = torch.argsort(flat_idx, stable=True)
         permuted = tokens.unsqueeze(1).expand(T, K, H).reshape(T * K, H).index_select(0, order)
-        counts = torch.bincount(flat_idx, minlength=self.E)                     # tokens per expert
+        counts = torch.bincount(flat_idx, minlength=self.E)  # tokens per expert
         expert_in, expert_counts, undo = self.dispatch(permuted, counts)
         outs, offset = [], 0
-        for e, n in enumerate(expert_counts):                                   # zero-row slices still
-            xe = expert_in[offset:offset + n]                                   # join the graph, so every
+        for e, n in enumerate(expert_counts):  # zero-row slices still
+            xe = expert_in[offset : offset + n]  # join the graph, so every
             outs.append(F.linear(F.gelu(F.linear(xe, self.w1[e])), self.w2[e]))  # expert gets a grad
             offset += n
         combined = undo(torch.cat(outs))
-        unpermuted = combined.index_select(0, torch.argsort(order))             # back to (token, k) order
+        unpermuted = combined.index_select(0, torch.argsort(order))  # back to (token, k) order
         out = (unpermuted.view(T, K, H) * weights.unsqueeze(-1)).sum(dim=1)
         return out.view(s, bsz, H)
 
@@ -524,17 +549,17 @@ class MoE(nn.Module):
         if self.ep == 1:
             return permuted, counts.tolist(), lambda y: y
         all_counts = counts.new_empty(self.ep * self.E)
-        dist.all_gather_into_tensor(all_counts, counts, group=self.group)       # every rank knows all counts
-        c = all_counts.view(self.ep, self.E).tolist()                           # c[src][expert]
+        dist.all_gather_into_tensor(all_counts, counts, group=self.group)  # every rank knows all counts
+        c = all_counts.view(self.ep, self.E).tolist()  # c[src][expert]
         L, me = self.local, self.ep_rank
-        in_splits = [sum(c[me][j * L:(j + 1) * L]) for j in range(self.ep)]
-        out_splits = [sum(c[j][me * L:(me + 1) * L]) for j in range(self.ep)]
+        in_splits = [sum(c[me][j * L : (j + 1) * L]) for j in range(self.ep)]
+        out_splits = [sum(c[j][me * L : (me + 1) * L]) for j in range(self.ep)]
         received = _AllToAll.apply(permuted, out_splits, in_splits, self.group)  # source-major
         # Regroup the received [source][local expert] blocks into [local expert][source] order:
         # idx[i] = start of i's block in the received tensor + i's offset inside its block.
-        n = torch.tensor([row[me * L:(me + 1) * L] for row in c], dtype=torch.long)   # [ep, L]
+        n = torch.tensor([row[me * L : (me + 1) * L] for row in c], dtype=torch.long)  # [ep, L]
         src_starts = (n.reshape(-1).cumsum(0) - n.reshape(-1)).view(self.ep, L)
-        sizes, starts = n.t().reshape(-1), src_starts.t().reshape(-1)                 # expert-major
+        sizes, starts = n.t().reshape(-1), src_starts.t().reshape(-1)  # expert-major
         dst_starts = sizes.cumsum(0) - sizes
         idx = torch.repeat_interleave(starts - dst_starts, sizes) + torch.arange(int(sizes.sum()))
         idx = idx.to(permuted.device)
@@ -542,7 +567,7 @@ class MoE(nn.Module):
 
         def undo(y: torch.Tensor) -> torch.Tensor:
             source_major = y.index_select(0, torch.argsort(idx))
-            return _AllToAll.apply(source_major, in_splits, out_splits, self.group)   # combine
+            return _AllToAll.apply(source_major, in_splits, out_splits, self.group)  # combine
 
         return received.index_select(0, idx), expert_counts, undo
 
@@ -570,18 +595,18 @@ class Embedding(nn.Module):
         self.word = b.normal("embedding.word.weight", (cfg.vocab, cfg.hidden), 0.02, b.rows(cfg.vocab))
         self.position = b.normal("embedding.position.weight", (cfg.seq, cfg.hidden), 0.02, sp_grad=True)
 
-    def forward(self, tokens):                                      # tokens [b, s] -> [s(/tp), b, H]
+    def forward(self, tokens):  # tokens [b, s] -> [s(/tp), b, H]
         ids = tokens.t()
         if self.tpr.size == 1:
             return F.embedding(ids, self.word) + self.position.unsqueeze(1)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.vocab_local)
         emb = F.embedding((ids - self.vocab_start).masked_fill(outside, 0), self.word)
-        emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)           # other ranks own these rows
-        emb = self.tpr.exit(emb)                                    # all-reduce (or reduce-scatter with SP)
+        emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)  # other ranks own these rows
+        emb = self.tpr.exit(emb)  # all-reduce (or reduce-scatter with SP)
         pos = self.position
         if self.tpr.sp:
             n = pos.shape[0] // self.tpr.size
-            pos = pos[self.tpr.rank * n:(self.tpr.rank + 1) * n]
+            pos = pos[self.tpr.rank * n : (self.tpr.rank + 1) * n]
         return emb + pos.unsqueeze(1)
 
 
@@ -595,10 +620,11 @@ class Head(nn.Module):
         self.norm = LayerNorm(b, cfg.hidden)
         self.output = b.normal("output.weight", (cfg.vocab, cfg.hidden), 0.02, b.rows(cfg.vocab))
 
-    def forward(self, x, labels):                                   # -> mean token loss
+    def forward(self, x, labels):  # -> mean token loss
         logits = F.linear(self.tpr.enter(self.norm(x)), self.output).float()
-        loss = _VocabParallelCrossEntropy.apply(logits, labels.t().contiguous(), self.tpr.group,
-                                                self.tpr.size, self.vocab_start)
+        loss = _VocabParallelCrossEntropy.apply(
+            logits, labels.t().contiguous(), self.tpr.group, self.tpr.size, self.vocab_start
+        )
         return loss.mean()
 
 
@@ -639,7 +665,7 @@ class Bucket:
         self.grad_data = torch.zeros(padded, dtype=torch.float32, device=device)
         self.param_data = torch.zeros(padded, dtype=dtype, device=device)
         offset = 0
-        self.norm_ranges: list[list[int]] = []   # flat ranges this rank counts in the grad norm
+        self.norm_ranges: list[list[int]] = []  # flat ranges this rank counts in the grad norm
         for p in params:
             n = p.numel()
             if not p.tp_duplicate or tp_rank == 0:
@@ -647,13 +673,13 @@ class Bucket:
                     self.norm_ranges[-1][1] = offset + n
                 else:
                     self.norm_ranges.append([offset, offset + n])
-            self.param_data[offset:offset + n].copy_(p.detach().reshape(-1))
-            p.data = self.param_data[offset:offset + n].view_as(p)
-            p.main_grad = self.grad_data[offset:offset + n].view_as(p)
+            self.param_data[offset : offset + n].copy_(p.detach().reshape(-1))
+            p.data = self.param_data[offset : offset + n].view_as(p)
+            p.main_grad = self.grad_data[offset : offset + n].view_as(p)
             offset += n
         shard = padded // size
         self.shard = slice(rank * shard, (rank + 1) * shard)
-        self.ready = 0                # parameters whose last-micro-batch gradient has arrived
+        self.ready = 0  # parameters whose last-micro-batch gradient has arrived
         self.launched = False
         self.work = None
         self.shard_grad = None
@@ -672,9 +698,11 @@ class GradSync:
         self.buckets: list[Bucket] = []
         self.bucket_of: dict[int, Bucket] = {}
         limit = max(1, int(cfg.bucket_mb * 1e6 / 4))
-        params = list(reversed(list(chunk.parameters())))       # backward visits them roughly in reverse
-        for expert, group, size, rank in ((False, par.dp_group, par.dp, par.dp_rank),
-                                          (True, par.edp_group, par.edp, par.edp_rank)):
+        params = list(reversed(list(chunk.parameters())))  # backward visits them roughly in reverse
+        for expert, group, size, rank in (
+            (False, par.dp_group, par.dp, par.dp_rank),
+            (True, par.edp_group, par.edp, par.edp_rank),
+        ):
             run, n = [], 0
             for p in (q for q in params if q.expert == expert):
                 run.append(p)
@@ -713,7 +741,7 @@ class GradSync:
 
     def finish(self) -> None:
         for b in self.buckets:
-            if not b.launched:        # a parameter without gradient this iteration: launch anyway
+            if not b.launched:  # a parameter without gradient this iteration: launch anyway
                 self._launch(b)
         for b in self.buckets:
             if b.work is not None:
@@ -823,7 +851,7 @@ def allreduce_sp_grads(syncs: list[GradSync], par: Parallel) -> None:
     dist.all_reduce(flat, group=par.tp_group)
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -877,13 +905,22 @@ class Pipeline:
     sends and receives exactly as Megatron's p2p_communication does, so no rank ever waits on a
     message its peer has not posted yet in its own program order."""
 
-    def __init__(self, cfg: Config, par: Parallel, chunks: list[ModelChunk], syncs: list[GradSync],
-                 data: SyntheticData, num_mb: int, device, dtype):
+    def __init__(
+        self,
+        cfg: Config,
+        par: Parallel,
+        chunks: list[ModelChunk],
+        syncs: list[GradSync],
+        data: SyntheticData,
+        num_mb: int,
+        device,
+        dtype,
+    ):
         self.cfg, self.par, self.chunks, self.syncs, self.data = cfg, par, chunks, syncs, data
         self.M, self.device, self.dtype = num_mb, device, dtype
         seq = cfg.seq // par.tp if cfg.sp else cfg.seq
         self.shape = (seq, cfg.micro_batch, cfg.hidden)
-        self.next = par.pp_ranks[(par.pp_rank + 1) % par.pp]   # wraps around: interleaving needs it
+        self.next = par.pp_ranks[(par.pp_rank + 1) % par.pp]  # wraps around: interleaving needs it
         self.prev = par.pp_ranks[(par.pp_rank - 1) % par.pp]
 
     # -- point to point ------------------------------------------------------------------------
@@ -920,12 +957,12 @@ class Pipeline:
         out = chunk(x, tokens, labels)
         if chunk.head is not None:
             self.losses.append(out.detach())
-            out = out / self.M            # mean over micro-batches
+            out = out / self.M  # mean over micro-batches
         return out
 
     def backward(self, c: int, mb: int, x, y, dy):
         if mb == self.M - 1:
-            self.syncs[c].sync_enabled = True   # DP reduction overlaps the last backward only
+            self.syncs[c].sync_enabled = True  # DP reduction overlaps the last backward only
         torch.autograd.backward(y, grad_tensors=dy)
         return x.grad if x is not None else None
 
@@ -970,7 +1007,7 @@ class Pipeline:
                     self.comm(send_prev=dx)
             else:
                 x = None if first else self.comm(send_prev=dx, recv_prev=True)[0]
-        for i in range(warmup):                      # cooldown
+        for i in range(warmup):  # cooldown
             dy = None if last else self.comm(recv_next=True)[1]
             dx = self.backward(0, remaining + i, inputs.popleft(), outputs.popleft(), dy)
             if not first:
@@ -984,7 +1021,7 @@ class Pipeline:
         par, M, pp, vpp = self.par, self.M, self.par.pp, self.cfg.vpp
         first, last = par.first_stage, par.last_stage
         total = M * vpp
-        if M == pp:   # Megatron: with one group of micro-batches, run all forwards first
+        if M == pp:  # Megatron: with one group of micro-batches, run all forwards first
             warmup, all_warmup = total, True
         else:
             warmup, all_warmup = min((pp - par.pp_rank - 1) * 2 + (vpp - 1) * pp, total), False
@@ -993,7 +1030,7 @@ class Pipeline:
         outputs = [[] for _ in range(vpp)]
         out_grads = [[] for _ in range(vpp)]
 
-        def chunk_of(k: int, forward: bool) -> int:   # k-th forward/backward of this stage
+        def chunk_of(k: int, forward: bool) -> int:  # k-th forward/backward of this stage
             c = (k % (pp * vpp)) // pp
             return c if forward else vpp - 1 - c
 
@@ -1027,7 +1064,7 @@ class Pipeline:
             next_c = chunk_of(k + 1, True)
             recv_prev = not (first and next_c == 0) and k != total - 1
             if last_virtual(chunk_of(k, True)):
-                y = None                               # the loss is not sent anywhere
+                y = None  # the loss is not sent anywhere
             if k == warmup - 1 and not all_warmup:
                 recv_next = not last
                 x, dy = self.comm(send_next=y, recv_prev=recv_prev, recv_next=recv_next)
@@ -1037,7 +1074,7 @@ class Pipeline:
                 x, _ = self.comm(send_next=y, recv_prev=recv_prev)
             if recv_prev:
                 inputs[next_c].append(x)
-        for k in range(remaining):                     # steady state: one forward, one backward
+        for k in range(remaining):  # steady state: one forward, one backward
             fk, bk = k + warmup, k
             y = forward_k(fk)
             dx = backward_k(bk)
@@ -1070,7 +1107,7 @@ class Pipeline:
                 out_grads[next_bc].append(dy)
         if all_warmup:
             out_grads[vpp - 1].append(None if last else self.comm(recv_next=True)[1])
-        for k in range(remaining, total):              # cooldown
+        for k in range(remaining, total):  # cooldown
             dx = backward_k(k)
             if first_virtual(chunk_of(k, False)):
                 dx = None
@@ -1104,8 +1141,15 @@ def save_params(directory: str, rank: int, chunks: list[nn.Module]) -> None:
             for name, p in chunk.named_parameters():
                 raw = p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
                 f.write(raw)
-                index.append({"name": f"{c}.{name}", "dtype": str(p.dtype).removeprefix("torch."),
-                              "shape": list(p.shape), "offset": off, "nbytes": len(raw)})
+                index.append(
+                    {
+                        "name": f"{c}.{name}",
+                        "dtype": str(p.dtype).removeprefix("torch."),
+                        "shape": list(p.shape),
+                        "offset": off,
+                        "nbytes": len(raw),
+                    }
+                )
                 off += len(raw)
     with open(os.path.join(directory, f"rank-{rank}.json"), "w") as f:
         json.dump(index, f, indent=1)
@@ -1144,17 +1188,20 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = MegatronOptimizer(cfg, syncs, dtype)
     pipeline = Pipeline(cfg, par, chunks, syncs, SyntheticData(cfg, par, num_mb, device), num_mb, device, dtype)
 
-    reporter = rank == world - 1           # last rank, on the last pipeline stage
+    reporter = rank == world - 1  # last rank, on the last pipeline stage
     cuda = device.type == "cuda"
     if reporter:
-        print(f"gpt3d: world {world} | tp {par.tp} pp {par.pp} vpp {cfg.vpp} dp {par.dp} ep {par.ep}"
-              f" | layers {cfg.layers} hidden {cfg.hidden} heads {cfg.heads}"
-              f" ffn {cfg.ffn_hidden or 4 * cfg.hidden} vocab {cfg.vocab} seq {cfg.seq}"
-              f" | experts {cfg.num_experts} topk {cfg.topk if cfg.num_experts else 0}"
-              f" | micro-batch {cfg.micro_batch} global-batch {cfg.global_batch} micro-batches {num_mb}"
-              f" | sp {int(cfg.sp)} recompute {int(cfg.recompute)} dist-opt {int(cfg.dist_opt)}"
-              f" clip-grad {cfg.clip_grad:g}"
-              f" | {device.type} {cfg.dtype}", flush=True)
+        print(
+            f"gpt3d: world {world} | tp {par.tp} pp {par.pp} vpp {cfg.vpp} dp {par.dp} ep {par.ep}"
+            f" | layers {cfg.layers} hidden {cfg.hidden} heads {cfg.heads}"
+            f" ffn {cfg.ffn_hidden or 4 * cfg.hidden} vocab {cfg.vocab} seq {cfg.seq}"
+            f" | experts {cfg.num_experts} topk {cfg.topk if cfg.num_experts else 0}"
+            f" | micro-batch {cfg.micro_batch} global-batch {cfg.global_batch} micro-batches {num_mb}"
+            f" | sp {int(cfg.sp)} recompute {int(cfg.recompute)} dist-opt {int(cfg.dist_opt)}"
+            f" clip-grad {cfg.clip_grad:g}"
+            f" | {device.type} {cfg.dtype}",
+            flush=True,
+        )
     log = []
     for it in range(1, cfg.iters + 1):
         if cuda:
@@ -1180,10 +1227,12 @@ def main(argv: list[str] | None = None) -> int:
             value = float(loss)
             mem = torch.cuda.max_memory_allocated() if cuda else None
             mem_s = f"{mem / 1e6:.2f} MB" if cuda else "n/a"
-            print(f"iteration {it}/{cfg.iters} | loss {value:.6f} | iter time {ms:.2f} ms | max mem {mem_s}",
-                  flush=True)
-            log.append({"iteration": it, "loss": value, "iter_time_ms": ms, "max_mem_bytes": mem,
-                        "grad_norm": grad_norm})
+            print(
+                f"iteration {it}/{cfg.iters} | loss {value:.6f} | iter time {ms:.2f} ms | max mem {mem_s}", flush=True
+            )
+            log.append(
+                {"iteration": it, "loss": value, "iter_time_ms": ms, "max_mem_bytes": mem, "grad_norm": grad_norm}
+            )
     if reporter and cfg.json_log:
         with open(cfg.json_log, "w") as f:
             json.dump(log, f, indent=1)

@@ -4,14 +4,16 @@ digests of files."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
-def write_dir_atomically(path: str | os.PathLike, marker: str, fill: Callable[[Path], None],
-                         refuse: Callable[[str], Exception], what: str) -> Path:
+def write_dir_atomically(
+    path: str | os.PathLike, marker: str, fill: Callable[[Path], None], refuse: Callable[[str], Exception], what: str
+) -> Path:
     """Fill a temp directory beside ``path`` with ``fill(tmp)``, then rename it into place.
 
     An existing directory is replaced only when it holds ``marker`` (one of ours: a graph's
@@ -22,8 +24,10 @@ def write_dir_atomically(path: str | os.PathLike, marker: str, fill: Callable[[P
         if not path.is_dir():
             raise refuse(f"cannot write {what} to {path}: a file is in the way")
         if any(path.iterdir()) and not (path / marker).exists():
-            raise refuse(f"cannot write {what} to {path}: the directory is not empty and holds no {what}; "
-                         f"choose another path or remove it")
+            raise refuse(
+                f"cannot write {what} to {path}: the directory is not empty and holds no {what}; "
+                f"choose another path or remove it"
+            )
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -42,6 +46,31 @@ def write_dir_atomically(path: str | os.PathLike, marker: str, fill: Callable[[P
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
+
+
+def write_file_atomically(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to a temp file beside ``path``, then rename it into place: a reader never
+    sees half a file, a crash never leaves one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def read_json(path: str | os.PathLike) -> dict | None:
+    """A JSON object from a file, or None where there is none (missing, unreadable, not an object)."""
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return d if isinstance(d, dict) else None
 
 
 def sha256_file(path: str | os.PathLike) -> str:

@@ -55,24 +55,30 @@ def gpt3d_recording(tmp_path_factory):
     [--save-params DIR]``, run once per session for each distinct command."""
     done: dict[tuple, Recording | str] = {}
 
-    def record(nproc: int, args: list[str], *, save_tensors: str | None = None, save_params: bool = False,
-               timeout: float = 300) -> Recording:
+    def record(
+        nproc: int, args: list[str], *, save_tensors: str | None = None, save_params: bool = False, timeout: float = 300
+    ) -> Recording:
         key = (int(nproc), tuple(args), save_tensors, bool(save_params))
         if key not in done:
             base = tmp_path_factory.mktemp("gpt3d-recording")
-            rec = Recording(out=base / "rec", log_path=base / "rec.json",
-                            params=base / "params" if save_params else None)
+            rec = Recording(
+                out=base / "rec", log_path=base / "rec.json", params=base / "params" if save_params else None
+            )
             cmd = [PRISM, "record", "--nproc", str(nproc), "--devices", "cpu", "--out", str(rec.out)]
             if save_tensors:
                 cmd += ["--save-tensors", save_tensors]
             cmd += ["--timeout", str(timeout), "--", GPT3D, *args, "--json-log", str(rec.log_path)]
             if rec.params is not None:
                 cmd += ["--save-params", str(rec.params)]
-            p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                               timeout=timeout + 120)
+            p = subprocess.run(
+                cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout + 120
+            )
             # a failed recording fails every test that needs it, without running it again
-            done[key] = rec if p.returncode == 0 else (
-                f"{' '.join(cmd)} exited with {p.returncode}:\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
+            done[key] = (
+                rec
+                if p.returncode == 0
+                else (f"{' '.join(cmd)} exited with {p.returncode}:\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
+            )
         rec = done[key]
         if isinstance(rec, str):
             pytest.fail(rec)

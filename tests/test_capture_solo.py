@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import json
 import os
 import subprocess
@@ -24,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from prismllm.capture.layout import Layout, replica_plan
 from prismllm.capture.solo import STATE_FILE, CaptureOptions, capture
 from prismllm.cli import main as climain
 from prismllm.errors import PrismError
+from prismllm.layout import Layout, replica_plan
 from prismllm.trace import PrismTrace, compare_traces, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,8 +123,17 @@ def fake(tmp_path):
 
     def opts(out, world, args=(), *, env=None, **kw):
         e = {"PYTHONPATH": pythonpath, "FAKE_RUN_LOG": str(runlog), **(env or {})}
-        return CaptureOptions(world=world, out=out, script=str(script), args=[str(a) for a in args],
-                              runner="fake_solo", env=e, device="cpu", sink=lambda *a: None, **kw)
+        return CaptureOptions(
+            world=world,
+            out=out,
+            script=str(script),
+            args=[str(a) for a in args],
+            runner="fake_solo",
+            env=e,
+            device="cpu",
+            sink=lambda *a: None,
+            **kw,
+        )
 
     def ran() -> list[int]:
         return [int(x) for x in runlog.read_text().split()] if runlog.exists() else []
@@ -225,8 +233,7 @@ def test_all_to_all_splits_reconciled_senders_win(fake, tmp_path):
     args = ["--tp", 2, "--pp", 2, "--ep", 2]
     truth = capture(opts(tmp_path / "truth", 16, args, devices=4, layout="tp=2,pp=2,ep=2"))
     assert truth.manifest["capture"]["all_to_all_reconciled"] == 0
-    bad = capture(opts(tmp_path / "bad", 16, args, devices=4, layout="tp=2,pp=2,ep=2",
-                       env={"FAKE_BAD_SPLITS": "1"}))
+    bad = capture(opts(tmp_path / "bad", 16, args, devices=4, layout="tp=2,pp=2,ep=2", env={"FAKE_BAD_SPLITS": "1"}))
     assert bad.manifest["capture"]["all_to_all_reconciled"] > 0
     a, b = PrismTrace.load(tmp_path / "truth"), PrismTrace.load(tmp_path / "bad")
     validate(b)
@@ -273,7 +280,7 @@ def test_failure_names_rank_keeps_spool_and_resume_skips_done(fake, tmp_path):
     # the same command resumes: only the unfinished representatives run
     res = capture(opts(out, 8, args, devices=2, layout="tp=2,pp=2"))
     todo = sorted(set([0, 1, 4, 5]) - set(state["done"]))
-    assert sorted(ran()[len(first):]) == todo
+    assert sorted(ran()[len(first) :]) == todo
     assert res.ranks_run == len(todo) and res.ranks_resumed == 4 - len(todo)
     assert res.manifest["capture"]["runs"] == 2
     validate(PrismTrace.load(out))
@@ -315,11 +322,33 @@ def test_bad_inputs(fake, tmp_path):
 def test_cli_capture(fake, tmp_path, monkeypatch, capsys):
     opts, script, _ = fake
     base = opts(tmp_path / "unused", 1)
-    monkeypatch.setattr("prismllm.cli.capture.CaptureOptions",
-                        functools.partial(CaptureOptions, runner=base.runner, env=base.env))
+    monkeypatch.setattr(
+        "prismllm.cli.capture.CaptureOptions", functools.partial(CaptureOptions, runner=base.runner, env=base.env)
+    )
     out = tmp_path / "cli"
-    rc = climain.main(["capture", "--mode", "solo", "--world", "8", "--devices", "2", "--device", "cpu",
-                       "--out", str(out), "--layout", "tp=2,pp=2", "--", str(script), "--tp", "2", "--pp", "2"])
+    rc = climain.main(
+        [
+            "capture",
+            "--mode",
+            "solo",
+            "--world",
+            "8",
+            "--devices",
+            "2",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--layout",
+            "tp=2,pp=2",
+            "--",
+            str(script),
+            "--tp",
+            "2",
+            "--pp",
+            "2",
+        ]
+    )
     o, e = capsys.readouterr()
     assert rc == 0, e
     assert "4 of 8 ranks run" in e and "4/4 ranks done" in e
@@ -327,13 +356,41 @@ def test_cli_capture(fake, tmp_path, monkeypatch, capsys):
     m = json.loads((out / "manifest.json").read_text())
     assert m["argv"][:2] == ["prism", "capture"] and m["capture"]["representatives"] == [0, 1, 4, 5]
     # no layout: said so
-    rc = climain.main(["capture", "--world", "4", "--devices", "4", "--device", "cpu", "--out", str(tmp_path / "nl"),
-                       "--", str(script), "--tp", "2"])
+    rc = climain.main(
+        [
+            "capture",
+            "--world",
+            "4",
+            "--devices",
+            "4",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "nl"),
+            "--",
+            str(script),
+            "--tp",
+            "2",
+        ]
+    )
     o, e = capsys.readouterr()
     assert rc == 0 and "all 4 ranks run (no --layout: no replica deduplication)" in e
     # errors: one line
-    rc = climain.main(["capture", "--world", "10", "--device", "cpu", "--out", str(tmp_path / "x"),
-                       "--layout", "tp=4", "--", str(script)])
+    rc = climain.main(
+        [
+            "capture",
+            "--world",
+            "10",
+            "--device",
+            "cpu",
+            "--out",
+            str(tmp_path / "x"),
+            "--layout",
+            "tp=4",
+            "--",
+            str(script),
+        ]
+    )
     o, e = capsys.readouterr()
     assert rc == 2 and e.strip().count("\n") == 0 and "does not divide --world 10" in e
 
@@ -356,8 +413,26 @@ def test_expansion_to_1024_ranks_is_fast(fake, tmp_path):
 
 # ---------------------------------------------------------------------- real backend
 PRISM = str(Path(sys.executable).with_name("prism"))
-GPT3D_TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
-              "--micro-batch", "1", "--global-batch", "8", "--iters", "2", "--bucket-mb", "0.01"]
+GPT3D_TINY = [
+    "--layers",
+    "4",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq",
+    "16",
+    "--vocab",
+    "128",
+    "--micro-batch",
+    "1",
+    "--global-batch",
+    "8",
+    "--iters",
+    "2",
+    "--bucket-mb",
+    "0.01",
+]
 
 
 def test_gpt3d_solo_capture_matches_record(tmp_path, gpt3d_recording):
@@ -370,9 +445,30 @@ def test_gpt3d_solo_capture_matches_record(tmp_path, gpt3d_recording):
     prog = [gpt3d, *program("tp2pp2dp2")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rec = recording(gpt3d_recording, "tp2pp2dp2").out
-    cap = subprocess.run([prism, "capture", "--mode", "solo", "--world", "8", "--devices", "2", "--device", "cpu",
-                          "--layout", "tp=2,pp=2", "--out", str(tmp_path / "cap"), "--", *prog],
-                         capture_output=True, text=True, env=env, timeout=900)
+    cap = subprocess.run(
+        [
+            prism,
+            "capture",
+            "--mode",
+            "solo",
+            "--world",
+            "8",
+            "--devices",
+            "2",
+            "--device",
+            "cpu",
+            "--layout",
+            "tp=2,pp=2",
+            "--out",
+            str(tmp_path / "cap"),
+            "--",
+            *prog,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert cap.returncode == 0, cap.stderr[-3000:]
     a, b = PrismTrace.load(rec), PrismTrace.load(tmp_path / "cap")
     res = compare_traces(a, b, timing=False)
@@ -385,17 +481,58 @@ def test_moe_solo_capture_replays_saved_tensors(tmp_path):
     run; `prism record --save-tensors all` + `prism capture --tensors` reproduce them exactly."""
     prog = [str(ROOT / "examples" / "gpt3d.py"), "--ep", "2", "--num-experts", "4", *GPT3D_TINY]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    rec = subprocess.run([PRISM, "record", "--nproc", "2", "--devices", "cpu", "--out", str(tmp_path / "rec"),
-                          "--save-tensors", "all", "--", *prog], capture_output=True, text=True, env=env,
-                         timeout=600)
+    rec = subprocess.run(
+        [
+            PRISM,
+            "record",
+            "--nproc",
+            "2",
+            "--devices",
+            "cpu",
+            "--out",
+            str(tmp_path / "rec"),
+            "--save-tensors",
+            "all",
+            "--",
+            *prog,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert rec.returncode == 0, rec.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "rec" / "tensors").iterdir()) == [
-        "rank-000000.bin", "rank-000000.idx", "rank-000001.bin", "rank-000001.idx"]
+        "rank-000000.bin",
+        "rank-000000.idx",
+        "rank-000001.bin",
+        "rank-000001.idx",
+    ]
     real = PrismTrace.load(tmp_path / "rec")
     for name, extra in (("gen", []), ("store", ["--tensors", str(tmp_path / "rec" / "tensors")])):
-        cap = subprocess.run([PRISM, "capture", "--mode", "solo", "--world", "2", "--devices", "2", "--device",
-                              "cpu", "--out", str(tmp_path / name), *extra, "--", *prog],
-                             capture_output=True, text=True, env=env, timeout=600)
+        cap = subprocess.run(
+            [
+                PRISM,
+                "capture",
+                "--mode",
+                "solo",
+                "--world",
+                "2",
+                "--devices",
+                "2",
+                "--device",
+                "cpu",
+                "--out",
+                str(tmp_path / name),
+                *extra,
+                "--",
+                *prog,
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=600,
+        )
         assert cap.returncode == 0, cap.stderr[-3000:]
         res = compare_traces(real, PrismTrace.load(tmp_path / name), timing=False)
         if name == "gen":  # generated routing counts are not the real ones
@@ -407,8 +544,19 @@ def test_moe_solo_capture_replays_saved_tensors(tmp_path):
 def test_record_save_tensors_bad_selector(tmp_path, capsys):
     script = tmp_path / "prog.py"
     script.write_text("print('never run')\n")
-    code = climain.main(["record", "--nproc", "1", "--out", str(tmp_path / "o"), "--save-tensors",
-                         "all_reduce,allreduce", "--", str(script)])
+    code = climain.main(
+        [
+            "record",
+            "--nproc",
+            "1",
+            "--out",
+            str(tmp_path / "o"),
+            "--save-tensors",
+            "all_reduce,allreduce",
+            "--",
+            str(script),
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 2 and "bad --save-tensors 'all_reduce,allreduce': unknown op(s) allreduce" in err
     assert not (tmp_path / "o").exists()
@@ -422,14 +570,20 @@ def test_tensor_store_with_expert_parallel_runs_every_rank(tmp_path):
     script = tmp_path / "prog.py"
     script.write_text("pass\n")
     (tmp_path / "store").mkdir()
-    moe = CaptureOptions(world=16, out=tmp_path / "a", script=str(script), layout="tp=2,ep=4",
-                         devices=2, device="cpu", tensors=tmp_path / "store")
+    moe = CaptureOptions(
+        world=16,
+        out=tmp_path / "a",
+        script=str(script),
+        layout="tp=2,ep=4",
+        devices=2,
+        device="cpu",
+        tensors=tmp_path / "store",
+    )
     plan, _, _ = plan_capture(moe)
     assert plan.replicas.representatives == list(range(16))
     assert "each rank replays its own recorded routing" in plan.replicas.describe()
     plan, _, _ = plan_capture(dataclasses.replace(moe, tensors=None))
-    assert len(plan.replicas.representatives) == 8 and "copy its all-to-all split sizes" in \
-        plan.replicas.describe()
+    assert len(plan.replicas.representatives) == 8 and "copy its all-to-all split sizes" in plan.replicas.describe()
     plan, _, _ = plan_capture(dataclasses.replace(moe, layout="tp=2,pp=2"))
     assert len(plan.replicas.representatives) == 4
 
@@ -440,9 +594,26 @@ def test_record_saves_inputs_at_issue(tmp_path):
     from prismllm.generate.store import TensorStore
 
     prog = [str(ROOT / "examples" / "gpt3d.py"), "--tp", "2", *GPT3D_TINY[:-4], "--iters", "1"]
-    rec = subprocess.run([PRISM, "record", "--nproc", "2", "--devices", "cpu", "--out", str(tmp_path / "rec"),
-                          "--save-tensors", "all_reduce,inputs", "--", *prog], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600)
+    rec = subprocess.run(
+        [
+            PRISM,
+            "record",
+            "--nproc",
+            "2",
+            "--devices",
+            "cpu",
+            "--out",
+            str(tmp_path / "rec"),
+            "--save-tensors",
+            "all_reduce,inputs",
+            "--",
+            *prog,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
     assert rec.returncode == 0, rec.stderr[-3000:]
     stores = [TensorStore(tmp_path / "rec" / "tensors", r) for r in (0, 1)]
     keys = [k for k in stores[0].entries if k[5] == "in"]

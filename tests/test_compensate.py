@@ -1,4 +1,4 @@
-"""Pruned collectives (prismllm.replay.compensate) run for real on gloo.
+"""Pruned collectives (prismllm.pruning) run for real on gloo.
 
 Each case forms the small communicator -- k real members + 1 proxy, one thread each with
 its own ProcessGroupGloo over a shared HashStore -- from random inputs for all n logical
@@ -21,7 +21,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import prismllm.replay.compensate as C
+import prismllm.pruning as C
+from prismllm.pruning.tensors import post_reduce, reduce
 
 # Logical groups: (n, real members) -- first, middle and last positions, several at once.
 GROUPS = [
@@ -82,10 +83,12 @@ def _pruned(p: C.Plan, inputs: list, program, scratch=None) -> tuple:
     virtual_only = [inputs[g] if not G.is_real(g) else None for g in range(G.n)]
     fns = []
     for g in G.real:
+
         def sb(pg, g=g):
             kwargs, get = program(g)
             C.run(pg, C.sandbox_call(p, g, scratch=scratch, **kwargs))
             return get()
+
         fns.append(sb)
     fns.append(lambda pg: C.run(pg, C.proxy_call(p, virtual_only)))
     res = _spmd(G.size, fns)
@@ -94,9 +97,11 @@ def _pruned(p: C.Plan, inputs: list, program, scratch=None) -> tuple:
 
 def _gen(seed: int = 0):
     g = torch.Generator().manual_seed(seed)
-    return lambda *shape, dtype=F64: (torch.randn(*shape, generator=g, dtype=F64).to(dtype)
-                                      if dtype.is_floating_point
-                                      else torch.randint(-50, 50, shape, generator=g, dtype=dtype))
+    return lambda *shape, dtype=F64: (
+        torch.randn(*shape, generator=g, dtype=F64).to(dtype)
+        if dtype.is_floating_point
+        else torch.randint(-50, 50, shape, generator=g, dtype=dtype)
+    )
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
@@ -124,13 +129,20 @@ def test_all_reduce(n, real, op, match_bytes):
     def program(g):
         t = inputs[g].clone()
         return {"tensor": t}, lambda: t
+
     got, _ = _pruned(p, inputs, program)
     for g in real:
         _close(got[g], ref[g], op in EXACT_OPS)
     # the reference itself: the plain torch definition
     stack = torch.stack(inputs)
-    direct = {"sum": stack.sum(0), "avg": stack.mean(0), "max": stack.amax(0), "min": stack.amin(0),
-              "product": stack.prod(0), "premul_sum": (stack * factor if factor else stack).sum(0)}[op]
+    direct = {
+        "sum": stack.sum(0),
+        "avg": stack.mean(0),
+        "max": stack.amax(0),
+        "min": stack.amin(0),
+        "product": stack.prod(0),
+        "premul_sum": (stack * factor if factor else stack).sum(0),
+    }[op]
     _close(ref[real[0]], direct, op in EXACT_OPS)
 
 
@@ -145,6 +157,7 @@ def test_all_reduce_int64(n, real, op):
     def program(g):
         t = inputs[g].clone()
         return {"tensor": t}, lambda: t
+
     got, _ = _pruned(p, inputs, program)
     for g in real:
         _close(got[g], ref[g], exact=True)
@@ -170,13 +183,19 @@ def test_reduce_scatter(n, real, op, match_bytes):
         def get():
             assert torch.equal(inp, inputs[g])  # the program's input is left as it was
             return out
+
         return {"input": inp, "output": out}, get
+
     got, _ = _pruned(p, inputs, program)
     stack = torch.stack(inputs).view(n, n, ROWS, COLS)  # [src, chunk, ...]
     for g in real:
         _close(got[g], ref[g], op in EXACT_OPS)
-        direct = {"sum": stack[:, g].sum(0), "avg": stack[:, g].mean(0), "max": stack[:, g].amax(0),
-                  "premul_sum": (stack[:, g] * 1.5).sum(0)}[op]
+        direct = {
+            "sum": stack[:, g].sum(0),
+            "avg": stack[:, g].mean(0),
+            "max": stack[:, g].amax(0),
+            "premul_sum": (stack[:, g] * 1.5).sum(0),
+        }[op]
         _close(ref[g], direct, op in EXACT_OPS)
 
 
@@ -190,6 +209,7 @@ def test_reduce_scatter_list_form(n, real):
     def program(g):
         out = torch.empty(ROWS, COLS, dtype=F64)
         return {"input": [t.clone() for t in inputs[g]], "output": [out]}, lambda: out
+
     got, _ = _pruned(p, inputs, program)
     for g in real:
         _close(got[g], ref[g], exact=False)
@@ -206,10 +226,13 @@ def test_all_gather(n, real, form):
     ref = C.reference(p, inputs)
 
     def program(g):
-        out = (torch.empty(n * ROWS, COLS, dtype=F64) if form == "tensor"
-               else [torch.empty(ROWS, COLS, dtype=F64) for _ in range(n)])
-        return {"input": inputs[g].clone(), "output": out}, (
-            lambda: out if form == "tensor" else torch.cat(out))
+        out = (
+            torch.empty(n * ROWS, COLS, dtype=F64)
+            if form == "tensor"
+            else [torch.empty(ROWS, COLS, dtype=F64) for _ in range(n)]
+        )
+        return {"input": inputs[g].clone(), "output": out}, (lambda: out if form == "tensor" else torch.cat(out))
+
     got, _ = _pruned(p, inputs, program)
     for g in real:
         _close(got[g], ref[g], exact=True)
@@ -232,6 +255,7 @@ def test_broadcast(n, real):
         def program(g):
             t = inputs[g].clone()
             return {"tensor": t}, lambda: t
+
         got, proxy = _pruned(p, inputs, program)
         for g in real:
             _close(got[g], inputs[root], exact=True)
@@ -251,12 +275,13 @@ def test_reduce(n, real, op):
         def program(g):
             t = inputs[g].clone()
             return {"tensor": t}, lambda: t
+
         got, proxy = _pruned(p, inputs, program)
         if root in real:
             _close(got[root], ref[root], op in EXACT_OPS)
         else:  # nobody real observes it; the proxy, as the root, holds the logical result
-            full = C._reduce([x.reshape(-1) for x in inputs], op, factor)
-            C._post_reduce(full, op, n)
+            full = reduce([x.reshape(-1) for x in inputs], op, factor)
+            post_reduce(full, op, n)
             _close(proxy.result, full, op in EXACT_OPS)
 
 
@@ -271,6 +296,7 @@ def test_gather(n, real):
         def program(g):
             out = [torch.empty(ROWS, COLS, dtype=F64) for _ in range(n)] if g == root else None
             return {"input": inputs[g].clone(), "output": out}, lambda: out
+
         got, proxy = _pruned(p, inputs, program)
         if root in real:
             for s in range(n):
@@ -290,6 +316,7 @@ def test_scatter(n, real):
         def program(g):
             out = torch.full((ROWS, COLS), float("nan"), dtype=F64)
             return {"input": inputs[g] if g == root else None, "output": out}, lambda: out
+
         got, _ = _pruned(p, inputs, program)
         for g in real:
             _close(got[g], inputs[root][g], exact=True)
@@ -324,6 +351,7 @@ def test_all_to_all_uneven(n, real, form):
         out = [torch.empty(r, COLS, dtype=F64) for r in rows_out]
         assert [t.shape[0] for t in inputs[g]] == rows_in
         return {"input": [t.clone() for t in inputs[g]], "output": out}, lambda: torch.cat(out)
+
     got, proxy = _pruned(p, inputs, program)
     flat = [torch.cat(x) if isinstance(x, list) else x for x in inputs]
     for g in real:
@@ -343,9 +371,10 @@ def test_all_to_all_even(n, real):
     def program(g):
         out = torch.empty(n * 2, COLS, dtype=F64)
         return {"input": inputs[g].clone(), "output": out}, lambda: out
+
     got, _ = _pruned(p, inputs, program)
     for g in real:
-        _close(got[g], torch.cat([inputs[s][2 * g:2 * g + 2] for s in range(n)]), exact=True)
+        _close(got[g], torch.cat([inputs[s][2 * g : 2 * g + 2] for s in range(n)]), exact=True)
 
 
 # ---------------------------------------------------------------------- send/recv
@@ -354,8 +383,15 @@ def test_p2p_virtual_peers():
     real->real, two virtual senders to the same real member with the same tag (the proxy
     must keep the real member's posting order), and a virtual->virtual message (dropped)."""
     n, real = 8, (2, 5)
-    msgs = [C.Message(1, 2, 6), C.Message(2, 3, 4), C.Message(2, 5, 5), C.Message(4, 5, 3),
-            C.Message(6, 5, 3), C.Message(5, 6, 2, tag=7), C.Message(0, 7, 9)]
+    msgs = [
+        C.Message(1, 2, 6),
+        C.Message(2, 3, 4),
+        C.Message(2, 5, 5),
+        C.Message(4, 5, 3),
+        C.Message(6, 5, 3),
+        C.Message(5, 6, 2, tag=7),
+        C.Message(0, 7, 9),
+    ]
     rnd = _gen(13)
     payload = [rnd(m.numel) for m in msgs]
     p = C.plan_p2p(n, real, msgs, dtype=F64)
@@ -370,14 +406,17 @@ def test_p2p_virtual_peers():
             elif m.dst == g:
                 bufs[i] = torch.full((m.numel,), float("nan"), dtype=F64)
         return {"tensors": bufs}, lambda: bufs
+
     virtual_payload = {i: payload[i] for i, m in enumerate(msgs) if m.src not in real}
     G = p.group
     fns = []
     for g in real:
+
         def sb(pg, g=g):
             kw, get = program(g)
             C.run(pg, C.sandbox_call(p, g, **kw))
             return get()
+
         fns.append(sb)
     fns.append(lambda pg: C.run(pg, C.proxy_call(p, virtual_payload)))
     res = _spmd(G.size, fns)
@@ -394,21 +433,29 @@ def test_send_recv_single():
     x = rnd(ROWS, COLS)
     recv_plan = C.plan_recv(n, real, 0, 1, (ROWS, COLS), dtype=F64)
     y = torch.empty(ROWS, COLS, dtype=F64)
-    _spmd(2, [lambda pg: C.run(pg, C.sandbox_call(recv_plan, 1, tensor=y)),
-              lambda pg: C.run(pg, C.proxy_call(recv_plan, {0: x}))])  # message 0: 0 -> 1
+    _spmd(
+        2,
+        [
+            lambda pg: C.run(pg, C.sandbox_call(recv_plan, 1, tensor=y)),
+            lambda pg: C.run(pg, C.proxy_call(recv_plan, {0: x})),
+        ],
+    )  # message 0: 0 -> 1
     _close(y, x, exact=True)
     send_plan = C.plan_send(n, real, 1, 2, (ROWS, COLS), dtype=F64)
     assert send_plan.p2p == ((C.P2POp("send", 1, 0),), (C.P2POp("recv", 0, 0),))
-    fns = [lambda pg: C.run(pg, C.sandbox_call(send_plan, 1, tensor=x.clone())),
-           lambda pg: C.run(pg, C.proxy_call(send_plan, {}))]
+    fns = [
+        lambda pg: C.run(pg, C.sandbox_call(send_plan, 1, tensor=x.clone())),
+        lambda pg: C.run(pg, C.proxy_call(send_plan, {})),
+    ]
     _spmd(2, fns)
     assert send_plan.bytes[1] == C.LinkBytes(x.numel() * 8, 0, x.numel() * 8, 0)
 
 
 def test_barrier():
     p = C.plan_barrier(4, (0, 2))
-    _spmd(3, [lambda pg, g=g: C.run(pg, C.sandbox_call(p, g)) for g in (0, 2)]
-          + [lambda pg: C.run(pg, C.proxy_call(p))])
+    _spmd(
+        3, [lambda pg, g=g: C.run(pg, C.sandbox_call(p, g)) for g in (0, 2)] + [lambda pg: C.run(pg, C.proxy_call(p))]
+    )
 
 
 # ---------------------------------------------------------------------- naive plans fail
@@ -418,13 +465,16 @@ def _naive_all_reduce(n, real, inputs, small_op_div):
     vsum = sum(inputs[v] for v in range(n) if v not in real).reshape(-1)
     fns = []
     for g in real:
+
         def sb(pg, g=g):
             t = inputs[g].clone().reshape(-1)
             C.run(pg, C.SmallCall("all_reduce", 0, reduce_op="sum", input=t, output=t))
             return t / small_op_div(k)
+
         fns.append(sb)
-    fns.append(lambda pg: C.run(pg, C.SmallCall("all_reduce", k, reduce_op="sum", input=vsum.clone(),
-                                                output=vsum.clone())))
+    fns.append(
+        lambda pg: C.run(pg, C.SmallCall("all_reduce", k, reduce_op="sum", input=vsum.clone(), output=vsum.clone()))
+    )
     return _spmd(k + 1, fns)[:-1]
 
 
@@ -445,8 +495,12 @@ def test_naive_full_value_double_counts():
     rnd = _gen(21)
     inputs = [rnd(6) for _ in range(n)]
     full = torch.stack(inputs).sum(0)
-    fns = [lambda pg, g=g: C.run(pg, C.SmallCall("all_reduce", 0, reduce_op="sum", input=inputs[g].clone(),
-                                                  output=None)).input for g in real]
+    fns = [
+        lambda pg, g=g: (
+            C.run(pg, C.SmallCall("all_reduce", 0, reduce_op="sum", input=inputs[g].clone(), output=None)).input
+        )
+        for g in real
+    ]
     fns.append(lambda pg: C.run(pg, C.SmallCall("all_reduce", 2, reduce_op="sum", input=full.clone())).input)
     out = _spmd(3, fns)
     assert not torch.allclose(out[0], full)
@@ -464,12 +518,28 @@ def test_naive_reduce_scatter_layout_is_wrong():
     ref = C.reference(p, inputs)
     fns = []
     for j, g in enumerate(real):
-        fns.append(lambda pg, g=g, j=j: C.run(pg, C.SmallCall(
-            "reduce_scatter", j, reduce_op="sum", input=ch[g][: k + 1].reshape(-1).clone(),
-            output=torch.empty(2, dtype=F64))).output)
+        fns.append(
+            lambda pg, g=g, j=j: (
+                C.run(
+                    pg,
+                    C.SmallCall(
+                        "reduce_scatter",
+                        j,
+                        reduce_op="sum",
+                        input=ch[g][: k + 1].reshape(-1).clone(),
+                        output=torch.empty(2, dtype=F64),
+                    ),
+                ).output
+            )
+        )
     vin = sum(ch[v][: k + 1] for v in range(n) if v not in real).reshape(-1)
-    fns.append(lambda pg: C.run(pg, C.SmallCall("reduce_scatter", k, reduce_op="sum", input=vin,
-                                                output=torch.empty(2, dtype=F64))).output)
+    fns.append(
+        lambda pg: (
+            C.run(
+                pg, C.SmallCall("reduce_scatter", k, reduce_op="sum", input=vin, output=torch.empty(2, dtype=F64))
+            ).output
+        )
+    )
     out = _spmd(k + 1, fns)
     for j, g in enumerate(real):
         assert not torch.allclose(out[j], ref[g])
@@ -490,12 +560,13 @@ def test_naive_all_gather_order_is_wrong():
             w.wait()
         calls[g] = call
         return out
+
     fns = [lambda pg, g=g: sb(pg, g) for g in real]
     fns.append(lambda pg: C.run(pg, C.proxy_call(p, [None if g in real else inputs[g] for g in range(n)])))
     _spmd(3, fns)
     slot = p.slot
     raw = calls[1].output  # no finish(): slots in small-rank order, padded
-    naive = torch.cat([raw[j * slot: j * slot + 2] for j in range(2)] + [raw[2 * slot: 2 * slot + 4]])
+    naive = torch.cat([raw[j * slot : j * slot + 2] for j in range(2)] + [raw[2 * slot : 2 * slot + 4]])
     assert not torch.equal(naive, torch.cat(inputs))
     calls[1].finish()  # the plan's post step puts the slots in logical order
 
@@ -510,11 +581,19 @@ def test_naive_all_to_all_without_permutation_is_wrong():
     # naive: send the program's input as is with the small splits
     fns = []
     for j, g in enumerate(real):
+
         def sb(pg, g=g, j=j):
             out = torch.empty(sum(p.small_recv[j]), dtype=F64)
-            call = C.SmallCall("all_to_all", j, input=inputs[g].clone(), output=out,
-                               in_splits=list(p.small_send[j]), out_splits=list(p.small_recv[j]))
+            call = C.SmallCall(
+                "all_to_all",
+                j,
+                input=inputs[g].clone(),
+                output=out,
+                in_splits=list(p.small_send[j]),
+                out_splits=list(p.small_recv[j]),
+            )
             return C.run(pg, call).output
+
         fns.append(sb)
     fns.append(lambda pg: C.run(pg, C.proxy_call(p, [None if g in real else inputs[g] for g in range(n)])))
     out = _spmd(3, fns)
@@ -582,6 +661,7 @@ def test_all_reduce_bfloat16_sum():
     def program(g):
         t = inputs[g].clone()
         return {"tensor": t}, lambda: t
+
     got, _ = _pruned(p, inputs, program)
     exact = torch.stack([x.double() for x in inputs]).sum(0)
     torch.testing.assert_close(got[3].double(), exact, rtol=2e-2, atol=2e-2)
@@ -601,9 +681,13 @@ def test_all_to_all_plans_from_each_sides_own_splits(n, real):
         assert p.small_send[i] == ref.small_send[i] and p.small_recv[i] == ref.small_recv[i]
         assert p.splits[g] == ref.splits[g] and [r[g] for r in p.splits] == [r[g] for r in ref.splits]
     vs = G.virtual
-    p = C.plan_all_to_all(n, real, C.splits_matrix(n, {v: full[v] for v in vs},
-                                                   {v: [full[s][v] for s in range(n)] for v in vs}),
-                          row_numel=COLS, dtype=F64)
+    p = C.plan_all_to_all(
+        n,
+        real,
+        C.splits_matrix(n, {v: full[v] for v in vs}, {v: [full[s][v] for s in range(n)] for v in vs}),
+        row_numel=COLS,
+        dtype=F64,
+    )
     assert p.small_send[G.proxy] == ref.small_send[G.proxy]
     assert p.small_recv[G.proxy] == ref.small_recv[G.proxy]
     assert all(p.splits[v] == ref.splits[v] for v in vs)
@@ -624,10 +708,12 @@ def test_plan_once_reuses_a_plan_per_distinct_arguments():
     a = C.plan_once(C.plan_all_reduce, 4, G, torch.Size([ROWS, COLS]), "sum", dtype=F64)
     assert C.plan_once(C.plan_all_reduce, 4, G, (ROWS, COLS), "sum", dtype=F64) is a
     assert a == C.plan_all_reduce(4, G, (ROWS, COLS), "sum", dtype=F64)
-    for other in [C.plan_once(C.plan_all_reduce, 4, G, (ROWS, COLS), "max", dtype=F64),
-                  C.plan_once(C.plan_all_reduce, 4, G, (ROWS, COLS), "sum", dtype=torch.float32),
-                  C.plan_once(C.plan_all_reduce, 4, C.Pruned(4, (2,)), (ROWS, COLS), "sum", dtype=F64),
-                  C.plan_once(C.plan_all_reduce, 8, C.Pruned(8, (1,)), (ROWS, COLS), "sum", dtype=F64)]:
+    for other in [
+        C.plan_once(C.plan_all_reduce, 4, G, (ROWS, COLS), "max", dtype=F64),
+        C.plan_once(C.plan_all_reduce, 4, G, (ROWS, COLS), "sum", dtype=torch.float32),
+        C.plan_once(C.plan_all_reduce, 4, C.Pruned(4, (2,)), (ROWS, COLS), "sum", dtype=F64),
+        C.plan_once(C.plan_all_reduce, 8, C.Pruned(8, (1,)), (ROWS, COLS), "sum", dtype=F64),
+    ]:
         assert other is not a and other != a
     sp = _splits(4, 7)  # lists: unhashable, planned each time, still right
     p = C.plan_once(C.plan_all_to_all, 4, G, sp, row_numel=COLS, dtype=F64)
@@ -702,6 +788,7 @@ def test_sandbox_buffers_come_from_the_arena_and_go_back(op):
         def program(g):
             out = torch.empty(sum(splits[s][g] for s in range(n)), COLS, dtype=F64)
             return {"input": inputs[g].clone(), "output": out}, lambda: out
+
     ref = C.reference(p, inputs)
     got, _ = _pruned(p, inputs, program, scratch=lambda device: arena)
     for g in real:

@@ -12,6 +12,7 @@ depend on the order). Every child process must be gone when the run ends, howeve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,15 +23,31 @@ from pathlib import Path
 
 import pytest
 
-from prismllm.comm.emulate import parse_ranks
 from prismllm.emulate import EmulateOptions, emulate
 from prismllm.errors import PrismError
+from prismllm.specs import parse_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 PRISM = str(Path(sys.executable).with_name("prism"))
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
-SIZES = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
-         "--micro-batch", "1", "--global-batch", "4", "--iters", "3"]
+SIZES = [
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq",
+    "16",
+    "--vocab",
+    "128",
+    "--micro-batch",
+    "1",
+    "--global-batch",
+    "4",
+    "--iters",
+    "3",
+]
 LAYOUTS = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2_distopt": ["--dist-opt"]}
 RTOL = 1e-5
 
@@ -55,18 +72,50 @@ def assert_all_ended(pids) -> None:
 def record(out: Path, layout: str, nproc: int = 2) -> tuple[Path, list[dict]]:
     log = out.with_suffix(".json")
     proc = subprocess.run(
-        [PRISM, "record", "--nproc", str(nproc), "--devices", "cpu", "--out", str(out), "--save-tensors",
-         "all,inputs", "--timeout", "120", "--", GPT3D, *LAYOUTS[layout], *SIZES, "--json-log", str(log)],
-        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+        [
+            PRISM,
+            "record",
+            "--nproc",
+            str(nproc),
+            "--devices",
+            "cpu",
+            "--out",
+            str(out),
+            "--save-tensors",
+            "all,inputs",
+            "--timeout",
+            "120",
+            "--",
+            GPT3D,
+            *LAYOUTS[layout],
+            *SIZES,
+            "--json-log",
+            str(log),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out, json.loads(log.read_text())
 
 
 def run_emulation(graph: Path, out: Path, layout: str, sandbox: str, **kw):
     log = out.with_suffix(".json")
-    res = emulate(EmulateOptions(graph=graph, sandbox=sandbox, out=out, script=GPT3D,
-                                 args=[*LAYOUTS[layout], *SIZES, "--json-log", str(log)],
-                                 timeout=120, check=True, sink=lambda *a: None, **kw))
+    res = emulate(
+        EmulateOptions(
+            graph=graph,
+            sandbox=sandbox,
+            out=out,
+            script=GPT3D,
+            args=[*LAYOUTS[layout], *SIZES, "--json-log", str(log)],
+            timeout=120,
+            check=True,
+            sink=lambda *a: None,
+            **kw,
+        )
+    )
     assert_all_ended(res.launch.pids.values())
     return res, (json.loads(log.read_text()) if log.exists() else None)
 
@@ -95,8 +144,11 @@ def comm_outputs(graph: Path, rank: int, pruned_only: bool = False, sandbox: tup
     real = set(sandbox or (rank,))
     pruned = {gid for gid, g in t.group_info().items() if not set(g["ranks"]) <= real}
     rows = t.nodes.select(["rank", "kind", "op", "group"]).to_pylist()
-    return sum(1 for r in rows if r["rank"] == rank and r["kind"] == "comm" and r["op"] != "send"
-               and (not pruned_only or r["group"] in pruned))
+    return sum(
+        1
+        for r in rows
+        if r["rank"] == rank and r["kind"] == "comm" and r["op"] != "send" and (not pruned_only or r["group"] in pruned)
+    )
 
 
 def shared_record(gpt3d_recording, layout: str, nproc: int = 2) -> tuple[Path, list[dict]]:
@@ -150,13 +202,31 @@ def test_assistant_failure_ends_the_sandbox_with_one_clear_line(tp2, tmp_path, c
     partial.mkdir()
     for f in (graph / "tensors").glob("rank-000001.*"):
         shutil.copy(f, partial / f.name)
-    rc = main(["emulate", "--graph", str(graph), "--tensors", str(partial), "--sandbox", "1",
-               "--out", str(tmp_path / "emu"), "--timeout", "120", "--", GPT3D, *LAYOUTS["tp2"], *SIZES])
+    rc = main(
+        [
+            "emulate",
+            "--graph",
+            str(graph),
+            "--tensors",
+            str(partial),
+            "--sandbox",
+            "1",
+            "--out",
+            str(tmp_path / "emu"),
+            "--timeout",
+            "120",
+            "--",
+            GPT3D,
+            *LAYOUTS["tp2"],
+            *SIZES,
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err
     first = next(ln for ln in err.splitlines() if ln.startswith("prism emulate: error:"))
-    assert first.startswith("prism emulate: error: assistant exited with code 1: prism assistant: error: "
-                            "no recorded input for rank 0 node"), err
+    assert first.startswith("prism emulate: error: assistant exited with code 1: no recorded input for rank 0 node"), (
+        err
+    )
     info = json.loads((tmp_path / "emu" / "emulate.json").read_text())
     assert not info["ok"] and info["assistant_returncode"] == 1
     assert info["returncodes"]["1"] != 0  # ended by the launcher
@@ -168,8 +238,9 @@ def test_bad_sandbox_is_refused_before_anything_runs(tp2, tmp_path):
         with pytest.raises(PrismError, match=msg):
             emulate(EmulateOptions(graph=graph, sandbox=bad, out=tmp_path / bad, script=GPT3D))
     with pytest.raises(PrismError, match="no recorded tensors"):
-        emulate(EmulateOptions(graph=graph, sandbox="1", out=tmp_path / "t", script=GPT3D,
-                               tensors=tmp_path / "nothing"))
+        emulate(
+            EmulateOptions(graph=graph, sandbox="1", out=tmp_path / "t", script=GPT3D, tensors=tmp_path / "nothing")
+        )
 
 
 @pytest.mark.slow
@@ -213,13 +284,22 @@ def test_two_invocations_meet_at_one_endpoint(tp2, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = ["--graph", str(graph), "--sandbox", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--timeout", "60"]
     program = ["--", GPT3D, *LAYOUTS["tp2"], *SIZES, "--json-log", str(log)]  # the same command on every host
-    assistant = subprocess.Popen([PRISM, "emulate", *common, "--role", "assistant", "--out", str(tmp_path / "a"),
-                                  *program],
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    assistant = subprocess.Popen(
+        [PRISM, "emulate", *common, "--role", "assistant", "--out", str(tmp_path / "a"), *program],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         time.sleep(1.0)  # the assistant first: its store client waits for the server
-        sb = subprocess.run([PRISM, "emulate", *common, "--role", "sandbox", "--out", str(tmp_path / "s"), *program],
-                            capture_output=True, text=True, env=env, timeout=200)
+        sb = subprocess.run(
+            [PRISM, "emulate", *common, "--role", "sandbox", "--out", str(tmp_path / "s"), *program],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=200,
+        )
         a_out, a_err = assistant.communicate(timeout=60)
     finally:
         if assistant.poll() is None:
@@ -230,8 +310,9 @@ def test_two_invocations_meet_at_one_endpoint(tp2, tmp_path):
     assert "replayed 1 virtual rank" in a_out + a_err
     assert_same_losses(real, json.loads(log.read_text()))
     for d in ("a", "s"):
-        assert_all_ended([p for p in json.loads((tmp_path / d / "emulate.json").read_text())["pids"].values()
-                          if isinstance(p, int)])
+        assert_all_ended(
+            [p for p in json.loads((tmp_path / d / "emulate.json").read_text())["pids"].values() if isinstance(p, int)]
+        )
 
 
 def test_gpu_lists_of_sandbox_and_assistants(monkeypatch):
@@ -239,8 +320,12 @@ def test_gpu_lists_of_sandbox_and_assistants(monkeypatch):
     assistants), a GPU listed twice being shared; a list that does not fit is refused."""
     import torch
 
-    from prismllm.emulate.run import _gpus
-    from prismllm.time.slices import TimeOptions, _slice_devices
+    from prismllm.launch.sandbox import gpus_of
+    from prismllm.specs import parse_devices
+    from prismllm.time.slices import TimeOptions, _for_slice, slice_devices
+
+    def _gpus(devices: str, n_sandbox: int, n_assistants: int):
+        return gpus_of(parse_devices(devices), n_sandbox, n_assistants)
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert _gpus("cpu", 1, 1) == ([], [])
@@ -253,9 +338,12 @@ def test_gpu_lists_of_sandbox_and_assistants(monkeypatch):
         _gpus("cuda:0,1", 1, 1)
     # prism time: a listed slice of 2 sandbox GPUs and the assistant's; a short last slice
     opts = TimeOptions(graph="g", out="o", script="s", args=[], devices="cuda:0,1,0", slice_size=2)
-    assert _slice_devices(opts, 2) == "cuda:0,1,0" and _slice_devices(opts, 1) == "cuda:0,0"
+    (dev,) = slice_devices(opts, 1)
+    assert dev.text == "cuda:0,1,0" and _for_slice(dev, 2, 1).text == "cuda:0,0"
     with pytest.raises(PrismError, match="a slice is 2 sandbox GPU"):
-        _slice_devices(TimeOptions(graph="g", out="o", script="s", args=[], devices="cuda:0,0", slice_size=2), 2)
+        slice_devices(TimeOptions(graph="g", out="o", script="s", args=[], devices="cuda:0,0", slice_size=2), 1)
+    # auto: a GPU each when there are enough, else the one GPU shared
+    assert [d.text for d in slice_devices(dataclasses.replace(opts, devices="auto", slice_size=1), 1)] == ["cuda:0,0"]
 
 
 @pytest.mark.slow
@@ -266,9 +354,32 @@ def test_solo_captured_graph_with_the_recorded_runs_tensors(tmp_path, gpt3d_reco
     include a replica (2), whose inputs must still be found; the losses are the real run's."""
     real_graph, real = shared_record(gpt3d_recording, "tp2", nproc=4)
     bare = tmp_path / "bare"
-    proc = subprocess.run([PRISM, "capture", "--mode", "solo", "--world", "4", "--devices", "2", "--device", "cpu",
-                           "--layout", "tp=2", "--out", str(bare), "--", GPT3D, *LAYOUTS["tp2"], *SIZES],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    proc = subprocess.run(
+        [
+            PRISM,
+            "capture",
+            "--mode",
+            "solo",
+            "--world",
+            "4",
+            "--devices",
+            "2",
+            "--device",
+            "cpu",
+            "--layout",
+            "tp=2",
+            "--out",
+            str(bare),
+            "--",
+            GPT3D,
+            *LAYOUTS["tp2"],
+            *SIZES,
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     res, emu = run_emulation(bare, tmp_path / "emu", "tp2", "3", tensors=real_graph / "tensors")
     assert_same_losses(real, emu)

@@ -11,10 +11,10 @@ import json
 import re
 
 import pytest
+from test_emulate import GPT3D, LAYOUTS, SIZES
 
 from prismllm.emulate import EmulateOptions, emulate
 from prismllm.errors import PrismError
-from test_emulate import GPT3D, LAYOUTS, SIZES
 
 # test_emulate's TP2 program at N = 4: its real recording is shared (conftest.gpt3d_recording)
 ARGS = [*LAYOUTS["tp2"], *SIZES]
@@ -26,9 +26,17 @@ def test_two_assistants_share_the_groups(tmp_path, capfd, gpt3d_recording):
     real_loss = [r["loss"] for r in rec.log]
 
     out = tmp_path / "emu"
-    res = emulate(EmulateOptions(graph=real, sandbox="3", out=out, script=GPT3D,
-                                 args=[*ARGS, "--json-log", str(tmp_path / "emu.json")], timeout=240,
-                                 assistants=2))
+    res = emulate(
+        EmulateOptions(
+            graph=real,
+            sandbox="3",
+            out=out,
+            script=GPT3D,
+            args=[*ARGS, "--json-log", str(tmp_path / "emu.json")],
+            timeout=240,
+            assistants=2,
+        )
+    )
     emu_loss = [r["loss"] for r in json.loads((tmp_path / "emu.json").read_text())]
     assert emu_loss == pytest.approx(real_loss, rel=1e-5)
     info = json.loads((out / "emulate.json").read_text())

@@ -28,9 +28,28 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("collectives") / "rec"
-    p = subprocess.run([PRISM, "record", "--nproc", "4", "--devices", "cpu", "--out", str(out), "--save-tensors",
-                        "all,inputs", "--timeout", "120", "--", PROGRAM], capture_output=True, text=True, env=ENV,
-                       timeout=300)
+    p = subprocess.run(
+        [
+            PRISM,
+            "record",
+            "--nproc",
+            "4",
+            "--devices",
+            "cpu",
+            "--out",
+            str(out),
+            "--save-tensors",
+            "all,inputs",
+            "--timeout",
+            "120",
+            "--",
+            PROGRAM,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return out
 
@@ -39,9 +58,27 @@ def recorded(tmp_path_factory) -> Path:
 def test_every_collective_is_exact_under_pruning(recorded, tmp_path, sandbox):
     """{1}: root of broadcast_object_list, reduce's destination; {0, 3}: scatter's source and
     gather's destination, and a real pair across every sub-group; {2}: broadcast's source."""
-    p = subprocess.run([PRISM, "emulate", "--graph", str(recorded), "--sandbox", sandbox, "--out", str(tmp_path / "emu"),
-                        "--check", "--timeout", "120", "--", PROGRAM], capture_output=True, text=True, env=ENV,
-                       timeout=300)
+    p = subprocess.run(
+        [
+            PRISM,
+            "emulate",
+            "--graph",
+            str(recorded),
+            "--sandbox",
+            sandbox,
+            "--out",
+            str(tmp_path / "emu"),
+            "--check",
+            "--timeout",
+            "120",
+            "--",
+            PROGRAM,
+        ],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     # groups: default [0-3], [0, 2], [1, 3], [0, 1], [2, 3]; the ones without a sandbox rank are
     # never instantiated, the others pruned to their sandbox ranks plus a proxy

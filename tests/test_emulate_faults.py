@@ -23,9 +23,9 @@ import time
 from pathlib import Path
 
 import pytest
-
-from prismllm.capture.launcher import LaunchSpec, launch
 from test_emulate import GPT3D, LAYOUTS, PRISM, SIZES, assert_all_ended, pid_alive, shared_record
+
+from prismllm.launch import LaunchSpec, launch
 
 WRAPPER = textwrap.dedent(f"""
     import os
@@ -69,16 +69,42 @@ def setup(tmp_path_factory, gpt3d_recording):
     return graph, wrapper
 
 
-def start(setup, out: Path, fault: str, mark: Path | None = None, timeout: int = 120,
-          env: dict | None = None) -> subprocess.Popen:
+def start(
+    setup, out: Path, fault: str, mark: Path | None = None, timeout: int = 120, env: dict | None = None
+) -> subprocess.Popen:
     graph, wrapper = setup
     # the wrapper is a deliberate variant of the graph's program: past the start-up check
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT": fault, "FAULT_RANK": "1",
-           "FAULT_MARK": str(mark or ""), "PRISM_PROGRAM_CHECK": "off", **(env or {})}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "FAULT": fault,
+        "FAULT_RANK": "1",
+        "FAULT_MARK": str(mark or ""),
+        "PRISM_PROGRAM_CHECK": "off",
+        **(env or {}),
+    }
     return subprocess.Popen(
-        [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", str(timeout),
-         "--", str(wrapper), *LAYOUTS["tp2"], *SIZES],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        [
+            PRISM,
+            "emulate",
+            "--graph",
+            str(graph),
+            "--sandbox",
+            "1",
+            "--out",
+            str(out),
+            "--timeout",
+            str(timeout),
+            "--",
+            str(wrapper),
+            *LAYOUTS["tp2"],
+            *SIZES,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
 
 
 def verdict(err: str, prefix: str = "prism emulate: error: ") -> str:
@@ -89,7 +115,7 @@ def verdict(err: str, prefix: str = "prism emulate: error: ") -> str:
     assert lines[0].startswith(prefix), err
     for ln in err.splitlines():
         assert not (ln.startswith("Traceback") or re.search(r'File ".*[/\\]prismllm[/\\]', ln)), err
-    return lines[0][len(prefix):]
+    return lines[0][len(prefix) :]
 
 
 def all_pids(out: Path) -> list[int]:
@@ -179,8 +205,16 @@ def test_launcher_names_the_cause_of_a_cascade_not_the_first_exit(tmp_path):
     its peer exits first; with ``settle`` the cause keeps its own exit status and is named."""
     script = tmp_path / "cascade.py"
     script.write_text(CASCADE)
-    res = launch(LaunchSpec(nproc=2, script=str(script), runner=None, env={"MARK": str(tmp_path / "mark")},
-                            settle=2.0, sink=lambda *a: None))
+    res = launch(
+        LaunchSpec(
+            nproc=2,
+            script=str(script),
+            runner=None,
+            env={"MARK": str(tmp_path / "mark")},
+            settle=2.0,
+            sink=lambda *a: None,
+        )
+    )
     assert not res.ok and res.failure.rank == 0 and res.returncodes == {0: 1, 1: 1}, res.message
     assert res.message.startswith("rank 0 exited with code 1: RuntimeError: boom"), res.message
     assert_all_ended(res.pids.values())
@@ -203,8 +237,10 @@ def test_sandbox_rank_out_of_memory_is_reported_as_a_result(setup, tmp_path):
     rc, err = run_to_end(setup, out, "oom")
     assert rc == 1, err  # not 2: a reproduced OOM is what the emulation found, not an error
     line = verdict(err, "prism emulate: ")
-    assert line.startswith("sandbox rank 1 ran out of memory, reproduced by the emulation (a result, not "
-                           "a failure of prism): RuntimeError: "), line
+    assert line.startswith(
+        "sandbox rank 1 ran out of memory, reproduced by the emulation (a result, not "
+        "a failure of prism): RuntimeError: "
+    ), line
     assert "can't allocate memory" in line, line
     info = json.loads((out / "emulate.json").read_text())
     assert info["outcome"] == "out_of_memory" and info["returncodes"] == {"1": 1}, info
@@ -222,8 +258,10 @@ def test_sandbox_rank_killed_mid_run(setup, tmp_path):
 def test_assistant_killed_mid_run(setup, tmp_path):
     rc, err, took, out = kill_mid_run(setup, tmp_path, "assistant")
     assert rc == 2 and took < 15, (took, err)
-    assert verdict(err) == ("assistant was killed by SIGKILL (9) (out of memory?): the virtual rank(s) 0 "
-                            "it played are gone, so sandbox rank(s) 1 were ended"), err
+    assert verdict(err) == (
+        "assistant was killed by SIGKILL (9) (out of memory?): the virtual rank(s) 0 "
+        "it played are gone, so sandbox rank(s) 1 were ended"
+    ), err
     info = json.loads((out / "emulate.json").read_text())
     assert info["assistant_returncode"] == -9 and info["returncodes"]["1"] != 0, info
 
@@ -236,8 +274,22 @@ def test_program_that_deviates_from_its_graph_is_one_clear_error(setup, tmp_path
     args = list(SIZES)
     args[args.index("--hidden") + 1] = "64"
     out = tmp_path / "deviates"
-    cmd = [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", "120",
-           "--", GPT3D, *LAYOUTS["tp2"], *args]
+    cmd = [
+        PRISM,
+        "emulate",
+        "--graph",
+        str(graph),
+        "--sandbox",
+        "1",
+        "--out",
+        str(out),
+        "--timeout",
+        "120",
+        "--",
+        GPT3D,
+        *LAYOUTS["tp2"],
+        *args,
+    ]
     # refused at the start: the launched arguments are not the graph's (the fingerprint)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 2
@@ -245,8 +297,13 @@ def test_program_that_deviates_from_its_graph_is_one_clear_error(setup, tmp_path
     assert "with --hidden 32 but you launched --hidden 64" in line and "PRISM_PROGRAM_CHECK=off" in line, line
     assert not (out / "pids.json").exists()  # nothing was started
     # past the start-up check, the program deviates at its first differing call
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
-                       env={**os.environ, "OMP_NUM_THREADS": "1", "PRISM_PROGRAM_CHECK": "off"})
+    p = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PRISM_PROGRAM_CHECK": "off"},
+    )
     assert p.returncode != 0
     line = verdict(p.stderr)
     assert "rank 1 deviates from its graph at all_reduce" in line, line
@@ -258,21 +315,73 @@ def test_a_stalled_run_says_where_each_process_stood(setup, tmp_path):
     """The sandbox rank stops after its first iteration (it sleeps in its optimizer step), so the
     assistant waits for it forever: the timeout ends the run, and the message says where each
     process stood: the sandbox rank at the program's line, the assistant waiting for a call with
-    the sandbox (prismllm.status). Before that, with no progress for PRISM_STATUS_AFTER seconds,
+    the sandbox (prismllm.launch.status). Before that, with no progress for PRISM_STATUS_AFTER seconds,
     the launcher printed the same report while the run went on."""
-    rc, err = run_to_end(setup, tmp_path / "emu", "stall", mark=tmp_path / "stalled", timeout=16,
-                         env={"PRISM_STATUS_AFTER": "5"})
+    rc, err = run_to_end(
+        setup, tmp_path / "emu", "stall", mark=tmp_path / "stalled", timeout=16, env={"PRISM_STATUS_AFTER": "5"}
+    )
     assert rc != 0
     line = verdict(err)
     assert line.startswith("timed out after 16 s"), err
     early = re.search(r"^prism: no communication for (\d+) s; where each process stands:$", err, re.M)
     assert early and 5 <= int(early.group(1)) < 16 and early.start() < err.index("prism emulate: error"), err
     assert re.search(r"^prism:   rank 1: at faulty_gpt3d\.py:\d+ in faulty_step$", err, re.M), err
-    report = err[err.index("where each process stood:"):]
+    report = err[err.index("where each process stood:") :]
     # time.sleep is C: the program's line is the innermost frame
     assert re.search(r"^  rank 1: at faulty_gpt3d\.py:\d+ in faulty_step$", report, re.M), err
     assert re.search(r"^    \d+ call\(s\) so far, in iteration 0$", report, re.M), err
-    assert re.search(r"^  assistant: at assistant\.py:\d+ in run$", report, re.M), err
+    assert re.search(r"^  assistant: at proxy\.py:\d+ in run$", report, re.M), err
     assert re.search(r"waiting [\d.]+ s for rank 0 node \d+ \(\w+ #\d+, group .*\) with the sandbox", report), err
     stacks = Path(re.search(r"every thread's stack, per process: (\S+)[/\\]\*\.status", report).group(1))
     assert (stacks / "rank-000001.status").read_text().count("faulty_step") == 1
+
+
+def test_a_stuck_slice_of_prism_time_is_not_silent(setup, tmp_path):
+    """`prism time` runs each slice in its own launch: the status report of a slice that makes no
+    progress reaches the user as it is written, prefixed with the slice, and the slice's timeout
+    fails `prism time` with the launcher's message and the report of where each process stood,
+    line by line. Slice 0 (rank 0 real) runs through; slice 1 (rank 1 real) stalls."""
+    graph, wrapper = setup
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "FAULT": "stall",
+        "FAULT_RANK": "1",
+        "FAULT_MARK": str(tmp_path / "stalled"),
+        "PRISM_PROGRAM_CHECK": "off",
+        "PRISM_STATUS_AFTER": "5",
+    }
+    p = subprocess.run(
+        [
+            PRISM,
+            "time",
+            "--graph",
+            str(graph),
+            "--out",
+            str(tmp_path / "timed"),
+            "--timeout",
+            "16",
+            "--",
+            str(wrapper),
+            *LAYOUTS["tp2"],
+            *SIZES,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=200,
+    )
+    err = p.stderr
+    assert p.returncode == 2, err
+    assert re.search(
+        r"^prism time: slice 1 \(ranks 1\): no communication for \d+ s; where each process stands:$", err, re.M
+    ), err
+    assert re.search(
+        r"^prism time: slice 1 \(ranks 1\):   rank 1: at faulty_gpt3d\.py:\d+ in faulty_step$", err, re.M
+    ), err
+    line = next(ln for ln in err.splitlines() if ln.startswith("prism time: error:"))
+    assert line.startswith("prism time: error: slice 1 (ranks 1) failed: timed out after 16 s"), err
+    report = err[err.index("where each process stood:") :]
+    assert re.search(r"^  rank 1: at faulty_gpt3d\.py:\d+ in faulty_step$", report, re.M), err
+    info = json.loads((tmp_path / "timed" / "slices" / "slice-00001" / "slice.json").read_text())
+    assert not info["ok"] and info["message"].startswith("timed out after 16 s")

@@ -30,8 +30,13 @@ from prismllm.emulate import EmulateOptions, emulate  # noqa: E402
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 PRISM = str(Path(sys.executable).with_name("prism"))
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-       "NVSHMEM_DISABLE_NVLS": "1"}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 def two_gpus() -> bool:
@@ -51,16 +56,43 @@ def prism(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 def record(out: Path, layout: str) -> tuple[Path, list[dict]]:
     log = out.with_suffix(".json")
-    prism("record", "--nproc", "2", "--devices", REAL_DEVICES, "--out", str(out), "--save-tensors", "all,inputs",
-          "--timeout", "200", "--", GPT3D, *LAYOUTS[layout], *SIZES, "--json-log", str(log))
+    prism(
+        "record",
+        "--nproc",
+        "2",
+        "--devices",
+        REAL_DEVICES,
+        "--out",
+        str(out),
+        "--save-tensors",
+        "all,inputs",
+        "--timeout",
+        "200",
+        "--",
+        GPT3D,
+        *LAYOUTS[layout],
+        *SIZES,
+        "--json-log",
+        str(log),
+    )
     return out, json.loads(log.read_text())
 
 
 def run_emulation(graph: Path, out: Path, layout: str, sandbox: str):
     log = out.with_suffix(".json")
-    res = emulate(EmulateOptions(graph=graph, sandbox=sandbox, out=out, script=GPT3D, devices=EMU_DEVICES,
-                                 args=[*LAYOUTS[layout], *SIZES, "--json-log", str(log)],
-                                 timeout=200, check=True, sink=lambda *a: None))
+    res = emulate(
+        EmulateOptions(
+            graph=graph,
+            sandbox=sandbox,
+            out=out,
+            script=GPT3D,
+            devices=EMU_DEVICES,
+            args=[*LAYOUTS[layout], *SIZES, "--json-log", str(log)],
+            timeout=200,
+            check=True,
+            sink=lambda *a: None,
+        )
+    )
     assert_all_ended(res.launch.pids.values())
     assert res.shared_gpu == (not two_gpus())
     return res, (json.loads(log.read_text()) if log.exists() else None)
@@ -91,7 +123,8 @@ def assert_same_peak(res, rank: int, manifest: dict) -> None:
     real = int(manifest["peak_memory_bytes"][str(rank)])
     assert real > 0 and m["peak_memory_bytes"] == real, (
         f"rank {rank}: emulated peak {m['peak_memory_bytes']:,} B, real {real:,} B "
-        f"({m['peak_memory_bytes'] - real:+,} B); scratch outside it {m.get('emulation_scratch_bytes'):,} B")
+        f"({m['peak_memory_bytes'] - real:+,} B); scratch outside it {m.get('emulation_scratch_bytes'):,} B"
+    )
 
 
 def test_device_arena_is_outside_the_allocator():
@@ -125,14 +158,60 @@ def test_whole_pipeline_on_gpu(tmp_path):
     """capture (solo) -> time -> calibrate -> emulate --timing real, TP2: every stage on the
     GPU(s); the emulated sandbox measures iterations beside the calibrated prediction."""
     args = [*LAYOUTS["tp2"], *SIZES]
-    prism("capture", "--mode", "solo", "--world", "2", "--devices", "1", "--device", "cuda", "--layout", "tp=2",
-          "--out", str(tmp_path / "bare"), "--", GPT3D, *args)
-    prism("time", "--graph", str(tmp_path / "bare"), "--out", str(tmp_path / "time"), "--devices",
-          EMU_DEVICES, "--inputs", "generated", "--timeout", "200", "--", GPT3D, *args)
+    prism(
+        "capture",
+        "--mode",
+        "solo",
+        "--world",
+        "2",
+        "--devices",
+        "1",
+        "--device",
+        "cuda",
+        "--layout",
+        "tp=2",
+        "--out",
+        str(tmp_path / "bare"),
+        "--",
+        GPT3D,
+        *args,
+    )
+    prism(
+        "time",
+        "--graph",
+        str(tmp_path / "bare"),
+        "--out",
+        str(tmp_path / "time"),
+        "--devices",
+        EMU_DEVICES,
+        "--inputs",
+        "generated",
+        "--timeout",
+        "200",
+        "--",
+        GPT3D,
+        *args,
+    )
     prism("calibrate", str(tmp_path / "time" / "graph"), "--out", str(tmp_path / "cal"), "--write-graph")
     out = tmp_path / "emu"
-    prism("emulate", "--graph", str(tmp_path / "cal" / "graph"), "--sandbox", "1", "--devices", EMU_DEVICES,
-          "--inputs", "generated", "--timeout", "200", "--out", str(out), "--", GPT3D, *args)
+    prism(
+        "emulate",
+        "--graph",
+        str(tmp_path / "cal" / "graph"),
+        "--sandbox",
+        "1",
+        "--devices",
+        EMU_DEVICES,
+        "--inputs",
+        "generated",
+        "--timeout",
+        "200",
+        "--out",
+        str(out),
+        "--",
+        GPT3D,
+        *args,
+    )
     rec = json.loads((out / "emulate.json").read_text())
     assert rec["ok"] and rec["timing"] == "real", rec["message"]
     its = rec["sandbox_results"]["1"]["iteration_ns"]

@@ -17,21 +17,39 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from test_emulate import GPT3D, PRISM
 
 # PRISM_EMULATE_WORLD=32: the same on a 32-rank world (the acceptance's N = 32 run, on a
 # machine with 32 cores: a real CPU run with more ranks than cores measures oversubscription)
 WORLD = int(os.environ.get("PRISM_EMULATE_WORLD", "8"))
-SIZES = ["--layers", "4", "--hidden", "32", "--heads", "4", "--vocab", "64", "--seq", "8",
-         "--micro-batch", "1", "--global-batch", str(WORLD), "--iters", "2", "--bucket-mb", "0.002"]
-LAYOUTS = {"tp2pp2dp2": ["--tp", "2", "--pp", "2"],
-           "tp2_moe_ep4": ["--tp", "2", "--ep", "4", "--num-experts", "4", "--topk", "2"]}
+SIZES = [
+    "--layers",
+    "4",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--vocab",
+    "64",
+    "--seq",
+    "8",
+    "--micro-batch",
+    "1",
+    "--global-batch",
+    str(WORLD),
+    "--iters",
+    "2",
+    "--bucket-mb",
+    "0.002",
+]
+LAYOUTS = {
+    "tp2pp2dp2": ["--tp", "2", "--pp", "2"],
+    "tp2_moe_ep4": ["--tp", "2", "--ep", "4", "--num-experts", "4", "--topk", "2"],
+}
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -43,8 +61,7 @@ def _run(cmd: list[str]) -> None:
 def load_params(directory: Path, rank: int) -> dict[str, np.ndarray]:
     idx = json.loads((directory / f"rank-{rank}.json").read_text())
     raw = (directory / f"rank-{rank}.bin").read_bytes()
-    return {e["name"]: np.frombuffer(raw[e["offset"]:e["offset"] + e["nbytes"]], dtype=e["dtype"])
-            for e in idx}
+    return {e["name"]: np.frombuffer(raw[e["offset"] : e["offset"] + e["nbytes"]], dtype=e["dtype"]) for e in idx}
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
@@ -60,9 +77,27 @@ def test_emulated_ranks_end_with_the_real_parameters(real, sandbox):
     layout, rec, tmp = real
     spec = ",".join(map(str, sandbox))
     out, params = tmp / f"emu-{spec}", tmp / f"params-{spec}"
-    _run([PRISM, "emulate", "--graph", str(rec.out), "--sandbox", spec, "--out", str(out),
-          "--check", "--timeout", "300", "--", GPT3D, *LAYOUTS[layout], *SIZES,
-          "--save-params", str(params)])
+    _run(
+        [
+            PRISM,
+            "emulate",
+            "--graph",
+            str(rec.out),
+            "--sandbox",
+            spec,
+            "--out",
+            str(out),
+            "--check",
+            "--timeout",
+            "300",
+            "--",
+            GPT3D,
+            *LAYOUTS[layout],
+            *SIZES,
+            "--save-params",
+            str(params),
+        ]
+    )
     for r in sandbox:
         chk = json.loads((out / f"check-rank-{r}.json").read_text())
         assert chk["compared"] > 20 and chk["missing"] == 0 and chk["unfinished"] == 0, chk

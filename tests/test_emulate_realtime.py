@@ -20,16 +20,34 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from prismllm.calibrate.solve import solve
 from prismllm.emulate import EmulateOptions, emulate
 from prismllm.errors import PrismError
+from prismllm.replay import solve
 from prismllm.trace.graph import PrismTrace
 
 ROOT = Path(__file__).resolve().parents[1]
 PRISM = str(Path(sys.executable).with_name("prism"))
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
-ARGS = ["--pp", "2", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
-        "--micro-batch", "1", "--global-batch", "4", "--iters", "3"]
+ARGS = [
+    "--pp",
+    "2",
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq",
+    "16",
+    "--vocab",
+    "128",
+    "--micro-batch",
+    "1",
+    "--global-batch",
+    "4",
+    "--iters",
+    "3",
+]
 SLOW_NS = 15_000_000  # each compute span of the slowed virtual rank
 
 
@@ -37,9 +55,31 @@ SLOW_NS = 15_000_000  # each compute span of the slowed virtual rank
 def recorded(tmp_path_factory) -> tuple[Path, list[dict]]:
     out = tmp_path_factory.mktemp("realtime") / "real"
     log = out.with_suffix(".json")
-    proc = subprocess.run([PRISM, "record", "--nproc", "2", "--devices", "cpu", "--out", str(out), "--save-tensors",
-                           "all,inputs", "--timeout", "120", "--", GPT3D, *ARGS, "--json-log", str(log)],
-                          capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    proc = subprocess.run(
+        [
+            PRISM,
+            "record",
+            "--nproc",
+            "2",
+            "--devices",
+            "cpu",
+            "--out",
+            str(out),
+            "--save-tensors",
+            "all,inputs",
+            "--timeout",
+            "120",
+            "--",
+            GPT3D,
+            *ARGS,
+            "--json-log",
+            str(log),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, json.loads(log.read_text())
 
@@ -63,9 +103,19 @@ def slowed(recorded, tmp_path_factory) -> tuple[Path, int]:
 
 
 def run(graph: Path, tensors: Path, out: Path, timing: str, env: dict | None = None):
-    return emulate(EmulateOptions(graph=graph, sandbox="1", out=out, script=GPT3D,
-                                  args=[*ARGS, "--json-log", str(out.with_suffix(".json"))], tensors=tensors,
-                                  timeout=240, timing=timing, env=env or {}))
+    return emulate(
+        EmulateOptions(
+            graph=graph,
+            sandbox="1",
+            out=out,
+            script=GPT3D,
+            args=[*ARGS, "--json-log", str(out.with_suffix(".json"))],
+            tensors=tensors,
+            timeout=240,
+            timing=timing,
+            env=env or {},
+        )
+    )
 
 
 def losses(out: Path) -> list[float]:

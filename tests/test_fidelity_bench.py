@@ -61,15 +61,20 @@ def test_alpha_beta_fit_and_transfer_model(tmp_path):
     assert fit["bandwidth_Bps"] == pytest.approx(((4 << 20) - 4096) / 4090e-6)
     assert fit["alpha_s"] == pytest.approx(104e-6 - 4096 / fit["bandwidth_Bps"])
 
-    from prismllm.replay.engine import ReplayGraph
+    from prismllm.replay import ReplayGraph
     from prismllm.trace.assemble import assemble
     from prismllm.trace.synth import example_logs
 
     trace = assemble(example_logs(4, iterations=2), {"mode": "record"})
     g = ReplayGraph(trace)
     t = fidelity.alpha_beta_transfer(g, trace, 1e-6, 1e9)  # 1 µs + 1 ns a byte
-    want = {("all_reduce", 2): 1000 + 4096, ("all_reduce", 2, "dp"): 1000 + 8192,
-            ("all_gather", 4): 1000 + 3 * 1024, ("reduce_scatter", 4): 1000 + 3 * 1024, ("send", 2): 1000 + 2048}
+    want = {
+        ("all_reduce", 2): 1000 + 4096,
+        ("all_reduce", 2, "dp"): 1000 + 8192,
+        ("all_gather", 4): 1000 + 3 * 1024,
+        ("reduce_scatter", 4): 1000 + 3 * 1024,
+        ("send", 2): 1000 + 2048,
+    }
     seen = {}
     for i in range(g.num_instances):
         op = g.op_names[g.inst_op[i]]
@@ -87,16 +92,49 @@ def test_alpha_beta_fit_and_transfer_model(tmp_path):
 
 def test_harness_smallest_case_fills_every_column(tmp_path):
     out = tmp_path / "fidelity.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "fidelity.py"), "--devices", "cpu", "--worlds", "2",
-           "--cases", "tp", "--iters", "2", "--micro-batches", "1", "--model-args", SMALL, "--time-parallel", "2",
-           "--alpha-beta", "1e-4,1e9", "--repeats", "2", "--json", str(out), "--keep", str(tmp_path / "work")]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "fidelity.py"),
+        "--devices",
+        "cpu",
+        "--worlds",
+        "2",
+        "--cases",
+        "tp",
+        "--iters",
+        "2",
+        "--micro-batches",
+        "1",
+        "--model-args",
+        SMALL,
+        "--time-parallel",
+        "2",
+        "--alpha-beta",
+        "1e-4,1e9",
+        "--repeats",
+        "2",
+        "--json",
+        str(out),
+        "--keep",
+        str(tmp_path / "work"),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-3000:]
     res = json.loads(out.read_text())
     (case,) = res["cases"]
     assert case["error"] is None and case["sandbox"] == [1]
-    assert set(case["stage_wall_s"]) == {"record", "record_tensors", "capture", "time", "calibrate", "emulate", "emulate_fast",
-                                         "pure_model", "record_2", "emulate_2"}
+    assert set(case["stage_wall_s"]) == {
+        "record",
+        "record_tensors",
+        "capture",
+        "time",
+        "calibrate",
+        "emulate",
+        "emulate_fast",
+        "pure_model",
+        "record_2",
+        "emulate_2",
+    }
     (row,) = case["rows"]
     missing = [k for k, v in row.items() if v is None and k != "error"]
     assert not missing, missing

@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from prismllm.capture.record import build_manifest
-from prismllm.emulate.fingerprint import check_program, program_fingerprint
+from prismllm.capture.common import build_manifest
 from prismllm.errors import PrismError
+from prismllm.launch.program import check_program, program_fingerprint
 
 ARGS = ["--tp", "2", "--layers", "2", "--json-log", "out/real.json"]
 
@@ -38,7 +38,9 @@ def test_same_program_and_arguments_pass(program, tmp_path):
     other.mkdir()
     shutil.copy(script, other / "train.py")
     shutil.copy(config, other / "model.yaml")
-    check_program(m, str(other / "train.py"), [*ARGS[:-1], "out/elsewhere.json", "--config", str(other / "model.yaml")], 4)
+    check_program(
+        m, str(other / "train.py"), [*ARGS[:-1], "out/elsewhere.json", "--config", str(other / "model.yaml")], 4
+    )
     # an output flag may be left out, or added
     check_program(m, str(script), ["--tp", "2", "--layers", "2", "--config", str(config)], 4)
     m2 = manifest_of(script, ["--tp", "2"])
@@ -61,7 +63,9 @@ def test_an_edited_script_or_input_is_refused(program, tmp_path):
     m = manifest_of(script, ["--config", str(config)], mode="calibrated")
     other = tmp_path / "other.yaml"
     other.write_text("hidden: 64\n")
-    with pytest.raises(PrismError, match=r"--config .*other.yaml, whose content differs.*then `prism time` and `prism calibrate`"):
+    with pytest.raises(
+        PrismError, match=r"--config .*other.yaml, whose content differs.*then `prism time` and `prism calibrate`"
+    ):
         check_program(m, str(script), ["--config", str(other)], 4)
     script.write_text("print('edited')\n")
     with pytest.raises(PrismError, match=r"is not that file any more \(sha256"):

@@ -9,15 +9,32 @@ torch = pytest.importorskip("torch")
 
 from prismllm.errors import PrismError  # noqa: E402
 from prismllm.generate import (  # noqa: E402
-    DEFAULT, Call, GenerateError, Selector, TensorGenerator, TensorStore, TensorStoreWriter,
-    load_rules, rule,
+    Call,
+    GenerateError,
+    Selector,
+    TensorGenerator,
+    TensorStore,
+    TensorStoreWriter,
+    load_rules,
+    rule,
 )
 
 
 def call(op, output=None, input=None, *, n=4, grank=1, index=0, **kw):
     ranks = tuple(range(10, 10 + n))
-    return Call(rank=ranks[grank], op=op, api=op, group_ranks=ranks, group_desc=kw.pop("desc", ""),
-                group_name="7", group_rank=grank, index=index, input=input, output=output, **kw)
+    return Call(
+        rank=ranks[grank],
+        op=op,
+        api=op,
+        group_ranks=ranks,
+        group_desc=kw.pop("desc", ""),
+        group_name="7",
+        group_rank=grank,
+        index=index,
+        input=input,
+        output=output,
+        **kw,
+    )
 
 
 def test_defaults_reductions():
@@ -93,10 +110,10 @@ def test_moe_counts_replicated_give_consistent_splits():
     g.fill(call("all_gather", all_counts, counts, n=ep))
     c = all_counts.view(ep, E).tolist()
     me = 1
-    in_splits = [sum(c[me][j * L:(j + 1) * L]) for j in range(ep)]
-    out_splits = [sum(c[j][me * L:(me + 1) * L]) for j in range(ep)]
+    in_splits = [sum(c[me][j * L : (j + 1) * L]) for j in range(ep)]
+    out_splits = [sum(c[j][me * L : (me + 1) * L]) for j in range(ep)]
     assert sum(in_splits) == int(counts.sum())
-    assert out_splits == [int(counts[me * L:(me + 1) * L].sum())] * ep
+    assert out_splits == [int(counts[me * L : (me + 1) * L].sum())] * ep
 
 
 def test_rules_match_and_errors(tmp_path):
@@ -161,6 +178,7 @@ def test_store_roundtrip_and_priority(tmp_path):
     @rule(op="broadcast")
     def never(call):  # the store answers first
         raise AssertionError
+
     g = TensorGenerator(11, [never.prism_rule], s)
     t = torch.empty(2, 3, dtype=torch.long)
     g.fill(call("broadcast", t, root=10, index=2))
@@ -196,6 +214,7 @@ def test_store_reads_from_many_threads(tmp_path):
             i = (k * 7 + j) % 40
             if not torch.equal(s.get("1", (3, 4), "all_reduce", i)[0], want[i]):
                 bad.append(i)
+
     ts = [threading.Thread(target=reader, args=(k,)) for k in range(8)]
     for t in ts:
         t.start()

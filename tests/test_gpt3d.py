@@ -9,6 +9,7 @@ gradient scale from the losses, but not from the norm. The learning rate is rais
 Float noise between layouts is ~1e-7 relative on the loss and ~1e-5 on the norm.
 Sizes are tiny: the cost is dominated by starting 8 Python processes on a 2-core machine.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,7 @@ MOE = ["--num-experts", "4", "--topk", "2"]
 RTOL = 1e-4
 
 
-Losses = list[tuple[float, float]]   # (loss, grad norm) per iteration
+Losses = list[tuple[float, float]]  # (loss, grad norm) per iteration
 
 
 def _env() -> dict[str, str]:
@@ -40,8 +41,19 @@ def _env() -> dict[str, str]:
 def launch(tmp: Path, nproc: int, *args: str, timeout: int = 240) -> Losses:
     """Run gpt3d under torchrun; return (loss, grad norm) per iteration from its JSON log."""
     log = tmp / f"losses-{uuid.uuid4().hex}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           str(SCRIPT), *COMMON, *args, "--json-log", str(log)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(SCRIPT),
+        *COMMON,
+        *args,
+        "--json-log",
+        str(log),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     # Only the last rank prints: one header line, then one line per iteration.
@@ -106,17 +118,23 @@ def test_moe_tp2_dp4_ep4_matches_single_rank(tmp, moe_ref, dense_ref):
     assert_close(launch(tmp, 8, "--tp", "2", "--ep", "4", *MOE), moe_ref)
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--tp", "3"], "--tp 3 --pp 1 does not divide world size 8 (need world % (tp*pp) == 0)"),
-    (["--ep", "3", "--num-experts", "6"], "--ep 3 does not divide dp 8"),
-    (["--pp", "2", "--vpp", "2", "--global-batch", "12", "--micro-batch", "1"],
-     "--vpp 2 needs the number of micro-batches (3) to be divisible by --pp 2"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tp", "3"], "--tp 3 --pp 1 does not divide world size 8 (need world % (tp*pp) == 0)"),
+        (["--ep", "3", "--num-experts", "6"], "--ep 3 does not divide dp 8"),
+        (
+            ["--pp", "2", "--vpp", "2", "--global-batch", "12", "--micro-batch", "1"],
+            "--vpp 2 needs the number of micro-batches (3) to be divisible by --pp 2",
+        ),
+    ],
+)
 def test_bad_layout_is_one_clear_line(args, message):
     # Without torchrun, as rank 0 of a world of 8: exactly one line, exit status 2, no traceback.
     env = {**_env(), "WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"gpt3d: error: {message}") and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stdout == ""
@@ -125,10 +143,19 @@ def test_bad_layout_is_one_clear_line(args, message):
 def test_bad_layout_under_torchrun():
     # Under torchrun with 4 ranks: the launcher fails, rank 0 alone printed the message, and no
     # traceback comes from gpt3d itself (torchrun prints its own ChildFailedError).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(SCRIPT), "--tp", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "4",
+        str(SCRIPT),
+        "--tp",
+        "3",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.count("gpt3d: error: --tp 3 --pp 1 does not divide world size 4") == 1, proc.stderr
-    assert "gpt3d.py\", line" not in proc.stderr
+    assert 'gpt3d.py", line' not in proc.stderr
     assert "exitcode  : 2" in proc.stderr

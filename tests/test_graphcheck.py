@@ -19,26 +19,32 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from test_emulate import PRISM
 
 from prismllm.comm.graphcheck import GraphDeviation, GraphExpectation
 from prismllm.errors import PrismError
 from prismllm.trace import PrismTrace
 from prismllm.trace.schema import EDGE_SCHEMA, ITERATION_SCHEMA, P2P_OPS
-from test_emulate import PRISM
 
 ROOT = Path(__file__).resolve().parents[1]
 COLLECTIVES = str(ROOT / "tests" / "programs" / "collectives.py")
-FIX = ("The program or its arguments differ from the captured run: capture the graph again with the same "
-       "command as this run (`prism record` / `prism capture`), or run the command the graph was captured "
-       "with (`" + COLLECTIVES + "`)")
+FIX = (
+    "The program or its arguments differ from the captured run: capture the graph again with the same "
+    "command as this run (`prism record` / `prism capture`), or run the command the graph was captured "
+    "with (`" + COLLECTIVES + "`)"
+)
 
 
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("graphcheck") / "collectives"
-    proc = subprocess.run([PRISM, "record", "--nproc", "4", "--devices", "cpu", "--out", str(out), "--timeout", "120",
-                           "--", COLLECTIVES], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
+    proc = subprocess.run(
+        [PRISM, "record", "--nproc", "4", "--devices", "cpu", "--out", str(out), "--timeout", "120", "--", COLLECTIVES],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 
@@ -77,19 +83,23 @@ def test_other_op_size_or_root_is_one_clear_line(graph):
     head = "rank 1 deviates from its graph at "
     assert deviation(e, "0", "all_gather", 0, 16, 64) == (
         head + "all_gather #0 on group 0 (default_pg) [0, 1, 2, 3]: the program issued all_gather of 16 bytes in, "
-        "64 bytes out, the graph has all_reduce of 16 bytes (float32 [4], iteration 0)")
+        "64 bytes out, the graph has all_reduce of 16 bytes (float32 [4], iteration 0)"
+    )
     assert deviation(e, "0", "all_reduce", 0, 32, 32) == (
         head + "all_reduce #0 on group 0 (default_pg) [0, 1, 2, 3]: the program issued all_reduce of 32 bytes, "
-        "the graph has all_reduce of 16 bytes (float32 [4], iteration 0)")
+        "the graph has all_reduce of 16 bytes (float32 [4], iteration 0)"
+    )
     # collectives.py: broadcast #11 on the default group from root 2
     assert deviation(e, "0", "broadcast", 11, 0, 20, 0) == (
         head + "broadcast #11 on group 0 (default_pg) [0, 1, 2, 3]: the program issued broadcast of 0 bytes in, "
         "20 bytes out from root 0, the graph has broadcast of 0 bytes in, 20 bytes out from root 2 "
-        "(float32 [5], iteration 0)")
+        "(float32 [5], iteration 0)"
+    )
     # the first recv from rank 0 carries 3 floats
     assert deviation(e, "0", "recv", 0, 0, 16, 0) == (
         head + "recv #0 from rank 0 on group 0 (default_pg) [0, 1, 2, 3]: the program issued recv of 16 bytes, "
-        "the graph has recv of 12 bytes (float32 [3], iteration 0)")
+        "the graph has recv of 12 bytes (float32 [3], iteration 0)"
+    )
 
 
 def test_a_call_beyond_the_graph_is_a_deviation(graph):
@@ -100,13 +110,16 @@ def test_a_call_beyond_the_graph_is_a_deviation(graph):
     assert n > 20 and sends == 3
     assert deviation(e, "0", "all_reduce", n, 4, 4) == (
         f"rank 1 deviates from its graph at all_reduce #{n} on group 0 (default_pg) [0, 1, 2, 3]: the program "
-        f"issued all_reduce of 4 bytes, the graph has no more collectives on this group (it has {n})")
+        f"issued all_reduce of 4 bytes, the graph has no more collectives on this group (it has {n})"
+    )
     assert deviation(e, "0", "send", 3, 12, 0, 2).endswith(
         "send #3 to rank 2 on group 0 (default_pg) [0, 1, 2, 3]: the program issued send of 12 bytes, the graph "
-        "has no more sends to rank 2 on this group (it has 3)")
+        "has no more sends to rank 2 on this group (it has 3)"
+    )
     # rank 1 never sends to rank 0 on the default group: the peer is part of the key
     assert deviation(e, "0", "send", 0, 12, 0, 0).endswith(
-        "the graph has no more sends to rank 0 on this group (it has 0)")
+        "the graph has no more sends to rank 0 on this group (it has 0)"
+    )
 
 
 def test_another_group_is_a_deviation(graph):
@@ -114,7 +127,8 @@ def test_another_group_is_a_deviation(graph):
     # group "1" is new_group([0, 2]): rank 1 is not in it
     assert deviation(e, "1", "all_reduce", 0, 4, 4) == (
         "rank 1 deviates from its graph at all_reduce #0 on group 1: the program issued all_reduce of 4 bytes, "
-        "the graph does not have rank 1 in it")
+        "the graph does not have rank 1 in it"
+    )
     assert deviation(e, "7", "barrier", 0, 0, 0).endswith("the graph has no such group")
 
 
@@ -133,22 +147,43 @@ def test_building_one_rank_of_a_large_graph_is_fast(tmp_path):
     comm = index % 2 == 1
     k = index // 2
     nbytes = np.where(comm, 4096 + 8 * (k % 7), 0).astype(np.int64)
-    nodes = pa.table({
-        "node_id": np.arange(len(index), dtype=np.int64), "rank": np.repeat(np.arange(R, dtype=np.int32), 2 * C),
-        "index": index, "kind": np.where(comm, "comm", "compute"),
-        "op": np.where(comm, np.where(k % 4 == 3, "all_gather", "all_reduce"), "compute"),
-        "group": np.where(comm, 0, -1).astype(np.int32), "seq": np.where(comm, k, -1).astype(np.int64),
-        "in_bytes": nbytes, "out_bytes": nbytes})
-    groups = pa.table({"group_id": pa.array([0], pa.int32()), "name": ["0"], "desc": ["default_pg"],
-                       "ranks": pa.array([list(range(R))], pa.list_(pa.int32()))})
-    PrismTrace({"world_size": R, "command": ["big.py"]}, nodes, EDGE_SCHEMA.empty_table(), groups,
-               ITERATION_SCHEMA.empty_table()).save(tmp_path / "big")
+    nodes = pa.table(
+        {
+            "node_id": np.arange(len(index), dtype=np.int64),
+            "rank": np.repeat(np.arange(R, dtype=np.int32), 2 * C),
+            "index": index,
+            "kind": np.where(comm, "comm", "compute"),
+            "op": np.where(comm, np.where(k % 4 == 3, "all_gather", "all_reduce"), "compute"),
+            "group": np.where(comm, 0, -1).astype(np.int32),
+            "seq": np.where(comm, k, -1).astype(np.int64),
+            "in_bytes": nbytes,
+            "out_bytes": nbytes,
+        }
+    )
+    groups = pa.table(
+        {
+            "group_id": pa.array([0], pa.int32()),
+            "name": ["0"],
+            "desc": ["default_pg"],
+            "ranks": pa.array([list(range(R))], pa.list_(pa.int32())),
+        }
+    )
+    PrismTrace(
+        {"world_size": R, "command": ["big.py"]},
+        nodes,
+        EDGE_SCHEMA.empty_table(),
+        groups,
+        ITERATION_SCHEMA.empty_table(),
+    ).save(tmp_path / "big")
     t0 = time.perf_counter()
     e = GraphExpectation(tmp_path / "big", 517)
     took = time.perf_counter() - t0
     assert took < 1.0, took
     assert len(e) == C  # only rank 517's calls were kept
     e.check("0", "all_gather", 3, 4096 + 8 * 3, 4096 + 8 * 3)
-    with pytest.raises(GraphDeviation, match=r"rank 517 deviates .* the graph has no more collectives on this "
-                                             r"group \(it has 1024\)"):
+    with pytest.raises(
+        GraphDeviation,
+        match=r"rank 517 deviates .* the graph has no more collectives on this "
+        r"group \(it has 1024\)",
+    ):
         e.check("0", "all_reduce", C, 4096, 4096)

@@ -1,4 +1,4 @@
-"""The torchrun-shaped launcher (prismllm.capture.launcher) and `prism record` (CPU, fast).
+"""The torchrun-shaped launcher (prismllm.launch.launcher) and `prism record` (CPU, fast).
 
 Most tests run plain scripts (``runner=None``) so that they do not depend on the recording
 bootstrap; the `prism record` flow is tested with stand-ins for the bootstrap and the trace
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from prismllm.capture import launcher as L
-from prismllm.capture.launcher import LaunchError, LaunchSpec, launch
+from prismllm import launch as L
 from prismllm.errors import PrismError
+from prismllm.launch import LaunchError, LaunchSpec, launch
+from prismllm.specs import format_ranks
 
 PY = sys.executable
 
@@ -85,7 +86,7 @@ class Lines:
             self.lines.append((rank, stream, line))
 
     def text(self, stream=None) -> str:
-        return "".join(l for _, s, l in self.lines if stream in (None, s))
+        return "".join(line for _, s, line in self.lines if stream in (None, s))
 
 
 # A rank script that records its pid (and its child's, if asked) and then does what MODE says.
@@ -162,13 +163,16 @@ def test_all_ranks_exit_zero(rank_script):
 
 
 def test_output_lines_intact_and_logs(tmp_path):
-    script = write(tmp_path / "chatty.py", """
+    script = write(
+        tmp_path / "chatty.py",
+        """
         import os, sys
         r = os.environ["RANK"]
         for i in range(300):
             print(f"{r}:" + "x" * 200 + f":{i}")
             print(f"e{r}:{i}", file=sys.stderr)
-    """)
+    """,
+    )
     sink = Lines()
     res = launch(LaunchSpec(nproc=3, script=str(script), runner=None, sink=sink, log_dir=tmp_path / "logs"))
     assert res.ok
@@ -200,8 +204,14 @@ def test_show_ranks_filters_passthrough(rank_script):
 def test_rank_failure_ends_all_others(rank_script):
     script, piddir = rank_script
     t0 = time.monotonic()
-    res = launch(spec_for(script, piddir, 4, env={"MODE": "sleep", "MODE_2": "raise", "GRANDCHILD": "1",
-                                                          "WAIT_FOR_GRANDCHILDREN": "4"}))
+    res = launch(
+        spec_for(
+            script,
+            piddir,
+            4,
+            env={"MODE": "sleep", "MODE_2": "raise", "GRANDCHILD": "1", "WAIT_FOR_GRANDCHILDREN": "4"},
+        )
+    )
     assert time.monotonic() - t0 < 15
     assert not res.ok
     assert res.failure.rank == 2 and res.failure.returncode == 1 and res.failure.kind == "exit"
@@ -222,9 +232,15 @@ def test_rank_failure_ends_all_others(rank_script):
 def test_hung_rank_is_killed_when_another_fails(rank_script):
     """Rank 0 ignores SIGTERM and hangs; rank 1 fails: rank 0 is SIGKILLed after the grace."""
     script, piddir = rank_script
-    res = launch(spec_for(script, piddir, 3, grace_period=0.5,
-                          env={"MODE_0": "hang_ignore_term", "MODE_1": "fail_later",
-                               "WAIT_FILES": "ready-0", "DELAY": "0.2"}))
+    res = launch(
+        spec_for(
+            script,
+            piddir,
+            3,
+            grace_period=0.5,
+            env={"MODE_0": "hang_ignore_term", "MODE_1": "fail_later", "WAIT_FILES": "ready-0", "DELAY": "0.2"},
+        )
+    )
     assert not res.ok
     assert res.failure.rank == 1 and res.failure.returncode == 3
     assert res.message.startswith("rank 1 exited with code 3")
@@ -270,7 +286,7 @@ def test_bad_specs_raise_before_starting(tmp_path):
 
 DRIVER = """
 import sys
-from prismllm.capture.launcher import LaunchInterrupted, LaunchSpec, launch
+from prismllm.launch import LaunchInterrupted, LaunchSpec, launch
 spec = LaunchSpec(nproc=3, script=sys.argv[1], runner=None, grace_period=1.0,
                   env={"PIDDIR": sys.argv[2], "MODE": "sleep", "MODE_1": sys.argv[3],
                        "GRANDCHILD": "1"})
@@ -286,8 +302,9 @@ except KeyboardInterrupt:
 
 def _start_driver(tmp_path, script, piddir, mode1="sleep"):
     driver = write(tmp_path / "driver.py", DRIVER)
-    proc = subprocess.Popen([PY, str(driver), str(script), str(piddir), mode1],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [PY, str(driver), str(script), str(piddir), mode1], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     files = [piddir / f"rank-{r}.pid" for r in range(3)] + [piddir / f"grandchild-{r}.pid" for r in range(3)]
     if mode1 == "hang_ignore_term":
         files.append(piddir / "ready-1")
@@ -332,7 +349,9 @@ def test_launcher_sigkill_children_die(tmp_path, rank_script):
 
 def test_pdeathsig_alone_without_watchdog(tmp_path, rank_script):
     script, piddir = rank_script
-    driver = write(tmp_path / "driver_nowd.py", DRIVER.replace("grace_period=1.0,", "grace_period=1.0, watchdog=False,"))
+    driver = write(
+        tmp_path / "driver_nowd.py", DRIVER.replace("grace_period=1.0,", "grace_period=1.0, watchdog=False,")
+    )
     proc = subprocess.Popen([PY, str(driver), str(script), str(piddir), "sleep"])
     wait_files([piddir / f"rank-{r}.pid" for r in range(3)] + [piddir / f"grandchild-{r}.pid" for r in range(3)])
     proc.kill()
@@ -364,20 +383,24 @@ def _dump_envs(tmp_path, nproc, **kw):
     script = write(tmp_path / "envdump.py", ENV_DUMP)
     dump = tmp_path / "envs"
     dump.mkdir()
-    res = launch(LaunchSpec(nproc=nproc, script=str(script), runner=None,
-                            env={"DUMP_DIR": str(dump), **kw.pop("env", {})}, **kw))
+    res = launch(
+        LaunchSpec(nproc=nproc, script=str(script), runner=None, env={"DUMP_DIR": str(dump), **kw.pop("env", {})}, **kw)
+    )
     assert res.ok, res.message
     return res, [json.loads((dump / f"env-{r}.json").read_text()) for r in res.ranks]
 
 
 def test_child_env_is_torchrun_set_plus_nvls_off(tmp_path, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    res, envs = _dump_envs(tmp_path, 4, env={"EXTRA": "1", "DROPPED": None},
-                           rank_env={3: {"ONLY3": "yes"}})
+    res, envs = _dump_envs(tmp_path, 4, env={"EXTRA": "1", "DROPPED": None}, rank_env={3: {"ONLY3": "yes"}})
     for r, env in enumerate(envs):
         assert {k: env[k] for k in PROGRAM_VARS} == {
-            "RANK": str(r), "WORLD_SIZE": "4", "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "4",
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(res.master_port),
+            "RANK": str(r),
+            "WORLD_SIZE": "4",
+            "LOCAL_RANK": str(r),
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(res.master_port),
         }
         assert {k: env[k] for k in NVLS_OFF} == NVLS_OFF
         assert env["GROUP_RANK"] == "0" and env["ROLE_RANK"] == str(r) and env["ROLE_NAME"] == "default"
@@ -403,8 +426,13 @@ def test_same_variables_as_real_torchrun(tmp_path, monkeypatch):
     base = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "LC_ALL": "C.UTF-8"}
     tr_dir = tmp_path / "torchrun"
     tr_dir.mkdir()
-    subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-                   env={**base, "DUMP_DIR": str(tr_dir)}, check=True, capture_output=True, timeout=60)
+    subprocess.run(
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        env={**base, "DUMP_DIR": str(tr_dir)},
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
     ours_dir = tmp_path / "envs"
     ours_dir.mkdir()
     monkeypatch.setattr(os, "environ", os.environ.copy())
@@ -414,8 +442,13 @@ def test_same_variables_as_real_torchrun(tmp_path, monkeypatch):
     assert res.ok, res.message
     # Differ by design: port, run id, error-file path; torchrun --standalone hosts the store in
     # its agent too but names the host "localhost"; the agent's own signal list leaks to workers.
-    differ = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", "MASTER_ADDR",
-              "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+    differ = {
+        "MASTER_PORT",
+        "TORCHELASTIC_RUN_ID",
+        "TORCHELASTIC_ERROR_FILE",
+        "MASTER_ADDR",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE",
+    }
     for r in range(2):
         theirs = json.loads((tr_dir / f"env-{r}.json").read_text())
         ours = json.loads((ours_dir / f"env-{r}.json").read_text())
@@ -444,25 +477,31 @@ def test_shared_gpu_env_makes_each_process_its_own_host():
     NCCL (a distinct NCCL_HOSTID), which is what lets NCCL accept them in one communicator."""
     spec = LaunchSpec(nproc=3, script="s.py", devices=[1, 1, 0])
     parent = {"CUDA_VISIBLE_DEVICES": "4,6"}
-    envs = [L.build_env(spec, rank=r, local_rank=r, master_port=1, run_id="rid", parent=parent)
-            for r in range(3)]
+    envs = [L.build_env(spec, rank=r, local_rank=r, master_port=1, run_id="rid", parent=parent) for r in range(3)]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["6", "6", "4"]
     assert [e["LOCAL_RANK"] for e in envs] == ["0", "0", "0"]
     assert {e["LOCAL_WORLD_SIZE"] for e in envs} == {"1"}
     assert len({e["NCCL_HOSTID"] for e in envs}) == 3
     # distinct GPUs: torchrun's way, no host ids
-    plain = L.build_env(LaunchSpec(nproc=2, script="s.py", devices=[0, 1]), rank=1, local_rank=1,
-                        master_port=1, run_id="rid", parent={})
+    plain = L.build_env(
+        LaunchSpec(nproc=2, script="s.py", devices=[0, 1]), rank=1, local_rank=1, master_port=1, run_id="rid", parent={}
+    )
     assert plain["LOCAL_RANK"] == "1" and "NCCL_HOSTID" not in plain
     # own_hosts without sharing among the ranks (an assistant shares a rank's GPU)
-    own = L.build_env(LaunchSpec(nproc=2, script="s.py", devices=[2, 3], own_hosts=True), rank=1,
-                      local_rank=1, master_port=1, run_id="rid", parent={})
+    own = L.build_env(
+        LaunchSpec(nproc=2, script="s.py", devices=[2, 3], own_hosts=True),
+        rank=1,
+        local_rank=1,
+        master_port=1,
+        run_id="rid",
+        parent={},
+    )
     assert own["CUDA_VISIBLE_DEVICES"] == "3" and own["LOCAL_RANK"] == "0" and own["NCCL_HOSTID"]
 
 
 def test_format_ranks():
-    assert L.format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
-    assert L.format_ranks([3]) == "3"
+    assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+    assert format_ranks([3]) == "3"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -480,7 +519,7 @@ def prism(argv, monkeypatch) -> int:
 
 def one_line_error(capsys) -> str:
     err = capsys.readouterr().err
-    lines = [l for l in err.splitlines() if l.strip()]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
     assert len(lines) == 1, err
     return lines[0]
 
@@ -494,24 +533,32 @@ def test_cli_refuses_nonempty_out_dir(tmp_path, monkeypatch, capsys):
     line = one_line_error(capsys)
     assert line.startswith("prism record: error: output directory") and "--force" in line
     # --force does not delete a directory that is not a trace
-    assert prism(["record", "--nproc", "2", "--devices", "cpu", "--force", "--out", str(out), str(script)], monkeypatch) == 2
+    assert (
+        prism(["record", "--nproc", "2", "--devices", "cpu", "--force", "--out", str(out), str(script)], monkeypatch)
+        == 2
+    )
     assert "refusing to delete" in one_line_error(capsys)
     assert (out / "something").exists()
 
 
 def test_cli_missing_script(tmp_path, monkeypatch, capsys):
-    rc = prism(["record", "--nproc", "2", "--out", str(tmp_path / "o"), "--", str(tmp_path / "missing.py"), "--x"], monkeypatch)
+    rc = prism(
+        ["record", "--nproc", "2", "--out", str(tmp_path / "o"), "--", str(tmp_path / "missing.py"), "--x"], monkeypatch
+    )
     assert rc == 2
     assert one_line_error(capsys) == f"prism record: error: script not found: {tmp_path / 'missing.py'}"
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (["--layout", "tp2"], "bad --layout"),
-    (["--devices", "tpu"], "bad --devices"),
-    (["--nproc", "0"], "--nproc must be at least 1"),
-    (["--timeout", "0"], "--timeout must be positive"),
-])
+@pytest.mark.parametrize(
+    "extra,needle",
+    [
+        (["--layout", "tp2"], "bad --layout"),
+        (["--devices", "tpu"], "bad --devices"),
+        (["--nproc", "0"], "--nproc must be at least 1"),
+        (["--timeout", "0"], "--timeout must be positive"),
+    ],
+)
 def test_cli_bad_inputs(tmp_path, monkeypatch, capsys, extra, needle):
     script = write(tmp_path / "s.py", "pass\n")
     argv = ["record", "--nproc", "2", "--out", str(tmp_path / "o"), *extra, "--", str(script)]
@@ -520,9 +567,9 @@ def test_cli_bad_inputs(tmp_path, monkeypatch, capsys, extra, needle):
 
 
 def test_devices_resolution(monkeypatch):
-    from prismllm.capture import record as R
+    from prismllm.capture import common as R
 
-    monkeypatch.setattr(R, "_cuda_info", lambda: (True, 2))
+    monkeypatch.setattr(R, "cuda_info", lambda: (True, 2))
     assert R.resolve_devices(None, 2) == ("cuda", [0, 1])
     assert R.resolve_devices(None, 4) == ("cpu", "cpu")  # more ranks than GPUs: default cpu
     assert R.resolve_devices("cuda:1,0", 2) == ("cuda", [1, 0])
@@ -531,19 +578,19 @@ def test_devices_resolution(monkeypatch):
     assert R.resolve_devices("cuda:0,0,1,1", 4) == ("cuda", [0, 0, 1, 1])  # shared GPUs
     with pytest.raises(PrismError, match="GPU 2 does not exist"):
         R.resolve_devices("cuda:0,2", 2)
-    monkeypatch.setattr(R, "_cuda_info", lambda: (False, 0))
+    monkeypatch.setattr(R, "cuda_info", lambda: (False, 0))
     assert R.resolve_devices(None, 2) == ("cpu", "cpu")
     with pytest.raises(PrismError, match="no CUDA device"):
         R.resolve_devices("cuda", 1)
 
 
 def test_parse_layout():
-    from prismllm.capture.record import parse_layout
+    from prismllm.specs import parse_layout
 
-    assert parse_layout("tp=2, pp=4,schedule=1f1b") == {"tp": 2, "pp": 4, "schedule": "1f1b"}
+    assert parse_layout("tp=2, PP=4,schedule=1f1b") == {"tp": 2, "pp": 4, "schedule": "1f1b"}
     assert parse_layout(None) is None
     for bad in ("tp", "tp=", "=2", "tp=2,tp=4", ","):
-        with pytest.raises(PrismError):
+        with pytest.raises(ValueError, match="bad --layout"):
             parse_layout(bad)
 
 
@@ -613,19 +660,39 @@ def standins(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "prismllm.trace.assemble", asm)
     monkeypatch.setitem(sys.modules, "prismllm.trace.validate", val)
     pythonpath = os.pathsep.join([str(mod_dir), *filter(None, [os.environ.get("PYTHONPATH")])])
-    monkeypatch.setattr(cli_record, "RecordOptions", functools.partial(
-        cli_record.RecordOptions, runner="prism_standin_bootstrap", env={"PYTHONPATH": pythonpath}))
+    monkeypatch.setattr(
+        cli_record,
+        "RecordOptions",
+        functools.partial(cli_record.RecordOptions, runner="prism_standin_bootstrap", env={"PYTHONPATH": pythonpath}),
+    )
     return calls
 
 
 def test_record_flow_with_standins(tmp_path, monkeypatch, capsys, standins):
-    script = write(tmp_path / "train.py", """
+    script = write(
+        tmp_path / "train.py",
+        """
         import os, sys
         print("training on rank", os.environ["RANK"], "args", sys.argv[1:])
-    """)
+    """,
+    )
     out = tmp_path / "trace"
-    argv = ["record", "--nproc", "3", "--devices", "cpu", "--out", str(out), "--layout", "tp=3",
-            "--tee", "--", str(script), "--iters", "2"]
+    argv = [
+        "record",
+        "--nproc",
+        "3",
+        "--devices",
+        "cpu",
+        "--out",
+        str(out),
+        "--layout",
+        "tp=3",
+        "--tee",
+        "--",
+        str(script),
+        "--iters",
+        "2",
+    ]
     assert prism(argv, monkeypatch) == 0, capsys.readouterr().err
     captured = capsys.readouterr()
     assert "training on rank 1 args ['--iters', '2']" in captured.out
@@ -648,12 +715,15 @@ def test_record_flow_with_standins(tmp_path, monkeypatch, capsys, standins):
 
 
 def test_record_rank_failure_message(tmp_path, monkeypatch, capsys, standins):
-    script = write(tmp_path / "bad.py", """
+    script = write(
+        tmp_path / "bad.py",
+        """
         import os
         if os.environ["RANK"] == "0":
             raise SystemExit("config error: unknown --foo")
         import time; time.sleep(30)
-    """)
+    """,
+    )
     out = tmp_path / "trace"
     t0 = time.monotonic()
     rc = prism(["record", "--nproc", "2", "--devices", "cpu", "--out", str(out), "--", str(script)], monkeypatch)
@@ -674,7 +744,9 @@ def test_record_missing_ranklogs(tmp_path, monkeypatch, capsys):
     asm, val = _standin_trace_api(calls)
     monkeypatch.setitem(sys.modules, "prismllm.trace.assemble", asm)
     monkeypatch.setitem(sys.modules, "prismllm.trace.validate", val)
-    monkeypatch.setattr(cli_record, "RecordOptions", functools.partial(cli_record.RecordOptions, runner=""))  # run SCRIPT directly
+    monkeypatch.setattr(
+        cli_record, "RecordOptions", functools.partial(cli_record.RecordOptions, runner="")
+    )  # run SCRIPT directly
     out = tmp_path / "o"
     assert prism(["record", "--nproc", "2", "--devices", "cpu", "--out", str(out), str(script)], monkeypatch) == 2
     assert "rank(s) 0-1 exited normally but wrote no rank log" in capsys.readouterr().err
@@ -693,8 +765,11 @@ def _importable(name: str) -> bool:
 
 
 needs_recorder = pytest.mark.skipif(
-    not (_importable("prismllm.comm.bootstrap") and _importable("prismllm.trace.assemble")
-         and _importable("prismllm.trace.validate")),
+    not (
+        _importable("prismllm.comm.bootstrap")
+        and _importable("prismllm.trace.assemble")
+        and _importable("prismllm.trace.validate")
+    ),
     reason="prismllm.comm.bootstrap / prismllm.trace.assemble not there yet",
 )
 
@@ -720,8 +795,24 @@ dist.destroy_process_group()
 def test_record_end_to_end(tmp_path, monkeypatch, capsys):
     script = write(tmp_path / "train.py", GLOO_PROGRAM)
     out = tmp_path / "trace"
-    rc = prism(["record", "--nproc", "2", "--devices", "cpu", "--layout", "dp=2", "--timeout", "120",
-                "--out", str(out), "--", str(script)], monkeypatch)
+    rc = prism(
+        [
+            "record",
+            "--nproc",
+            "2",
+            "--devices",
+            "cpu",
+            "--layout",
+            "dp=2",
+            "--timeout",
+            "120",
+            "--out",
+            str(out),
+            "--",
+            str(script),
+        ],
+        monkeypatch,
+    )
     assert rc == 0, capsys.readouterr().err
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["world_size"] == 2 and manifest["mode"] == "record" and manifest["layout"] == {"dp": 2}
@@ -732,13 +823,30 @@ def test_record_end_to_end(tmp_path, monkeypatch, capsys):
 @pytest.mark.slow
 @needs_recorder
 def test_record_end_to_end_failure_at_start(tmp_path, monkeypatch, capsys):
-    script = write(tmp_path / "bad.py", """
+    script = write(
+        tmp_path / "bad.py",
+        """
         import torch.distributed as dist
         dist.init_process_group("gloo")
         raise ValueError("bad config")
-    """)
-    rc = prism(["record", "--nproc", "2", "--devices", "cpu", "--timeout", "120",
-                "--out", str(tmp_path / "o"), "--", str(script)], monkeypatch)
+    """,
+    )
+    rc = prism(
+        [
+            "record",
+            "--nproc",
+            "2",
+            "--devices",
+            "cpu",
+            "--timeout",
+            "120",
+            "--out",
+            str(tmp_path / "o"),
+            "--",
+            str(script),
+        ],
+        monkeypatch,
+    )
     assert rc != 0
     err = capsys.readouterr().err
     assert "prism record: error: rank " in err and "ValueError: bad config" in err
@@ -783,9 +891,18 @@ def _extra_spec(tmp_path, piddir, mode, rank_mode="ok", grace=30.0):
     rank = write(tmp_path / "rank_store.py", STORE_RANK)
     extra = write(tmp_path / "extra.py", EXTRA_SCRIPT)
     ex = L.ExtraProcess("assistant", [PY, str(extra)], env={"EXTRA_MODE": mode, "GREETING": "hello"})
-    return LaunchSpec(nproc=1, script=str(rank), runner=None, ranks=[1], world_size=2, sink=Lines(),
-                      env={"PIDDIR": str(piddir), "RANK_MODE": rank_mode}, extra=[ex], extra_grace=grace,
-                      timeout=60)
+    return LaunchSpec(
+        nproc=1,
+        script=str(rank),
+        runner=None,
+        ranks=[1],
+        world_size=2,
+        sink=Lines(),
+        env={"PIDDIR": str(piddir), "RANK_MODE": rank_mode},
+        extra=[ex],
+        extra_grace=grace,
+        timeout=60,
+    )
 
 
 def test_extra_process_shares_the_store_and_ends_with_the_run(tmp_path):

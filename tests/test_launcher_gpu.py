@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from prismllm.capture.launcher import LaunchSpec, launch  # noqa: E402
+from prismllm.launch import LaunchSpec, launch  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
@@ -59,8 +59,11 @@ def test_local_rank_selects_gpu_and_nccl_works(tmp_path):
     script = write(tmp_path / "prog.py", NCCL_PROGRAM)
     dump = tmp_path / "dump"
     dump.mkdir()
-    res = launch(LaunchSpec(nproc=n, script=str(script), runner=None, devices=list(range(n)),
-                            env={"DUMP_DIR": str(dump)}, timeout=300))
+    res = launch(
+        LaunchSpec(
+            nproc=n, script=str(script), runner=None, devices=list(range(n)), env={"DUMP_DIR": str(dump)}, timeout=300
+        )
+    )
     assert res.ok, res.message
     for r in range(n):
         d = json.loads((dump / f"rank-{r}.json").read_text())
@@ -77,8 +80,9 @@ def test_listed_gpu_is_the_one_used(tmp_path):
     script = write(tmp_path / "prog.py", NCCL_PROGRAM)
     dump = tmp_path / "dump"
     dump.mkdir()
-    res = launch(LaunchSpec(nproc=1, script=str(script), runner=None, devices=[1],
-                            env={"DUMP_DIR": str(dump)}, timeout=300))
+    res = launch(
+        LaunchSpec(nproc=1, script=str(script), runner=None, devices=[1], env={"DUMP_DIR": str(dump)}, timeout=300)
+    )
     assert res.ok, res.message
     d = json.loads((dump / "rank-0.json").read_text())
     assert d["uuid"] == str(torch.cuda.get_device_properties(1).uuid)
@@ -87,7 +91,9 @@ def test_listed_gpu_is_the_one_used(tmp_path):
 @pytest.mark.skipif(ngpus() < 2, reason="needs 2 GPUs")
 def test_rank_failure_while_peer_waits_in_nccl(tmp_path):
     """Rank 1 dies while rank 0 is blocked in an NCCL all-reduce: rank 0 is ended."""
-    script = write(tmp_path / "prog.py", """
+    script = write(
+        tmp_path / "prog.py",
+        """
         import os, torch, torch.distributed as dist
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group("nccl")
@@ -96,10 +102,10 @@ def test_rank_failure_while_peer_waits_in_nccl(tmp_path):
         if dist.get_rank() == 1:
             raise RuntimeError("rank 1 broke after init")
         dist.all_reduce(x); torch.cuda.synchronize()  # waits for rank 1 forever
-    """)
+    """,
+    )
     t0 = time.monotonic()
-    res = launch(LaunchSpec(nproc=2, script=str(script), runner=None, devices=[0, 1],
-                            grace_period=5.0, timeout=300))
+    res = launch(LaunchSpec(nproc=2, script=str(script), runner=None, devices=[0, 1], grace_period=5.0, timeout=300))
     assert time.monotonic() - t0 < 120
     assert not res.ok and res.failure.rank == 1
     assert res.message.startswith("rank 1 exited with code 1: RuntimeError: rank 1 broke after init")
@@ -115,8 +121,10 @@ def _importable(name: str) -> bool:
         return False
 
 
-@pytest.mark.skipif(not (_importable("prismllm.comm.bootstrap") and _importable("prismllm.trace.assemble")),
-                    reason="recording bootstrap / assembler not there yet")
+@pytest.mark.skipif(
+    not (_importable("prismllm.comm.bootstrap") and _importable("prismllm.trace.assemble")),
+    reason="recording bootstrap / assembler not there yet",
+)
 def test_prism_record_on_gpus(tmp_path, monkeypatch, capsys):
     from prismllm.cli import main as cli_main
 

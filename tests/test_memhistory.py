@@ -9,8 +9,13 @@ def ev(action, addr, size, where=("/w/prog.py", 1, "f")):
 
 
 def test_peak_counts_alloc_until_free_requested():
-    events = [ev("alloc", 1, 10), ev("alloc", 2, 4), ev("free_requested", 2, 4),
-              ev("free_completed", 2, 4), ev("alloc", 3, 2)]
+    events = [
+        ev("alloc", 1, 10),
+        ev("alloc", 2, 4),
+        ev("free_requested", 2, 4),
+        ev("free_completed", 2, 4),
+        ev("alloc", 3, 2),
+    ]
     peak, live = live_at_peak(events)
     assert peak == 14 and sorted(b["addr"] for b in live) == [1, 2]
 

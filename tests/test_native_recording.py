@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import GPT3D, PRISM, ROOT
 
 torch = pytest.importorskip("torch")
@@ -76,12 +75,30 @@ else:
 def test_a_hung_recording_says_where_each_rank_waits(tmp_path):
     """Two ranks wait on calls that never match: the timeout's message names, per rank, the
     program's line, the call it waits on (op, group, peer or root) and its counts, from the
-    native recorder (prismllm.status; the Python recorder's report: test_emulate_faults)."""
+    native recorder (prismllm.launch.status; the Python recorder's report: test_emulate_faults)."""
     script = tmp_path / "mismatch.py"
     script.write_text(MISMATCH)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PRISM_NATIVE": "1"}
-    p = subprocess.run([PRISM, "record", "--nproc", "2", "--devices", "cpu", "--out", str(tmp_path / "g"),
-                        "--timeout", "10", "--", str(script)], capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(
+        [
+            PRISM,
+            "record",
+            "--nproc",
+            "2",
+            "--devices",
+            "cpu",
+            "--out",
+            str(tmp_path / "g"),
+            "--timeout",
+            "10",
+            "--",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert p.returncode != 0
     err = p.stderr
     assert "prism record: error: timed out after 10 s; ranks still running: 0-1" in err, err
@@ -140,8 +157,9 @@ def test_native_cuda_recording_resolves_every_point(tmp_path):
 
 def _load_in_child(env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
     code = "from prismllm.comm.native import load; load(); print('LOADED')"
-    return subprocess.run([sys.executable, "-c", code], capture_output=True,
-                          text=True, env={**os.environ, **env}, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={**os.environ, **env}, timeout=timeout
+    )
 
 
 def test_build_locks_left_behind_are_removed_and_a_live_one_is_named(tmp_path):
@@ -178,10 +196,12 @@ def test_build_locks_left_behind_are_removed_and_a_live_one_is_named(tmp_path):
 
 def _prism_record(tmp_path: Path, name: str, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
     prog = tmp_path / "one_all_reduce.py"
-    prog.write_text("import torch, torch.distributed as dist\n"
-                    "dist.init_process_group('gloo')\n"
-                    "t = torch.ones(4)\n"
-                    "dist.all_reduce(t)\n")
+    prog.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.ones(4)\n"
+        "dist.all_reduce(t)\n"
+    )
     run_env = {k: v for k, v in os.environ.items() if k != "PRISM_NATIVE"}
     run_env.update(env or {}, OMP_NUM_THREADS="1")
     cmd = [PRISM, "record", "--nproc", "2", "--devices", "cpu", "--out", str(tmp_path / name),

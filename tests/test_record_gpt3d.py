@@ -26,8 +26,24 @@ from prismllm.trace import PrismTrace, validate
 PRISM = str(Path(sys.executable).with_name("prism"))
 ITERS = 3
 # Tiny sizes: the cost is starting 8 processes on a 2-core machine.
-SIZES = ["--layers", "4", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
-         "--micro-batch", "1", "--iters", str(ITERS), "--bucket-mb", "0.01"]
+SIZES = [
+    "--layers",
+    "4",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq",
+    "16",
+    "--vocab",
+    "128",
+    "--micro-batch",
+    "1",
+    "--iters",
+    str(ITERS),
+    "--bucket-mb",
+    "0.01",
+]
 
 # Each layout's full gpt3d command line and `prism record` options. The recordings are shared
 # through conftest.gpt3d_recording with every test that records the same command: TP2·PP2·DP2
@@ -38,9 +54,34 @@ LAYOUTS = {
     "tp2pp2dp2": [*SIZES, "--tp", "2", "--pp", "2", "--global-batch", "8"],
     "pp4": [*SIZES, "--pp", "4", "--global-batch", "8"],  # dp 2, m 4: a steady 1F1B phase on stage 0
     "pp2vpp2dp2_distopt": [*SIZES, "--pp", "2", "--vpp", "2", "--global-batch", "8", "--dist-opt"],
-    "tp2ep4_moe": ["--tp", "2", "--ep", "4", "--num-experts", "4", "--topk", "2",
-                   "--layers", "4", "--hidden", "32", "--heads", "4", "--vocab", "64", "--seq", "8",
-                   "--micro-batch", "1", "--global-batch", "8", "--iters", "2", "--bucket-mb", "0.002"],
+    "tp2ep4_moe": [
+        "--tp",
+        "2",
+        "--ep",
+        "4",
+        "--num-experts",
+        "4",
+        "--topk",
+        "2",
+        "--layers",
+        "4",
+        "--hidden",
+        "32",
+        "--heads",
+        "4",
+        "--vocab",
+        "64",
+        "--seq",
+        "8",
+        "--micro-batch",
+        "1",
+        "--global-batch",
+        "8",
+        "--iters",
+        "2",
+        "--bucket-mb",
+        "0.002",
+    ],
 }
 RECORD_OPTIONS = {"tp2ep4_moe": {"save_tensors": "all,inputs", "save_params": True}}
 ITERATIONS = {name: int(args[args.index("--iters") + 1]) for name, args in LAYOUTS.items()}
@@ -70,16 +111,23 @@ class Rank:
 
     def __init__(self, trace: PrismTrace, rank: int):
         nodes = trace.nodes_of(rank).to_pydict()
-        group_ranks = dict(zip(trace.groups.column("group_id").to_pylist(),
-                               map(tuple, trace.groups.column("ranks").to_pylist())))
+        group_ranks = dict(
+            zip(trace.groups.column("group_id").to_pylist(), map(tuple, trace.groups.column("ranks").to_pylist()))
+        )
         self.rows = [
             {k: nodes[k][i] for k in nodes} | {"ranks": group_ranks.get(nodes["group"][i], ())}
             for i in range(len(nodes["op"]))
         ]
 
     def comm(self, iteration: int, op: str | None = None, ranks: tuple | None = None) -> list[dict]:
-        return [r for r in self.rows if r["kind"] == "comm" and r["iteration"] == iteration
-                and (op is None or r["op"] == op) and (ranks is None or r["ranks"] == ranks)]
+        return [
+            r
+            for r in self.rows
+            if r["kind"] == "comm"
+            and r["iteration"] == iteration
+            and (op is None or r["op"] == op)
+            and (ranks is None or r["ranks"] == ranks)
+        ]
 
 
 def coords(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
@@ -130,8 +178,7 @@ def test_async_ops_have_issue_and_wait_points(graphs, name):
     assert collections.Counter(edges["kind"])["wait"] == int(async_op.sum())
 
 
-@pytest.mark.parametrize("name,tp,pp,vpp", [("tp2pp2dp2", 2, 2, 1), ("pp4", 1, 4, 1),
-                                            ("pp2vpp2dp2_distopt", 1, 2, 2)])
+@pytest.mark.parametrize("name,tp,pp,vpp", [("tp2pp2dp2", 2, 2, 1), ("pp4", 1, 4, 1), ("pp2vpp2dp2_distopt", 1, 2, 2)])
 def test_pipeline_p2p_counts_follow_the_schedule(graphs, name, tp, pp, vpp):
     trace, _, _ = graphs[name]
     dp = 8 // (tp * pp)
@@ -161,8 +208,9 @@ def test_distributed_optimizer_one_reduce_scatter_and_all_gather_per_bucket(grap
             assert all(x["async_op"] for x in rs)  # overlapped with backward
             assert not r.comm(i, "all_reduce", group) or rank // 4 == 1  # loss only, last stage
         # Every iteration reduces the same buckets.
-        assert ([x["in_bytes"] for x in r.comm(0, "reduce_scatter")]
-                == [x["in_bytes"] for x in r.comm(1, "reduce_scatter")])
+        assert [x["in_bytes"] for x in r.comm(0, "reduce_scatter")] == [
+            x["in_bytes"] for x in r.comm(1, "reduce_scatter")
+        ]
 
 
 def test_data_parallel_buckets_are_async_all_reduces(graphs):
@@ -206,8 +254,9 @@ def test_recorded_iteration_time_agrees_with_the_printed_time(graphs, name):
     trace, printed, _ = graphs[name]
     it = trace.iterations.to_pydict()
     last = trace.world_size - 1
-    spans = {i: (e - s) / 1e6 for r, i, s, e in
-             zip(it["rank"], it["iteration"], it["start_ns"], it["end_ns"]) if r == last}
+    spans = {
+        i: (e - s) / 1e6 for r, i, s, e in zip(it["rank"], it["iteration"], it["start_ns"], it["end_ns"]) if r == last
+    }
     for p in printed[1:]:  # iteration 0 of the graph also holds the set-up
         recorded = spans[p["iteration"] - 1]
         printed_ms = p["iter_time_ms"]

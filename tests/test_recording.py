@@ -63,7 +63,10 @@ class Launch:
             self.procs.append(
                 subprocess.Popen(
                     [sys.executable, "-m", "prismllm.comm.bootstrap", str(script), *args],
-                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
                 )  # fmt: skip
             )
         self.results: list[tuple[int, str]] | None = None
@@ -440,17 +443,17 @@ def test_fsdp2_rows(runs):
 
 # ---- bootstrap: exit status, exceptions, mark/step ----------------------------------------------
 def test_exit_code_is_the_programs(runs):
-    (rc, out), = runs["exit3"].wait()
+    ((rc, out),) = runs["exit3"].wait()
     assert rc == 3, out
     log = read_ranklog(ranklog_path(runs["exit3"].spool, 0))
     assert [c["op"] for c in comm(log)] == ["all_reduce"]
 
 
 def test_exception_keeps_traceback_and_writes_log(runs):
-    (rc, out), = runs["raise"].wait()
+    ((rc, out),) = runs["raise"].wait()
     assert rc == 1
     assert "RuntimeError: the program's own error" in out
-    tb = out[out.index("Traceback"):]
+    tb = out[out.index("Traceback") :]
     assert "bootstrap.py" not in tb and "runpy" not in tb, tb
     log = read_ranklog(ranklog_path(runs["raise"].spool, 0))
     (c,) = comm(log)
@@ -482,4 +485,3 @@ def test_reduce_op_kept_as_its_name():
     o = torch._C._distributed_c10d.AllreduceOptions()
     o.reduceOp = dist.ReduceOp.SUM
     assert _red(o) == "sum"
-

@@ -11,9 +11,7 @@ from test_recording import PROGRAMS, Launch, check_structure, comm  # noqa: E402
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(
-        not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"
-    ),
+    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
 ]
 
 ENV = {"TORCH_NCCL_ENABLE_TIMING": "1"}
@@ -25,10 +23,10 @@ def _summary(log):
         if nd["kind"] == "compute":
             continue
         lines.append(
-            f'{nd["index"]:4d} it{nd["iteration"]} {nd["op"]:14s} {nd["api"]:28s} '
-            f'g={nd["group_name"]} seq={nd["seq"]} peer={nd["peer"]} in={nd["in_bytes"]} '
-            f'coal={nd["coalesced"]} async={nd["async_op"]} wait={nd["wait_index"]} '
-            f'start={nd["start_ns"] % 10**9 / 1e3:.1f}us dur={nd["duration_ns"] / 1e3:.1f}us'
+            f"{nd['index']:4d} it{nd['iteration']} {nd['op']:14s} {nd['api']:28s} "
+            f"g={nd['group_name']} seq={nd['seq']} peer={nd['peer']} in={nd['in_bytes']} "
+            f"coal={nd['coalesced']} async={nd['async_op']} wait={nd['wait_index']} "
+            f"start={nd['start_ns'] % 10**9 / 1e3:.1f}us dur={nd['duration_ns'] / 1e3:.1f}us"
         )
     return "\n".join(lines)
 

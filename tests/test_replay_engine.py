@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_record_gpt3d import ITERATIONS, recording
 
 from prismllm.replay import Replay, ReplayError, ReplayGraph
 from prismllm.trace import PrismTrace, assemble
 from prismllm.trace.ranklog import GroupInfo, RankLog
-from test_record_gpt3d import ITERATIONS, recording
 
 
 # ---------------------------------------------------------------------- small graphs
@@ -26,8 +26,17 @@ def C(start: int, dur: int, **kw) -> dict:
 
 def M(op: str, start: int, dur: int, group: str = "0", **kw) -> dict:
     """A communication node recorded at [start, start + dur)."""
-    return {"op": op, "kind": "comm", "group_name": group, "start_ns": start, "duration_ns": dur,
-            "in_bytes": 64, "out_bytes": 64, "dtype": "float32", **kw}
+    return {
+        "op": op,
+        "kind": "comm",
+        "group_name": group,
+        "start_ns": start,
+        "duration_ns": dur,
+        "in_bytes": 64,
+        "out_bytes": 64,
+        "dtype": "float32",
+        **kw,
+    }
 
 
 def make_trace(programs: list[list[dict]], groups: list[GroupInfo] | None = None) -> PrismTrace:
@@ -42,8 +51,9 @@ def make_trace(programs: list[list[dict]], groups: list[GroupInfo] | None = None
             n.update(issue_ns=n["start_ns"], end_ns=n["start_ns"] + n["duration_ns"])
             rows.append(n)
         its = [{"iteration": 0, "start_ns": 0, "end_ns": max(r["end_ns"] for r in rows), "label": ""}]
-        logs.append(RankLog(rank=rank, world_size=world, device="cpu", clock="host", nodes=rows,
-                            groups=groups, iterations=its))
+        logs.append(
+            RankLog(rank=rank, world_size=world, device="cpu", clock="host", nodes=rows, groups=groups, iterations=its)
+        )
     return assemble(logs, {"mode": "record", "command": ["test"]})
 
 
@@ -55,10 +65,12 @@ def times(res, rank: int) -> list[tuple[int, int]]:
 def test_all_reduce_with_skewed_arrival():
     """Rank 0 arrives at 100, rank 1 at 150. Rank 0 recorded 70 ns (50 of them waiting for
     rank 1), rank 1, the last to arrive, 20: the transfer. Both end at 150 + 20 = 170."""
-    trace = make_trace([
-        [C(0, 100), M("all_reduce", 100, 70), C(170, 10)],
-        [C(0, 150), M("all_reduce", 150, 20), C(170, 30)],
-    ])
+    trace = make_trace(
+        [
+            [C(0, 100), M("all_reduce", 100, 70), C(170, 10)],
+            [C(0, 150), M("all_reduce", 150, 20), C(170, 30)],
+        ]
+    )
     res = Replay(ReplayGraph(trace)).run_to_end()
     assert times(res, 0) == [(0, 100), (100, 170), (170, 180)]
     assert times(res, 1) == [(0, 150), (150, 170), (170, 200)]
@@ -79,10 +91,12 @@ def test_async_op_with_a_later_wait():
     105), so it computes 105-155 and 155-195, then waits at node 4. Rank 1 arrives at 120 (no
     issue gap), computes 120-140 and waits at node 3. The transfer is rank 1's 25 ns: done at
     145. Rank 1's node 3 starts at 145; rank 0's node 4 at 195 (already done)."""
-    trace = make_trace([
-        [C(0, 100), M("all_reduce", 100, 95, async_op=True, wait_index=4), C(105, 50), C(155, 40), C(195, 10)],
-        [C(0, 120), M("all_reduce", 120, 25, async_op=True, wait_index=3), C(120, 20), C(145, 5)],
-    ])
+    trace = make_trace(
+        [
+            [C(0, 100), M("all_reduce", 100, 95, async_op=True, wait_index=4), C(105, 50), C(155, 40), C(195, 10)],
+            [C(0, 120), M("all_reduce", 120, 25, async_op=True, wait_index=3), C(120, 20), C(145, 5)],
+        ]
+    )
     g = ReplayGraph(trace)
     assert g.recorded_issue_ns.tolist() == [0, 5, 0, 0, 0, 0, 0, 0, 0]
     res = Replay(g).run_to_end()
@@ -97,10 +111,12 @@ def test_async_op_with_a_later_wait():
 def test_send_recv_pairs_match_in_order():
     """Rank 0 sends at 10, rank 1 posts the recv at 30 and, last to arrive, recorded 7 ns: both
     end at 37. Then rank 1 sends back at 38 and rank 0's recv (posted at 42) records 3: 45."""
-    trace = make_trace([
-        [C(0, 10), M("send", 10, 27, peer=1), C(37, 5), M("recv", 42, 3, peer=1), C(45, 1)],
-        [C(0, 30), M("recv", 30, 7, peer=0), C(37, 1), M("send", 38, 7, peer=0), C(45, 2)],
-    ])
+    trace = make_trace(
+        [
+            [C(0, 10), M("send", 10, 27, peer=1), C(37, 5), M("recv", 42, 3, peer=1), C(45, 1)],
+            [C(0, 30), M("recv", 30, 7, peer=0), C(37, 1), M("send", 38, 7, peer=0), C(45, 2)],
+        ]
+    )
     res = Replay(ReplayGraph(trace)).run_to_end()
     assert times(res, 0) == [(0, 10), (10, 37), (37, 42), (42, 45), (45, 46)]
     assert times(res, 1) == [(0, 30), (30, 37), (37, 38), (38, 45), (45, 47)]
@@ -112,12 +128,28 @@ def test_coalesced_batch_completes_together():
     ends 25; pair B (1->0) arrives 12 / 22 and takes rank 1's 40 ns: ends 62. Each rank's batch
     is {A, B}, so every op of it completes at 62: rank 0's wait on its send (node 4) holds
     until 62 although A ended at 25 (node 5 waits for the send, node 6 for the recv)."""
-    trace = make_trace([
-        [C(0, 10), M("send", 10, 15, peer=1, coalesced=0, async_op=True, wait_index=5), C(10, 2),
-         M("recv", 12, 50, peer=1, coalesced=0, async_op=True, wait_index=6), C(12, 3), C(62, 1), C(63, 1)],
-        [C(0, 20), M("recv", 20, 5, peer=0, coalesced=0, async_op=True, wait_index=5), C(20, 2),
-         M("send", 22, 40, peer=0, coalesced=0, async_op=True, wait_index=6), C(22, 3), C(62, 1), C(63, 1)],
-    ])
+    trace = make_trace(
+        [
+            [
+                C(0, 10),
+                M("send", 10, 15, peer=1, coalesced=0, async_op=True, wait_index=5),
+                C(10, 2),
+                M("recv", 12, 50, peer=1, coalesced=0, async_op=True, wait_index=6),
+                C(12, 3),
+                C(62, 1),
+                C(63, 1),
+            ],
+            [
+                C(0, 20),
+                M("recv", 20, 5, peer=0, coalesced=0, async_op=True, wait_index=5),
+                C(20, 2),
+                M("send", 22, 40, peer=0, coalesced=0, async_op=True, wait_index=6),
+                C(22, 3),
+                C(62, 1),
+                C(63, 1),
+            ],
+        ]
+    )
     g = ReplayGraph(trace)
     assert g.num_batches == 2 and not g.blocking.any()
     res = Replay(g).run_to_end()
@@ -130,10 +162,12 @@ def test_blocking_coalesced_batch_blocks_once_at_its_last_op():
     """Two all_reduces of one allreduce_coalesced call, waited at once (sync): the rank blocks
     once, after the second, until both have completed (rank 1 arrives last at 30: 30 + 8)."""
     ar = dict(coalesced=0)
-    trace = make_trace([
-        [C(0, 10), M("all_reduce", 10, 28, **ar), M("all_reduce", 10, 28, **ar), C(38, 2)],
-        [C(0, 30), M("all_reduce", 30, 8, **ar), M("all_reduce", 30, 6, **ar), C(38, 1)],
-    ])
+    trace = make_trace(
+        [
+            [C(0, 10), M("all_reduce", 10, 28, **ar), M("all_reduce", 10, 28, **ar), C(38, 2)],
+            [C(0, 30), M("all_reduce", 30, 8, **ar), M("all_reduce", 30, 6, **ar), C(38, 1)],
+        ]
+    )
     g = ReplayGraph(trace)
     assert g.blocking.tolist() == [False, False, True, False] * 2
     res = Replay(g).run_to_end()
@@ -143,10 +177,12 @@ def test_blocking_coalesced_batch_blocks_once_at_its_last_op():
 
 
 def test_advance_until_runs_only_what_starts_by_then():
-    trace = make_trace([
-        [C(0, 100), M("all_reduce", 100, 70), C(170, 10)],
-        [C(0, 150), M("all_reduce", 150, 20), C(170, 30)],
-    ])
+    trace = make_trace(
+        [
+            [C(0, 100), M("all_reduce", 100, 70), C(170, 10)],
+            [C(0, 150), M("all_reduce", 150, 20), C(170, 30)],
+        ]
+    )
     rep = Replay(ReplayGraph(trace))
     st = rep.advance(until=120)
     assert not st.finished and not st.pending and st.next_ns == 150
@@ -159,10 +195,12 @@ def test_advance_until_runs_only_what_starts_by_then():
 def test_external_rank_on_a_small_graph():
     """Rank 1 is external: the all_reduce is pending once rank 0 (the only virtual member) has
     arrived at 100; the driver says it ended at 170; rank 0 goes on from there."""
-    trace = make_trace([
-        [C(0, 100), M("all_reduce", 100, 70), C(170, 10)],
-        [C(0, 150), M("all_reduce", 150, 20), C(170, 30)],
-    ])
+    trace = make_trace(
+        [
+            [C(0, 100), M("all_reduce", 100, 70), C(170, 10)],
+            [C(0, 150), M("all_reduce", 150, 20), C(170, 30)],
+        ]
+    )
     g = ReplayGraph(trace, external=[1])
     assert g.ranks.tolist() == [0] and g.external_ranks.tolist() == [1] and g.inst_external.tolist() == [True]
     rep = Replay(g)
@@ -185,10 +223,12 @@ def test_external_rank_on_a_small_graph():
 
 def test_deadlock_names_the_stuck_rank_node_op_and_group():
     """Rank 0 issues an all_reduce that rank 1 never issues."""
-    trace = make_trace([
-        [C(0, 10), M("all_reduce", 10, 5), C(15, 1)],
-        [C(0, 12)],
-    ])
+    trace = make_trace(
+        [
+            [C(0, 10), M("all_reduce", 10, 5), C(15, 1)],
+            [C(0, 12)],
+        ]
+    )
     with pytest.raises(ReplayError) as e:
         Replay(ReplayGraph(trace)).run_to_end()
     msg = str(e.value)
@@ -200,10 +240,12 @@ def test_deadlock_names_the_stuck_rank_node_op_and_group():
 def test_deadlock_of_two_blocking_recvs():
     """Both ranks post a blocking recv from the other first: each waits for a send that comes
     after the other's recv."""
-    trace = make_trace([
-        [C(0, 10), M("recv", 10, 5, peer=1), M("send", 15, 5, peer=1)],
-        [C(0, 20), M("recv", 20, 5, peer=0), M("send", 25, 5, peer=0)],
-    ])
+    trace = make_trace(
+        [
+            [C(0, 10), M("recv", 10, 5, peer=1), M("send", 15, 5, peer=1)],
+            [C(0, 20), M("recv", 20, 5, peer=0), M("send", 25, 5, peer=0)],
+        ]
+    )
     with pytest.raises(ReplayError) as e:
         Replay(ReplayGraph(trace)).run_to_end()
     msg = str(e.value)
@@ -272,9 +314,11 @@ def test_recorded_iteration_times_are_predicted(gpt3d):
     err = (res.iteration_ns - rec_max) / rec_max
     rec_pred = float(np.median(rec_max[1:]))
     pred_err = (res.predicted_iteration_ns - rec_pred) / rec_pred
-    print(f"\nper-iteration error (max over ranks): {np.round(err, 4).tolist()}; "
-          f"predicted {res.predicted_iteration_ns / 1e6:.2f} ms vs recorded {rec_pred / 1e6:.2f} ms "
-          f"({pred_err:+.2%})")
+    print(
+        f"\nper-iteration error (max over ranks): {np.round(err, 4).tolist()}; "
+        f"predicted {res.predicted_iteration_ns / 1e6:.2f} ms vs recorded {rec_pred / 1e6:.2f} ms "
+        f"({pred_err:+.2%})"
+    )
     # the noise is one-sided: a descheduled process notices a completion late, which the
     # recording counts and the replay does not (docs/replay.md), so a loaded iteration replays
     # short (seen: -34 %; on the CI machine both steady iterations at -12 %), never much long;

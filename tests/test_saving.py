@@ -12,7 +12,8 @@ import types
 import pytest
 import torch
 
-from prismllm.comm import recording, saving
+from prismllm.childenv import ChildEnv
+from prismllm.comm import saving
 from prismllm.generate.store import TensorStore
 
 
@@ -39,11 +40,8 @@ class NcclLike:
 
 
 @pytest.fixture
-def store(tmp_path, monkeypatch):
-    monkeypatch.setenv("PRISM_SAVE_TENSORS", "all")
-    monkeypatch.setenv("PRISM_TENSOR_STORE", str(tmp_path / "store"))
-    monkeypatch.setattr(recording, "ON_WAIT", recording.ON_WAIT)  # restored after the test
-    saving.setup(0)
+def store(tmp_path):
+    saving.setup(0, ChildEnv(save_tensors="all", tensor_store=str(tmp_path / "store")))
     yield tmp_path / "store"
     saving.close()
     saving._WRITER = saving._SELECTOR = None

@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from prismllm.capture.launcher import LaunchSpec, launch  # noqa: E402
+from prismllm.launch import LaunchSpec, launch  # noqa: E402
 from prismllm.trace.ranklog import ranklog_path, read_ranklog  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
@@ -27,8 +27,26 @@ pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt3d.py")
 COLL = ROOT / "tests" / "programs" / "collectives.py"
-TINY = ["--layers", "4", "--hidden", "32", "--heads", "4", "--vocab", "64", "--seq", "8",
-        "--micro-batch", "1", "--global-batch", "8", "--iters", "2", "--bucket-mb", "0.002"]
+TINY = [
+    "--layers",
+    "4",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--vocab",
+    "64",
+    "--seq",
+    "8",
+    "--micro-batch",
+    "1",
+    "--global-batch",
+    "8",
+    "--iters",
+    "2",
+    "--bucket-mb",
+    "0.002",
+]
 LAYOUTS = {
     "tp2pp2dp2": ["--tp", "2", "--pp", "2"],
     "pp4": ["--pp", "4"],
@@ -82,8 +100,7 @@ def tmp(tmp_path_factory):
 @pytest.fixture(scope="module")
 def coll_record(tmp):
     store = tmp / "coll-store"
-    record(COLL, 4, [], tmp / "coll-rec",
-           env={"PRISM_SAVE_TENSORS": "all", "PRISM_TENSOR_STORE": str(store)})
+    record(COLL, 4, [], tmp / "coll-rec", env={"PRISM_SAVE_TENSORS": "all", "PRISM_TENSOR_STORE": str(store)})
     return tmp / "coll-rec", store
 
 
@@ -218,8 +235,9 @@ def test_user_rule_answers_token_broadcast(tmp):
     rules = tmp / "good_rules.py"
     rules.write_text(GOOD_RULE)
     hits = tmp / "hits.txt"
-    p = solo(GPT, 8, 1, [*TINY, "--tp", "2", "--pp", "2"], tmp / "good",
-             env={"PRISM_RULES": str(rules), "HITS": str(hits)})
+    p = solo(
+        GPT, 8, 1, [*TINY, "--tp", "2", "--pp", "2"], tmp / "good", env={"PRISM_RULES": str(rules), "HITS": str(hits)}
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     assert int(hits.read_text()) == 2 * 4  # 2 iterations x 4 micro-batches on TP rank 1
 
@@ -227,8 +245,7 @@ def test_user_rule_answers_token_broadcast(tmp):
 def test_bad_rule_is_one_clear_line(tmp):
     rules = tmp / "bad_rules.py"
     rules.write_text(BAD_RULE)
-    p = solo(GPT, 8, 1, [*TINY, "--tp", "2", "--pp", "2"], tmp / "bad",
-             env={"PRISM_RULES": str(rules)})
+    p = solo(GPT, 8, 1, [*TINY, "--tp", "2", "--pp", "2"], tmp / "bad", env={"PRISM_RULES": str(rules)})
     assert p.returncode == 3
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr

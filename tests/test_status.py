@@ -1,4 +1,4 @@
-"""prismllm.status: a process's reporter thread answers the launcher's status requests with what
+"""prismllm.launch.status: a process's reporter thread answers the launcher's status requests with what
 its describers say and every thread's stack, also while the main thread is blocked in C; the
 launcher's board reads them back into one line per place."""
 
@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from prismllm import status as S
-from prismllm.capture.launcher import LaunchError, LaunchSpec, launch, status_after_default
+from prismllm.launch import LaunchError, LaunchSpec, launch, status as S, status_after_default
 
 
 def test_a_blocked_main_thread_is_reported_at_the_program_line(tmp_path):
@@ -41,7 +40,10 @@ def test_a_blocked_main_thread_is_reported_at_the_program_line(tmp_path):
     assert st.said == ["waiting on call 7 all_reduce", "0 call(s)"]
     prog = st.program_frame()
     assert (Path(prog.file).name, prog.line, prog.func) == (
-        "test_status.py", line, "test_a_blocked_main_thread_is_reported_at_the_program_line")
+        "test_status.py",
+        line,
+        "test_a_blocked_main_thread_is_reported_at_the_program_line",
+    )
     assert st.summary() == f"at test_status.py:{line} in test_a_blocked_main_thread_is_reported_at_the_program_line"
     # progress: written when it moves, and the board sees the move
     time.sleep(0.1)
@@ -54,17 +56,23 @@ def test_a_blocked_main_thread_is_reported_at_the_program_line(tmp_path):
 
 def test_parse_status_picks_the_main_thread_and_the_call_it_is_in():
     torch_dir = os.path.dirname(__import__("torch").__file__)
-    text = "\n".join([
-        "generation 2", "pid 1", f"main-thread {0xabc}", "say 3 call(s) so far", "--- stacks ---",
-        "Thread 0x0000000000000def (most recent call first):",
-        '  File "/x/other.py", line 1 in elsewhere',
-        "",
-        "Current thread 0x0000000000000abc (most recent call first):",
-        f'  File "{torch_dir}/distributed/distributed_c10d.py", line 10 in all_reduce',
-        f'  File "{torch_dir}/distributed/c10d_logger.py", line 20 in wrapper',
-        '  File "/site/megatron/core/pipeline.py", line 30 in step',
-        '  File "/work/train.py", line 40 in <module>',
-    ])
+    text = "\n".join(
+        [
+            "generation 2",
+            "pid 1",
+            f"main-thread {0xABC}",
+            "say 3 call(s) so far",
+            "--- stacks ---",
+            "Thread 0x0000000000000def (most recent call first):",
+            '  File "/x/other.py", line 1 in elsewhere',
+            "",
+            "Current thread 0x0000000000000abc (most recent call first):",
+            f'  File "{torch_dir}/distributed/distributed_c10d.py", line 10 in all_reduce',
+            f'  File "{torch_dir}/distributed/c10d_logger.py", line 20 in wrapper',
+            '  File "/site/megatron/core/pipeline.py", line 30 in step',
+            '  File "/work/train.py", line 40 in <module>',
+        ]
+    )
     st = S.parse_status(text)
     assert st.said == ["3 call(s) so far"] and len(st.main_stack) == 4
     assert st.summary() == "at pipeline.py:30 in step, in all_reduce (distributed_c10d.py)"

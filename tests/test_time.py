@@ -20,8 +20,26 @@ from prismllm.trace.ranklog import read_ranklog
 ROOT = Path(__file__).resolve().parents[1]
 PRISM = str(Path(sys.executable).with_name("prism"))
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
-ARGS = ["--tp", "2", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
-        "--micro-batch", "1", "--global-batch", "4", "--iters", "2"]
+ARGS = [
+    "--tp",
+    "2",
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq",
+    "16",
+    "--vocab",
+    "128",
+    "--micro-batch",
+    "1",
+    "--global-batch",
+    "4",
+    "--iters",
+    "2",
+]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -32,16 +50,42 @@ def prism(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def bare(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("time") / "bare"
-    p = prism("capture", "--mode", "solo", "--world", "4", "--devices", "2", "--layout", "tp=2", "--out", str(out),
-              "--", GPT3D, *ARGS)
+    p = prism(
+        "capture",
+        "--mode",
+        "solo",
+        "--world",
+        "4",
+        "--devices",
+        "2",
+        "--layout",
+        "tp=2",
+        "--out",
+        str(out),
+        "--",
+        GPT3D,
+        *ARGS,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     return out
 
 
 def test_time_slices_every_representative_once_and_resumes(bare, tmp_path):
     out = tmp_path / "timed"
-    cmd = ["time", "--graph", str(bare), "--out", str(out), "--inputs", "generated", "--parallel", "2",
-           "--", GPT3D, *ARGS]
+    cmd = [
+        "time",
+        "--graph",
+        str(bare),
+        "--out",
+        str(out),
+        "--inputs",
+        "generated",
+        "--parallel",
+        "2",
+        "--",
+        GPT3D,
+        *ARGS,
+    ]
     p = prism(*cmd)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "2 of 4 rank(s) timed in 2 slice(s)" in p.stderr, p.stderr
@@ -88,8 +132,19 @@ def test_compute_under_load_takes_compute_from_every_rank_at_once(bare, tmp_path
     import numpy as np
 
     out = tmp_path / "timed"
-    p = prism("time", "--graph", str(bare), "--out", str(out), "--inputs", "generated", "--compute-under-load",
-              "--", GPT3D, *ARGS)
+    p = prism(
+        "time",
+        "--graph",
+        str(bare),
+        "--out",
+        str(out),
+        "--inputs",
+        "generated",
+        "--compute-under-load",
+        "--",
+        GPT3D,
+        *ARGS,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     load_state = json.loads((out / "load" / "time.json").read_text())
     assert load_state["slices"] == [[0], [1], [2], [3]]  # every rank, replicas too
@@ -100,6 +155,7 @@ def test_compute_under_load_takes_compute_from_every_rank_at_once(bare, tmp_path
         o = np.lexsort((t.column("index"), t.column("rank")))
         o = o[t.column("rank")[o] == 0]
         return t.column("kind")[o], t.column("duration_ns")[o]
+
     kind, dur = rank0(timed)
     _, load_dur = rank0(load)
     compute = kind == "compute"
@@ -108,32 +164,17 @@ def test_compute_under_load_takes_compute_from_every_rank_at_once(bare, tmp_path
     log = read_ranklog(out / "slices" / "slice-00000" / "ranklogs" / "rank-000000.msgpack")
     first = np.array([n["duration_ns"] for n in sorted(log.nodes, key=lambda n: n["index"])])
     assert np.array_equal(dur[~compute], first[~compute]) and not np.array_equal(first[compute], dur[compute])
-    p = prism("time", "--graph", str(bare), "--out", str(tmp_path / "g"), "--devices", "cuda", "--compute-under-load",
-              "--", GPT3D, *ARGS)
+    p = prism(
+        "time",
+        "--graph",
+        str(bare),
+        "--out",
+        str(tmp_path / "g"),
+        "--devices",
+        "cuda",
+        "--compute-under-load",
+        "--",
+        GPT3D,
+        *ARGS,
+    )
     assert p.returncode == 2 and "--compute-under-load is for CPU timing" in p.stderr, p.stderr
-
-
-def test_a_stuck_slice_is_not_silent(tmp_path):
-    """The status report a slice's launcher writes to the slice's log reaches the user as it is
-    written (whole lines, once each), and a slice that timed out fails with its error and the
-    report of where each process stood, line by line."""
-    from prismllm.time.slices import _failure_lines, _StatusRelay
-
-    log = tmp_path / "slice-00001.log"
-    said: list[str] = []
-    relay = _StatusRelay(said.append)
-    log.write_text("iteration 1/3 | loss 4.1\nprism: no communication for 300 s; where each process stands:\nprism:   ra")
-    relay.poll([(1, [1], log)])
-    assert said == ["slice 1 (ranks 1): no communication for 300 s; where each process stands:"]
-    with open(log, "a") as f:
-        f.write("nk 1: at train.py:12 in step\n")
-    relay.next_check = 0.0
-    relay.poll([(1, [1], log)])
-    assert said[1:] == ["slice 1 (ranks 1):   rank 1: at train.py:12 in step"]
-    with open(log, "a") as f:
-        f.write("prism emulate: error: timed out after 16 s; still running: rank 1, assistant\n"
-                "where each process stood:\n  rank 1: at train.py:12 in step\n")
-    assert _failure_lines(log.read_text()).splitlines() == [
-        "timed out after 16 s; still running: rank 1, assistant", "where each process stood:",
-        "  rank 1: at train.py:12 in step"]
-    assert _failure_lines("a\nb\nTraceback\nValueError: x\n") == "a | b | Traceback | ValueError: x"

@@ -61,7 +61,15 @@ def test_nodes_columns(trace):
     # defaults filled
     c = r1[0]
     assert (c["op"], c["kind"], c["group"], c["seq"], c["stream"], c["tag"], c["in_splits"], c["label"]) == (
-        "compute", "compute", -1, -1, "compute", 0, [], "setup")
+        "compute",
+        "compute",
+        -1,
+        -1,
+        "compute",
+        0,
+        [],
+        "setup",
+    )
     # seq: per (rank, group) for collectives -> second tp all_reduce is #1; world group #0..2
     assert [x["seq"] for x in r1 if x["group"] == 0 and x["op"] not in ("send", "recv")] == [0, 1, 2, 3, 4, 5]
     assert r1[4]["async_op"] and r1[4]["wait_index"] == 6 and r1[4]["group"] == 4
@@ -160,7 +168,12 @@ def test_assemble_spool(tmp_path, logs):
 def test_save_load_roundtrip(tmp_path, trace):
     out = trace.save(tmp_path / "g")
     assert sorted(p.name for p in out.iterdir()) == [
-        "edges.parquet", "groups.parquet", "iterations.parquet", "manifest.json", "nodes.parquet"]
+        "edges.parquet",
+        "groups.parquet",
+        "iterations.parquet",
+        "manifest.json",
+        "nodes.parquet",
+    ]
     back = PrismTrace.load(out)
     assert back.equals(trace)
     assert back.manifest == json.loads(json.dumps(trace.manifest))
@@ -189,8 +202,10 @@ def test_load_errors(tmp_path, trace):
     (g / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(TraceError) as e:
         PrismTrace.load(g)
-    assert str(e.value) == (f"graph {g} has format version {FORMAT_VERSION + 1}, newer than this "
-                            f"prismllm reads ({FORMAT_VERSION}): upgrade prismllm")
+    assert str(e.value) == (
+        f"graph {g} has format version {FORMAT_VERSION + 1}, newer than this "
+        f"prismllm reads ({FORMAT_VERSION}): upgrade prismllm"
+    )
     g = trace.save(tmp_path / "g")
     data = (g / "nodes.parquet").read_bytes()
     (g / "nodes.parquet").write_bytes(data[: len(data) // 2])

@@ -57,24 +57,58 @@ def test_show_json(cli, graph):
     assert rc == 0, err
     s = json.loads(out)
     assert set(s) == {
-        "path", "world_size", "mode", "device", "clock", "command", "format_version", "ranks", "nodes",
-        "edges", "edges_by_kind", "iterations", "nodes_by_op", "bytes_by_group", "iteration_times",
-        "steady_iterations", "iteration_time_ns", "iteration_time_mean_ns", "peak_memory_bytes"}
+        "path",
+        "world_size",
+        "mode",
+        "device",
+        "clock",
+        "command",
+        "format_version",
+        "ranks",
+        "nodes",
+        "edges",
+        "edges_by_kind",
+        "iterations",
+        "nodes_by_op",
+        "bytes_by_group",
+        "iteration_times",
+        "steady_iterations",
+        "iteration_time_ns",
+        "iteration_time_mean_ns",
+        "peak_memory_bytes",
+    }
     assert (s["world_size"], s["mode"], s["device"], s["command"]) == (4, "record", "cpu", "python train.py --tp 2")
     assert (s["ranks"], s["nodes"], s["iterations"]) == (4, 92, 2)
     assert s["edges_by_kind"] == {"order": 88, "wait": 8, "sync": 30}
-    assert s["nodes_by_op"] == {"compute": 44, "all_reduce": 16, "all_gather": 8, "all_to_all": 8,
-                                "reduce_scatter": 8, "recv": 4, "send": 4}
+    assert s["nodes_by_op"] == {
+        "compute": 44,
+        "all_reduce": 16,
+        "all_gather": 8,
+        "all_to_all": 8,
+        "reduce_scatter": 8,
+        "recv": 4,
+        "send": 4,
+    }
     world = s["bytes_by_group"][0]
-    assert world == {"group": 0, "name": "0", "desc": "default_pg", "size": 4,
-                     "ops": {"all_gather": 8, "all_to_all": 8, "reduce_scatter": 8, "recv": 4, "send": 4},
-                     "in_bytes": 8 * 1024 + 8 * 4096 + 2 * (16 + 20 + 24 + 28) * 64 + 4 * 2048}
+    assert world == {
+        "group": 0,
+        "name": "0",
+        "desc": "default_pg",
+        "size": 4,
+        "ops": {"all_gather": 8, "all_to_all": 8, "reduce_scatter": 8, "recv": 4, "send": 4},
+        "in_bytes": 8 * 1024 + 8 * 4096 + 2 * (16 + 20 + 24 + 28) * 64 + 4 * 2048,
+    }
     assert {g["desc"]: g["in_bytes"] for g in s["bytes_by_group"][1:]} == {
-        "dp0": 4 * 8192, "dp1": 4 * 8192, "tp0": 4 * 4096, "tp1": 4 * 4096}
+        "dp0": 4 * 8192,
+        "dp1": 4 * 8192,
+        "tp0": 4 * 4096,
+        "tp1": 4 * 4096,
+    }
     # each iteration: 11 nodes of 10 µs; rank r ends r µs later
     assert s["iteration_times"] == [
         {"iteration": 0, "ranks": 4, "mean_ns": 111_500, "max_ns": 113_000},
-        {"iteration": 1, "ranks": 4, "mean_ns": 111_500, "max_ns": 113_000}]
+        {"iteration": 1, "ranks": 4, "mean_ns": 111_500, "max_ns": 113_000},
+    ]
     assert s["steady_iterations"] == [1]
     assert s["iteration_time_ns"] == 113_000 and s["iteration_time_mean_ns"] == 111_500
     assert s["peak_memory_bytes"] == {str(r): (1 << 30) + r * 1024 for r in range(4)}
@@ -83,8 +117,15 @@ def test_show_json(cli, graph):
 def test_show_human(cli, graph):
     rc, out, err = cli("show", graph)
     assert rc == 0, err
-    for needle in ("world size", "record", "python train.py --tp 2", "all_to_all", "default_pg", "113.0 µs",
-                   "peak memory"):
+    for needle in (
+        "world size",
+        "record",
+        "python train.py --tp 2",
+        "all_to_all",
+        "default_pg",
+        "113.0 µs",
+        "peak memory",
+    ):
         assert needle in out
 
 

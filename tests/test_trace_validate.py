@@ -51,19 +51,28 @@ def test_mismatched_bytes(logs):
 
 def test_all_gather_output_size(logs):
     logs[2].nodes[7]["out_bytes"] = 1024
-    check(logs, r"rank 2 node 7 \(all_gather, group 0 \('default_pg', ranks 0-3\)\): all_gather output is 1024 bytes, "
-                r"but input 1024 bytes x group size 4 = 4096")
+    check(
+        logs,
+        r"rank 2 node 7 \(all_gather, group 0 \('default_pg', ranks 0-3\)\): all_gather output is 1024 bytes, "
+        r"but input 1024 bytes x group size 4 = 4096",
+    )
 
 
 def test_reduce_scatter_sizes(logs):
     logs[3].nodes[8]["out_bytes"] = 2048
-    check(logs, r"rank 3 node 8 \(reduce_scatter, .*\): reduce_scatter input is 4096 bytes, but output 2048 bytes x group size 4")
+    check(
+        logs,
+        r"rank 3 node 8 \(reduce_scatter, .*\): reduce_scatter input is 4096 bytes, but output 2048 bytes x group size 4",
+    )
 
 
 def test_all_to_all_splits(logs):
     logs[1].nodes[9]["out_splits"] = [2, 4, 5, 6]  # rank 0 sends 1+0+2 = 3 rows to rank 1
-    check(logs, r"all_to_all #2 on group 0 .*: rank 0 node 9 sends 3 rows to rank 1 \(in_splits\[1\]\) but "
-                r"rank 1 node 9 expects 2 rows from rank 0 \(out_splits\[0\]\)")
+    check(
+        logs,
+        r"all_to_all #2 on group 0 .*: rank 0 node 9 sends 3 rows to rank 1 \(in_splits\[1\]\) but "
+        r"rank 1 node 9 expects 2 rows from rank 0 \(out_splits\[0\]\)",
+    )
 
 
 def test_all_to_all_totals(logs):
@@ -74,8 +83,11 @@ def test_all_to_all_totals(logs):
 def test_op_disagreement(logs):
     logs[3].nodes[8]["op"] = "all_reduce"
     logs[3].nodes[8]["out_bytes"] = 4096
-    check(logs, r"collective #1 on group 0 .*: rank 0 node 8 is reduce_scatter but rank 3 node 8 is all_reduce; "
-                r"every member of a group must issue the same collectives in the same order")
+    check(
+        logs,
+        r"collective #1 on group 0 .*: rank 0 node 8 is reduce_scatter but rank 3 node 8 is all_reduce; "
+        r"every member of a group must issue the same collectives in the same order",
+    )
 
 
 def test_reduce_op_and_root_disagreement(logs):
@@ -89,15 +101,21 @@ def test_reduce_op_and_root_disagreement(logs):
 
 def test_missing_member(logs):
     drop(logs[1], 13)  # rank 1 skips its second tp all_reduce
-    msg = check(logs, r"collective all_reduce #1 on group 1 \('tp0', ranks 0-1\) is missing rank 1: rank 1 issued 1 "
-                      r"collectives on this group, rank 0 issued 2")
+    msg = check(
+        logs,
+        r"collective all_reduce #1 on group 1 \('tp0', ranks 0-1\) is missing rank 1: rank 1 issued 1 "
+        r"collectives on this group, rank 0 issued 2",
+    )
     assert "same order" in msg
 
 
 def test_unmatched_send(logs):
     drop(logs[2], 21)  # rank 2 never posts its second recv from rank 0
-    check(logs, r"rank 0 node 21 \(send, to rank 2, group 0 .*\) \(2048 bytes\) has no matching recv on rank 2: "
-                r"rank 0 posts 2 send\(s\) to rank 2 on this group, rank 2 posts 1 recv\(s\) from rank 0")
+    check(
+        logs,
+        r"rank 0 node 21 \(send, to rank 2, group 0 .*\) \(2048 bytes\) has no matching recv on rank 2: "
+        r"rank 0 posts 2 send\(s\) to rank 2 on this group, rank 2 posts 1 recv\(s\) from rank 0",
+    )
 
 
 def test_unmatched_recv(logs):
@@ -108,14 +126,20 @@ def test_unmatched_recv(logs):
 
 def test_p2p_bytes(logs):
     logs[3].nodes[21]["out_bytes"] = 4096
-    check(logs, r"rank 1 node 21 \(send, to rank 3, .*\) sends 2048 bytes but its matching recv, rank 3 node 21, receives 4096")
+    check(
+        logs,
+        r"rank 1 node 21 \(send, to rank 3, .*\) sends 2048 bytes but its matching recv, rank 3 node 21, receives 4096",
+    )
 
 
 def test_wait_index(logs):
     bad = copy.deepcopy(logs)
     bad[2].nodes[4]["wait_index"] = 99
-    check(bad, r"rank 2 node 4 \(all_reduce, group 3 \('dp0', ranks 0,2\)\) has wait_index 99, out of range "
-               r"\(rank 2 has 23 nodes, 0..22\)")
+    check(
+        bad,
+        r"rank 2 node 4 \(all_reduce, group 3 \('dp0', ranks 0,2\)\) has wait_index 99, out of range "
+        r"\(rank 2 has 23 nodes, 0..22\)",
+    )
     logs[2].nodes[4]["wait_index"] = 3
     check(logs, r"rank 2 node 4 \(all_reduce, group 3 .*\) has wait_index 3, not after the node")
 
@@ -139,7 +163,9 @@ def test_duplicate_node_ids_and_dangling_edges(logs):
     extra = pa.table({"src": pa.array([3], pa.int64()), "dst": pa.array([10**6], pa.int64()), "kind": ["order"]})
     bad.edges = pa.concat_tables([t.edges, extra])
     bad.__post_init__()
-    with pytest.raises(TraceError, match=r"edge \d+ \(order: node 3 -> node 1000000\) references node 1000000, which does not exist"):
+    with pytest.raises(
+        TraceError, match=r"edge \d+ \(order: node 3 -> node 1000000\) references node 1000000, which does not exist"
+    ):
         validate(bad)
 
 
@@ -162,9 +188,12 @@ def test_cycle_recv_before_send():
     send = lambda p: {"op": "send", "peer": p, "in_bytes": 64}  # noqa: E731
     recv = lambda p: {"op": "recv", "peer": p, "out_bytes": 64}  # noqa: E731
     logs = two_ranks([recv(1), send(1)], [recv(0), send(0)])
-    msg = check(logs, r"^deadlock: rank 0 node 1 \(recv, from rank 1, group 0 \('default_pg', ranks 0-1\)\), "
-                      r"which waits for rank 1 node 3 \(send\), which rank 1 issues only after rank 1 node 1 "
-                      r"\(recv, from rank 0, .*\) completes, which waits for rank 0 node 3 \(send\)")
+    msg = check(
+        logs,
+        r"^deadlock: rank 0 node 1 \(recv, from rank 1, group 0 \('default_pg', ranks 0-1\)\), "
+        r"which waits for rank 1 node 3 \(send\), which rank 1 issues only after rank 1 node 1 "
+        r"\(recv, from rank 0, .*\) completes, which waits for rank 0 node 3 \(send\)",
+    )
     assert "batch_isend_irecv" in msg
 
 
@@ -185,10 +214,12 @@ def test_no_false_cycle_for_async_or_coalesced_p2p():
     logs = []
     for rk in range(2):
         p = 1 - rk
-        nodes = [{"index": 0, "op": "compute"},
-                 {"index": 1, "op": "send", "group_name": "0", "peer": p, "in_bytes": 64, "coalesced": 0},
-                 {"index": 2, "op": "recv", "group_name": "0", "peer": p, "out_bytes": 64, "coalesced": 0},
-                 {"index": 3, "op": "compute"}]
+        nodes = [
+            {"index": 0, "op": "compute"},
+            {"index": 1, "op": "send", "group_name": "0", "peer": p, "in_bytes": 64, "coalesced": 0},
+            {"index": 2, "op": "recv", "group_name": "0", "peer": p, "out_bytes": 64, "coalesced": 0},
+            {"index": 3, "op": "compute"},
+        ]
         logs.append(RankLog(rk, 2, "cpu", "host", nodes, [GroupInfo("0", "w", [0, 1])], []))
     validate(build(logs))
     # the same without the batch deadlocks (both send first, blocking)
@@ -208,11 +239,14 @@ def test_async_wait_cycle():
 
 def test_recv_from_any_source():
     send = {"op": "send", "peer": 1, "in_bytes": 64}
-    logs = two_ranks([send, send, send], [
-        {"op": "recv", "peer": 0, "out_bytes": 64, "seq": 0},
-        {"op": "recv", "peer": 0, "out_bytes": 64, "seq": -1, "api": "recv_anysource"},  # source fixed later
-        {"op": "recv", "peer": 0, "out_bytes": 64, "seq": 1},  # the producer's counter skipped it
-    ])
+    logs = two_ranks(
+        [send, send, send],
+        [
+            {"op": "recv", "peer": 0, "out_bytes": 64, "seq": 0},
+            {"op": "recv", "peer": 0, "out_bytes": 64, "seq": -1, "api": "recv_anysource"},  # source fixed later
+            {"op": "recv", "peer": 0, "out_bytes": 64, "seq": 1},  # the producer's counter skipped it
+        ],
+    )
     t = build(logs)
     validate(t)
     assert [x["seq"] for x in t.nodes_of(1).to_pylist() if x["op"] == "recv"] == [0, 1, 2]
@@ -222,8 +256,10 @@ def test_recv_from_any_source():
 
 def test_broadcast_root_contributes_others_receive(logs):
     for r in range(4):  # as the recorder writes it: in_bytes on the root, out_bytes elsewhere
-        logs[r].nodes[7].update(op="broadcast", peer=0, in_bytes=1024 if r == 0 else 0,
-                                out_bytes=0 if r == 0 else 1024)
+        logs[r].nodes[7].update(op="broadcast", peer=0, in_bytes=1024 if r == 0 else 0, out_bytes=0 if r == 0 else 1024)
     validate(build(logs))
     logs[3].nodes[7]["out_bytes"] = 512
-    check(logs, r"broadcast #0 on group 0 .*: rank 3 node 7 broadcasts a tensor of 512 bytes but rank 0 node 7 one of 1024")
+    check(
+        logs,
+        r"broadcast #0 on group 0 .*: rank 3 node 7 broadcasts a tensor of 512 bytes but rank 0 node 7 one of 1024",
+    )

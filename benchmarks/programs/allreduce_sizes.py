@@ -44,8 +44,7 @@ import time
 import torch
 import torch.distributed as dist
 
-UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "KIB": 1 << 10, "MIB": 1 << 20,
-         "GIB": 1 << 30}
+UNITS = {"": 1, "B": 1, "KB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30}
 DEFAULT_SIZES = {"cuda": "16MB,64MB,256MB,1GB,4GB,8GB", "cpu": "1MB,4MB,16MB"}
 
 
@@ -68,8 +67,7 @@ def fmt_size(n: int) -> str:
     return f"{n}B"
 
 
-def fits(nbytes: int, device_bytes: int, procs_per_device: int, mem_factor: float,
-         reserve_bytes: int) -> bool:
+def fits(nbytes: int, device_bytes: int, procs_per_device: int, mem_factor: float, reserve_bytes: int) -> bool:
     """Whether ``nbytes * mem_factor + reserve`` fits in one process's share of a device."""
     if mem_factor <= 0:
         return True
@@ -90,10 +88,18 @@ def main() -> None:
     ap.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--report-ranks", default="0", help="comma list of ranks that print, or 'all'")
-    ap.add_argument("--mem-factor", type=float, default=3.0,
-                    help="device memory a size needs, in multiples of its bytes (0: no check)")
-    ap.add_argument("--reserve-gb", type=float, default=1.0,
-                    help="per-process memory kept for the runtime (context, communicator buffers)")
+    ap.add_argument(
+        "--mem-factor",
+        type=float,
+        default=3.0,
+        help="device memory a size needs, in multiples of its bytes (0: no check)",
+    )
+    ap.add_argument(
+        "--reserve-gb",
+        type=float,
+        default=1.0,
+        help="per-process memory kept for the runtime (context, communicator buffers)",
+    )
     a = ap.parse_args()
     if a.iters < 1 or a.warmup < 0:
         ap.error("--iters must be >= 1 and --warmup >= 0")
@@ -120,8 +126,20 @@ def main() -> None:
         numel = nbytes // itemsize
         if not fits(nbytes, total, ppd, a.mem_factor, int(a.reserve_gb * (1 << 30))):
             if report:
-                print("ALLREDUCE_SKIP " + json.dumps({**base, "bytes": nbytes, "size": fmt_size(nbytes),
-                      "device_bytes": total, "procs_per_device": ppd, "mem_factor": a.mem_factor}), flush=True)
+                print(
+                    "ALLREDUCE_SKIP "
+                    + json.dumps(
+                        {
+                            **base,
+                            "bytes": nbytes,
+                            "size": fmt_size(nbytes),
+                            "device_bytes": total,
+                            "procs_per_device": ppd,
+                            "mem_factor": a.mem_factor,
+                        }
+                    ),
+                    flush=True,
+                )
             continue
         x = torch.zeros(numel, dtype=dtype, device=device)  # zeros: in-place sums stay finite
         dist.barrier()
@@ -146,11 +164,25 @@ def main() -> None:
                 times_us.append((time.perf_counter() - t0) * 1e6)
             loop_us = (time.perf_counter() - t_loop) * 1e6 / a.iters
         if report:
-            print("ALLREDUCE " + json.dumps({
-                **base, "bytes": nbytes, "size": fmt_size(nbytes), "iters": a.iters, "warmup": a.warmup,
-                "median_us": round(statistics.median(times_us), 2), "min_us": round(min(times_us), 2),
-                "mean_us": round(statistics.fmean(times_us), 2), "max_us": round(max(times_us), 2),
-                "loop_us": round(loop_us, 2), "times_us": [round(t, 2) for t in times_us]}), flush=True)
+            print(
+                "ALLREDUCE "
+                + json.dumps(
+                    {
+                        **base,
+                        "bytes": nbytes,
+                        "size": fmt_size(nbytes),
+                        "iters": a.iters,
+                        "warmup": a.warmup,
+                        "median_us": round(statistics.median(times_us), 2),
+                        "min_us": round(min(times_us), 2),
+                        "mean_us": round(statistics.fmean(times_us), 2),
+                        "max_us": round(max(times_us), 2),
+                        "loop_us": round(loop_us, 2),
+                        "times_us": [round(t, 2) for t in times_us],
+                    }
+                ),
+                flush=True,
+            )
         del x
         if cuda:
             torch.cuda.empty_cache()

@@ -30,7 +30,10 @@ if cuda:
 t3 = time.perf_counter()
 if rank == 0:
     mem = torch.cuda.max_memory_reserved() if cuda else 0
-    print(f"BOOTSTRAP world {dist.get_world_size()} init_s {t1 - t0:.3f} barrier_s {t2 - t1:.3f} "
-          f"all_reduce_s {t3 - t2:.3f} sum {x[0].item():.0f} gpu_reserved {mem} "
-          f"rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}", flush=True)
+    print(
+        f"BOOTSTRAP world {dist.get_world_size()} init_s {t1 - t0:.3f} barrier_s {t2 - t1:.3f} "
+        f"all_reduce_s {t3 - t2:.3f} sum {x[0].item():.0f} gpu_reserved {mem} "
+        f"rss {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}",
+        flush=True,
+    )
 dist.destroy_process_group()

@@ -26,7 +26,8 @@ import json
 import os
 import pstats
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -250,11 +251,15 @@ def self_time_per_call(s0: dict, s1: dict) -> dict:
     backend's (``inner_call_us``, ``inner_wait_us``)."""
     d = {k: s1[k] - s0[k] for k in s1}
     n = max(d["calls"], 1)
-    return {"calls": d["calls"], "self_us": round((d["call_ns"] + d["wait_ns"] + d["boundary_ns"]) / n / 1e3, 3),
-            "self_call_us": round(d["call_ns"] / n / 1e3, 3), "self_wait_us": round(d["wait_ns"] / n / 1e3, 3),
-            "self_boundary_us": round(d["boundary_ns"] / n / 1e3, 3),
-            "inner_call_us": round(d["inner_call_ns"] / n / 1e3, 3),
-            "inner_wait_us": round(d["inner_wait_ns"] / max(d["waits"], 1) / 1e3, 3)}
+    return {
+        "calls": d["calls"],
+        "self_us": round((d["call_ns"] + d["wait_ns"] + d["boundary_ns"]) / n / 1e3, 3),
+        "self_call_us": round(d["call_ns"] / n / 1e3, 3),
+        "self_wait_us": round(d["wait_ns"] / n / 1e3, 3),
+        "self_boundary_us": round(d["boundary_ns"] / n / 1e3, 3),
+        "inner_call_us": round(d["inner_call_ns"] / n / 1e3, 3),
+        "inner_wait_us": round(d["inner_wait_ns"] / max(d["waits"], 1) / 1e3, 3),
+    }
 
 
 def main() -> None:

@@ -42,9 +42,15 @@ def main() -> int:
     if not 0 <= a.rank < a.world:
         ap.error(f"--rank {a.rank} is outside a world of {a.world}")
     # torchrun's environment for this rank (one process here: LOCAL_RANK 0, one local rank)
-    os.environ.update(RANK=str(a.rank), WORLD_SIZE=str(a.world), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                      GROUP_RANK="0", MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                      MASTER_PORT=os.environ.get("MASTER_PORT", "29599"))
+    os.environ.update(
+        RANK=str(a.rank),
+        WORLD_SIZE=str(a.world),
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="1",
+        GROUP_RANK="0",
+        MASTER_ADDR=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+        MASTER_PORT=os.environ.get("MASTER_PORT", "29599"),
+    )
 
     import torch
     import torch.distributed as dist
@@ -52,8 +58,18 @@ def main() -> int:
 
     original = dist.init_process_group
 
-    def fake_init(backend=None, init_method=None, timeout=None, world_size=-1, rank=-1, store=None,
-                  group_name="", pg_options=None, device_id=None, **kwargs):
+    def fake_init(
+        backend=None,
+        init_method=None,
+        timeout=None,
+        world_size=-1,
+        rank=-1,
+        store=None,
+        group_name="",
+        pg_options=None,
+        device_id=None,
+        **kwargs,
+    ):
         extra = {"timeout": timeout} if timeout is not None else {}
         return original("fake", store=FakeStore(), rank=a.rank, world_size=a.world, **extra)
 
@@ -75,8 +91,11 @@ def main() -> int:
             peak = int(torch.cuda.max_memory_allocated())
     except Exception:  # noqa: BLE001
         pass
-    print("FAKEPG " + json.dumps({"rank": a.rank, "world": a.world, "exit": code, "peak_memory_bytes": peak,
-                                  "error": error}), flush=True)
+    print(
+        "FAKEPG "
+        + json.dumps({"rank": a.rank, "world": a.world, "exit": code, "peak_memory_bytes": peak, "error": error}),
+        flush=True,
+    )
     return code
 
 

@@ -15,29 +15,42 @@ import time
 from typing import Any
 
 from prismllm.calibrate.analyze import Timeline
-from prismllm.calibrate.report import (CALIBRATED_FILE, GRAPH_DIR, SUMMARY_FILE, calibrated_table, calibrated_trace,
-                                      render, summarize, write)
-from prismllm.calibrate.solve import TRANSFER_RULES, CalibrationError, Solution, solve
+from prismllm.calibrate.report import (
+    CALIBRATED_FILE,
+    GRAPH_DIR,
+    SUMMARY_FILE,
+    calibrated_table,
+    calibrated_trace,
+    render,
+    summarize,
+    write,
+)
+from prismllm.replay import TRANSFER_RULES, CalibrationError, Solution, solve
 from prismllm.trace.graph import PrismTrace
+from prismllm.trace.summary import steady_iteration_time
 
 
-def calibrate(graph: str | os.PathLike, out: str | os.PathLike | None = None, *,
-              durations: str | os.PathLike | None = None, rule: str = "auto",
-              validate_graph: bool = True, write_graph: bool = False) -> dict[str, Any]:
+def calibrate(
+    graph: str | os.PathLike,
+    out: str | os.PathLike | None = None,
+    *,
+    durations: str | os.PathLike | None = None,
+    rule: str = "auto",
+    validate_graph: bool = True,
+    write_graph: bool = False,
+) -> dict[str, Any]:
     """Load GRAPH (and OTHER), solve, write CAL when ``out`` is given (with ``write_graph``
     also CAL/graph, the calibrated PrismTrace); return the summary."""
     t0 = time.perf_counter()
     trace = PrismTrace.load(graph)
     other = PrismTrace.load(durations) if durations is not None else None
     load_s = time.perf_counter() - t0
-    sol = solve(trace, durations=other, rule=rule, validate_graph=validate_graph,
-                names=(str(graph), str(durations)))
+    sol = solve(trace, durations=other, rule=rule, validate_graph=validate_graph, names=(str(graph), str(durations)))
     t0 = time.perf_counter()
-    summary = summarize(sol, str(graph), str(durations) if durations is not None else None,
-                        {"load": load_s, **sol.timings_s})
+    summary = summarize(
+        sol, str(graph), str(durations) if durations is not None else None, {"load": load_s, **sol.timings_s}
+    )
     if other is not None:
-        from prismllm.trace.summary import steady_iteration_time
-
         ref = steady_iteration_time(other)
         pred = summary["predicted_iteration_ns"]
         summary["durations_recorded_iteration_ns"] = ref
@@ -51,5 +64,19 @@ def calibrate(graph: str | os.PathLike, out: str | os.PathLike | None = None, *,
     return summary
 
 
-__all__ = ["CALIBRATED_FILE", "GRAPH_DIR", "SUMMARY_FILE", "calibrated_trace", "TRANSFER_RULES", "CalibrationError", "Solution", "Timeline",
-           "calibrate", "calibrated_table", "render", "solve", "summarize", "write"]
+__all__ = [
+    "CALIBRATED_FILE",
+    "GRAPH_DIR",
+    "SUMMARY_FILE",
+    "calibrated_trace",
+    "TRANSFER_RULES",
+    "CalibrationError",
+    "Solution",
+    "Timeline",
+    "calibrate",
+    "calibrated_table",
+    "render",
+    "solve",
+    "summarize",
+    "write",
+]

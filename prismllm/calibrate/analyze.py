@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from prismllm.calibrate.solve import Solution
-from prismllm.replay.engine import INST_P2P, _ranges
-
+from prismllm.replay import INST_P2P, Solution, ranges
 
 _I64 = np.int64
 
@@ -71,7 +69,7 @@ class Timeline:
         has = np.flatnonzero(nw)
         self.wait_on = np.full(n, -1, dtype=_I64)
         if len(has):
-            src = g.wait_src[_ranges(g.wait_ptr[has], nw[has])]
+            src = g.wait_src[ranges(g.wait_ptr[has], nw[has])]
             seg = np.repeat(np.arange(len(has)), nw[has])
             ptr = np.r_[0, np.cumsum(nw[has])]
             self.wait_on[has] = _last_per_segment(self.end[src], seg, ptr, src)
@@ -117,12 +115,20 @@ class Timeline:
         key = g.rank_pos[inside] * nk + k[inside]
 
         def per(x: np.ndarray) -> np.ndarray:
-            return np.bincount(key, weights=x[inside].astype(np.float64), minlength=nr * nk).astype(_I64).reshape(nr, nk)
+            return (
+                np.bincount(key, weights=x[inside].astype(np.float64), minlength=nr * nk).astype(_I64).reshape(nr, nk)
+            )
 
         has = np.bincount(key, minlength=nr * nk).reshape(nr, nk) > 0
         span = np.where(has, per(gap + own), -1)
-        return {"span": span, "compute": per(compute), "comm_exposed": per(exposed), "idle": per(idle),
-                "p2p_wait": per(p2p), "has": has}
+        return {
+            "span": span,
+            "compute": per(compute),
+            "comm_exposed": per(exposed),
+            "idle": per(idle),
+            "p2p_wait": per(p2p),
+            "has": has,
+        }
 
     # ------------------------------------------------------------------ critical path
     def iteration_bounds(self, r: int, k: int) -> tuple[int, int, int]:
@@ -163,10 +169,12 @@ class Timeline:
                 else:
                     came_from, x, state = x, int(self.det_inst[x]), "inst"
             elif state == "inst":  # at the end of instance x: its transfer, then its last arrival
-                members = g.inst_nodes[g.inst_ptr[x]:g.inst_ptr[x + 1]]
+                members = g.inst_nodes[g.inst_ptr[x] : g.inst_ptr[x + 1]]
                 late = members[self.start[members] == self.inst_start[x]]
                 q = came_from if came_from in late.tolist() else int(late[0])
-                segs.append((q, x, "transfer", g.op_names[g.inst_op[x]], int(self.inst_start[x]), int(self.inst_end[x])))
+                segs.append(
+                    (q, x, "transfer", g.op_names[g.inst_op[x]], int(self.inst_start[x]), int(self.inst_end[x]))
+                )
                 x, state = q, "start"
             else:  # at the start of node x: what held it
                 w = int(self.wait_on[x])
@@ -178,14 +186,22 @@ class Timeline:
                     x, state = x - 1, "ret"
         out = []
         total = 0
-        for pos, inst, kind, op, s, e in segs:
+        for pos, _inst, kind, op, s, e in segs:
             s = max(s, begin)
             d = e - s
             if d <= 0:
                 continue
             total += d
-            out.append({"rank": g.rank_of(pos), "index": int(g.index[pos]), "op": op, "kind": kind,
-                        "start_ns": s, "duration_ns": d})
+            out.append(
+                {
+                    "rank": g.rank_of(pos),
+                    "index": int(g.index[pos]),
+                    "op": op,
+                    "kind": kind,
+                    "start_ns": s,
+                    "duration_ns": d,
+                }
+            )
         by_kind: dict[str, int] = {}
         for sgm in out:
             key = "compute" if sgm["kind"] == "compute" else f"{sgm['kind']} {sgm['op']}"
@@ -201,4 +217,3 @@ class Timeline:
             "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
             "segments": out,
         }
-

@@ -11,12 +11,13 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+from rich.table import Table
 
 from prismllm.calibrate.analyze import Timeline
-from prismllm.calibrate.solve import CalibrationError, Solution
 from prismllm.fsutil import write_dir_atomically
-from prismllm.replay.engine import INST_P2P
+from prismllm.replay import INST_P2P, CalibrationError, Solution
 from prismllm.trace.graph import PrismTrace
+from prismllm.trace.summary import fmt_ns
 
 CALIBRATED_FILE = "calibrated.parquet"
 SUMMARY_FILE = "summary.json"
@@ -38,18 +39,28 @@ def calibrated_table(sol: Solution) -> pa.Table:
     node_id = sol.trace.column("node_id").astype(_I64)[g.row]
     inst = g.inst_of
     comm = inst >= 0
-    op_start = np.where(comm, res.instance_start_ns[np.maximum(inst, 0)], -1) if g.num_instances else np.full(g.num_nodes, -1, _I64)
-    op_end = np.where(comm, res.instance_end_ns[np.maximum(inst, 0)], -1) if g.num_instances else np.full(g.num_nodes, -1, _I64)
-    return pa.table({
-        "node_id": pa.array(node_id, pa.int64()),
-        "rank": pa.array(g.ranks[g.rank_pos].astype(np.int32), pa.int32()),
-        "index": pa.array(g.index.astype(np.int32), pa.int32()),
-        "iteration": pa.array(g.iteration.astype(np.int32), pa.int32()),
-        "start_ns": pa.array(res.start_ns, pa.int64()),
-        "end_ns": pa.array(res.end_ns, pa.int64()),
-        "op_start_ns": pa.array(op_start.astype(_I64), pa.int64()),
-        "op_end_ns": pa.array(op_end.astype(_I64), pa.int64()),
-    })
+    op_start = (
+        np.where(comm, res.instance_start_ns[np.maximum(inst, 0)], -1)
+        if g.num_instances
+        else np.full(g.num_nodes, -1, _I64)
+    )
+    op_end = (
+        np.where(comm, res.instance_end_ns[np.maximum(inst, 0)], -1)
+        if g.num_instances
+        else np.full(g.num_nodes, -1, _I64)
+    )
+    return pa.table(
+        {
+            "node_id": pa.array(node_id, pa.int64()),
+            "rank": pa.array(g.ranks[g.rank_pos].astype(np.int32), pa.int32()),
+            "index": pa.array(g.index.astype(np.int32), pa.int32()),
+            "iteration": pa.array(g.iteration.astype(np.int32), pa.int32()),
+            "start_ns": pa.array(res.start_ns, pa.int64()),
+            "end_ns": pa.array(res.end_ns, pa.int64()),
+            "op_start_ns": pa.array(op_start.astype(_I64), pa.int64()),
+            "op_end_ns": pa.array(op_end.astype(_I64), pa.int64()),
+        }
+    )
 
 
 def rank_iteration_bounds(sol: Solution) -> tuple[np.ndarray, np.ndarray]:
@@ -62,15 +73,7 @@ def rank_iteration_bounds(sol: Solution) -> tuple[np.ndarray, np.ndarray]:
     finish = np.full((nr, nk), -1, dtype=_I64)
     if not (nk and g.num_nodes):
         return begin, finish
-    base = int(min(its.min(), g.iteration.min())) - 1
-    m = int(max(its.max(), g.iteration.max())) - base + 2
-    key = g.rank_pos * m + (g.iteration - base)
-    r = np.repeat(np.arange(nr, dtype=_I64), nk)
-    k = np.tile(its, nr)
-    last = np.searchsorted(key, r * m + (k - base), side="right") - 1
-    prev = np.searchsorted(key, r * m + (k - 1 - base), side="right") - 1
-    lo = g.off[r]
-    has = (last >= lo) & (g.iteration[np.maximum(last, 0)] == k)
+    prev, last, has, lo = g.iteration_bounds()
     b = np.where(prev >= lo, res.return_ns[np.maximum(prev, 0)], res.start_ns[np.minimum(lo, g.num_nodes - 1)])
     f = res.return_ns[np.maximum(last, 0)]
     begin.reshape(-1)[has] = b[has]
@@ -101,15 +104,21 @@ def calibrated_trace(sol: Solution) -> PrismTrace:
     begin, finish = rank_iteration_bounds(sol)
     ok = begin >= 0
     rr, kk = np.nonzero(ok)
-    iterations = pa.table({
-        "rank": pa.array(g.ranks[rr].astype(np.int32), pa.int32()),
-        "iteration": pa.array(g.iterations[kk].astype(np.int32), pa.int32()),
-        "start_ns": pa.array(begin[ok], pa.int64()),
-        "end_ns": pa.array(finish[ok], pa.int64()),
-        "label": pa.array([""] * int(ok.sum()), pa.string()),
-    })
-    manifest = {**trace.manifest, "mode": "calibrated", "clock": "logical",
-                "calibration": {"transfer_rule": sol.rule, "from_mode": trace.manifest.get("mode")}}
+    iterations = pa.table(
+        {
+            "rank": pa.array(g.ranks[rr].astype(np.int32), pa.int32()),
+            "iteration": pa.array(g.iterations[kk].astype(np.int32), pa.int32()),
+            "start_ns": pa.array(begin[ok], pa.int64()),
+            "end_ns": pa.array(finish[ok], pa.int64()),
+            "label": pa.array([""] * int(ok.sum()), pa.string()),
+        }
+    )
+    manifest = {
+        **trace.manifest,
+        "mode": "calibrated",
+        "clock": "logical",
+        "calibration": {"transfer_rule": sol.rule, "from_mode": trace.manifest.get("mode")},
+    }
     return PrismTrace(manifest=manifest, nodes=nodes, edges=trace.edges, groups=trace.groups, iterations=iterations)
 
 
@@ -129,20 +138,35 @@ def _stats(x: np.ndarray) -> dict[str, float] | None:
     return {"mean": float(np.mean(x)), "min": float(np.min(x)), "max": float(np.max(x))}
 
 
-def summarize(sol: Solution, graph_path: str | None = None, durations_path: str | None = None,
-              timings_s: dict[str, float] | None = None) -> dict[str, Any]:
+def summarize(
+    sol: Solution,
+    graph_path: str | None = None,
+    durations_path: str | None = None,
+    timings_s: dict[str, float] | None = None,
+) -> dict[str, Any]:
     g, res = sol.graph, sol.result
     tl = Timeline(sol)
     its = g.iterations
     rec = g.recorded_iteration_ns
     recorded = np.where((rec >= 0).any(axis=0), rec.max(axis=0, initial=-1), -1) if len(its) else np.zeros(0, _I64)
+    # An error compares a prediction with a real run: a recording's iterations are one (a timed
+    # graph's are the slices' own measurements, the input of this very prediction; a solo
+    # capture's ran each rank alone).
+    real = sol.trace.manifest.get("mode") == "record"
     iterations = []
     for c, k in enumerate(its.tolist()):
         pred = int(res.iteration_ns[c])
         r = int(recorded[c]) if recorded[c] >= 0 else None
         slow = int(g.ranks[int(np.argmax(res.rank_iteration_ns[:, c]))]) if pred >= 0 else None
-        iterations.append({"iteration": k, "predicted_ns": pred if pred >= 0 else None, "recorded_ns": r,
-                           "rel_error": (pred - r) / r if (r and pred >= 0) else None, "slowest_rank": slow})
+        iterations.append(
+            {
+                "iteration": k,
+                "predicted_ns": pred if pred >= 0 else None,
+                "recorded_ns": r,
+                "rel_error": (pred - r) / r if (real and r and pred >= 0) else None,
+                "slowest_rank": slow,
+            }
+        )
     steady = [int(x) for x in res.steady_iterations]
     rec_steady = [int(recorded[np.searchsorted(its, k)]) for k in steady if recorded[np.searchsorted(its, k)] >= 0]
     recorded_median = int(np.median(rec_steady)) if rec_steady else None
@@ -159,20 +183,28 @@ def summarize(sol: Solution, graph_path: str | None = None, durations_path: str 
         "ranks": int(len(g.ranks)),
         "nodes": int(g.num_nodes),
         "instances": int(g.num_instances),
-        "unknown_durations": {"compute_nodes": sol.durations.unknown_compute,
-                              "instances": sol.durations.unknown_transfer},
+        "unknown_durations": {
+            "compute_nodes": sol.durations.unknown_compute,
+            "instances": sol.durations.unknown_transfer,
+        },
         "time_origin": "logical: every rank starts at 0 ns",
         "iterations": iterations,
         "steady_iterations": steady,
         "predicted_iteration_ns": pred,
         "recorded_iteration_ns": recorded_median,
-        "rel_error": (pred - recorded_median) / recorded_median if (pred is not None and recorded_median) else None,
+        "recorded_is_real_run": real,
+        "rel_error": (
+            (pred - recorded_median) / recorded_median if (real and pred is not None and recorded_median) else None
+        ),
         "median_iteration": med,
         "critical_path": None,
         "per_rank": None,
         "busy_fraction": None,
         "pipeline_bubble": None,
-        "solve": {"rounds": int(sol.rounds), **{f"{k}_s": round(v, 4) for k, v in (timings_s or sol.timings_s).items()}},
+        "solve": {
+            "rounds": int(sol.rounds),
+            **{f"{k}_s": round(v, 4) for k, v in (timings_s or sol.timings_s).items()},
+        },
     }
     if durations_path is not None:  # filled by the caller, who has OTHER
         out["durations_recorded_iteration_ns"] = None
@@ -215,10 +247,12 @@ def summarize(sol: Solution, graph_path: str | None = None, durations_path: str 
 
 
 # ---------------------------------------------------------------------- writing
-def write(out_dir: str | os.PathLike, table: pa.Table, summary: dict[str, Any],
-          graph: PrismTrace | None = None) -> Path:
+def write(
+    out_dir: str | os.PathLike, table: pa.Table, summary: dict[str, Any], graph: PrismTrace | None = None
+) -> Path:
     """Write CAL atomically (a temp directory beside it, then a rename). An existing CAL is
     replaced; any other non-empty directory, or a file, is refused."""
+
     def fill(tmp: Path) -> None:
         pq.write_table(table, tmp / CALIBRATED_FILE, compression="zstd", row_group_size=1 << 20)
         with open(tmp / SUMMARY_FILE, "w") as f:
@@ -231,10 +265,22 @@ def write(out_dir: str | os.PathLike, table: pa.Table, summary: dict[str, Any],
 
 
 # ---------------------------------------------------------------------- the table
-def render(s: dict[str, Any], console, out_dir: str | None = None) -> None:
-    from rich.table import Table
+def _recorded_row(s: dict[str, Any], pct) -> tuple[str, str]:
+    """The graph's own iteration time: an error only against a real run (a recording)."""
+    if s.get("recorded_is_real_run"):
+        return (
+            "recorded iteration (real run)",
+            f"{fmt_ns(s['recorded_iteration_ns'])}  error {pct(s['rel_error'])}"
+            + ("  (GRAPH's own run)" if s["durations_from"] else ""),
+        )
+    what = {
+        "timed": "measured in the slices (this prediction's input, not a reference)",
+        "solo": "solo capture: each rank ran alone (not a reference)",
+    }.get(s.get("graph_mode") or "", "")
+    return ("graph's own iteration", f"{fmt_ns(s['recorded_iteration_ns'])}  {what}".rstrip())
 
-    from prismllm.trace.summary import fmt_ns
+
+def render(s: dict[str, Any], console, out_dir: str | None = None) -> None:
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:+.1f}%"
@@ -242,41 +288,62 @@ def render(s: dict[str, Any], console, out_dir: str | None = None) -> None:
     head = Table(title=f"calibration of {s['graph']}", show_header=False, title_justify="left")
     head.add_column(style="bold")
     head.add_column()
-    rows = [("ranks / nodes / instances", f"{s['ranks']} / {s['nodes']:,} / {s['instances']:,}"),
-            ("durations", s["durations_from"] or "the graph's own"),
-            ("transfer per instance", "minimum over members" if s["transfer_rule"] == "min" else "last arrival's"),
-            ("predicted iteration", f"{fmt_ns(s['predicted_iteration_ns'])} (median of steady iterations "
-                                    f"{', '.join(map(str, s['steady_iterations']))})"),
-            ("recorded iteration", f"{fmt_ns(s['recorded_iteration_ns'])}  error {pct(s['rel_error'])}"
-                                   + ("  (solo capture: each rank ran alone, not a reference)"
-                                      if s.get("graph_mode") == "solo" else "")
-                                   + ("  (GRAPH's own run)" if s["durations_from"] else ""))]
+    rows = [
+        ("ranks / nodes / instances", f"{s['ranks']} / {s['nodes']:,} / {s['instances']:,}"),
+        ("durations", s["durations_from"] or "the graph's own"),
+        ("transfer per instance", "minimum over members" if s["transfer_rule"] == "min" else "last arrival's"),
+        (
+            "predicted iteration",
+            f"{fmt_ns(s['predicted_iteration_ns'])} (median of steady iterations "
+            f"{', '.join(map(str, s['steady_iterations']))})",
+        ),
+        _recorded_row(s, pct),
+    ]
     if s.get("durations_recorded_iteration_ns") is not None:
-        rows.append(("recorded (durations' graph)", f"{fmt_ns(s['durations_recorded_iteration_ns'])}  "
-                                                    f"error {pct(s.get('durations_rel_error'))}"))
+        rows.append(
+            (
+                "recorded (durations' graph)",
+                f"{fmt_ns(s['durations_recorded_iteration_ns'])}  error {pct(s.get('durations_rel_error'))}",
+            )
+        )
     unk = s["unknown_durations"]
     if unk["compute_nodes"] or unk["instances"]:
-        rows.append(("without a measurement (as 0)", f"{unk['compute_nodes']} compute nodes, {unk['instances']} instances"))
+        rows.append(
+            ("without a measurement (as 0)", f"{unk['compute_nodes']} compute nodes, {unk['instances']} instances")
+        )
     if out_dir:
         rows.append(("written", out_dir))
     for k, v in rows:
         head.add_row(k, str(v))
     console.print(head)
 
+    real = s.get("recorded_is_real_run")
     it = Table(title="iterations (slowest rank)", title_justify="left")
-    for col in ("iteration", "predicted", "recorded", "error", "slowest rank"):
+    cols = (
+        ("iteration", "predicted", "recorded", "error", "slowest rank")
+        if real
+        else ("iteration", "predicted", "slowest rank")
+    )
+    for col in cols:
         it.add_column(col, justify="right")
     for x in s["iterations"][:20]:
         mark = " (median)" if x["iteration"] == s["median_iteration"] else ""
-        it.add_row(f"{x['iteration']}{mark}", fmt_ns(x["predicted_ns"]), fmt_ns(x["recorded_ns"]), pct(x["rel_error"]),
-                   str(x["slowest_rank"]))
+        cells = (
+            [fmt_ns(x["predicted_ns"]), fmt_ns(x["recorded_ns"]), pct(x["rel_error"])]
+            if real
+            else [fmt_ns(x["predicted_ns"])]
+        )
+        it.add_row(f"{x['iteration']}{mark}", *cells, str(x["slowest_rank"]))
     console.print(it)
 
     cp = s["critical_path"]
     if cp:
-        t = Table(title=f"critical path of iteration {cp['iteration']}: {fmt_ns(cp['total_ns'])}, "
-                        f"{len(cp['segments'])} segments over {len(cp['ranks_visited'])} rank(s), ends on rank "
-                        f"{cp['end_rank']}", title_justify="left")
+        t = Table(
+            title=f"critical path of iteration {cp['iteration']}: {fmt_ns(cp['total_ns'])}, "
+            f"{len(cp['segments'])} segments over {len(cp['ranks_visited'])} rank(s), ends on rank "
+            f"{cp['end_rank']}",
+            title_justify="left",
+        )
         t.add_column("what")
         t.add_column("time", justify="right")
         t.add_column("share", justify="right")
@@ -288,12 +355,19 @@ def render(s: dict[str, Any], console, out_dir: str | None = None) -> None:
         span = np.asarray(pr["span_ns"])
         ok = span > 0
         busy = np.asarray(pr["busy_ns"])[ok]
-        t = Table(title=f"per rank, iteration {pr['iteration']} (busy = compute + exposed communication)",
-                  title_justify="left")
+        t = Table(
+            title=f"per rank, iteration {pr['iteration']} (busy = compute + exposed communication)",
+            title_justify="left",
+        )
         for col in ("", "mean", "min", "max"):
             t.add_column(col, justify="right" if col else "left")
-        for name, key in (("busy", "busy_ns"), ("compute", "compute_ns"), ("exposed comm", "comm_exposed_ns"),
-                          ("idle", "idle_ns"), ("P2P wait", "p2p_wait_ns")):
+        for name, key in (
+            ("busy", "busy_ns"),
+            ("compute", "compute_ns"),
+            ("exposed comm", "comm_exposed_ns"),
+            ("idle", "idle_ns"),
+            ("P2P wait", "p2p_wait_ns"),
+        ):
             v = np.asarray(pr[key])[ok]
             if len(v):
                 t.add_row(name, fmt_ns(v.mean()), fmt_ns(v.min()), fmt_ns(v.max()))
@@ -302,8 +376,10 @@ def render(s: dict[str, Any], console, out_dir: str | None = None) -> None:
             t.add_row("busy fraction", f"{100 * f.mean():.1f}%", f"{100 * f.min():.1f}%", f"{100 * f.max():.1f}%")
         pb = s["pipeline_bubble"]
         if pb:
-            t.caption = (f"pipeline bubble (P2P wait / iteration, over ranks): {100 * pb['fraction']:.1f}%; "
-                         f"worst rank {pb['max_rank']}: {100 * pb['max']:.1f}%")
+            t.caption = (
+                f"pipeline bubble (P2P wait / iteration, over ranks): {100 * pb['fraction']:.1f}%; "
+                f"worst rank {pb['max_rank']}: {100 * pb['max']:.1f}%"
+            )
         else:
             t.caption = "no send/recv: no pipeline bubble"
         console.print(t)

@@ -1,9 +1,9 @@
 """``prism capture --mode solo``: the bare graph of an N-rank job from a few ranks run alone.
 
-Each rank runs by itself (``PRISM_MODE=solo``: the solo backend answers every collective from
+Each rank runs by itself (mode ``solo``: the solo backend answers every collective from
 the tensor generator or a tensor store, no peer is needed) and writes its RankLog to
 ``<out>/.spool``, exactly as ``prism record`` does. With a ``--layout`` only one representative
-per replica class runs (``prismllm.capture.layout``: one per (tp, cp, ep, pp) coordinate, the
+per replica class runs (``prismllm.layout``: one per (tp, cp, ep, pp) coordinate, the
 DP / expert-DP replicas are renamed copies); without one every rank runs. Ranks run G at a
 time through the launcher (``ranks=[...]``, ``world_size=N``), one process per rank (one GPU
 each on CUDA).
@@ -24,33 +24,42 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from prismllm import __version__
-from prismllm.capture.launcher import (
+from prismllm.capture.common import (
+    SPOOL_DIR,
+    build_manifest,
+    check_importable,
+    program_of,
+    resolve_devices,
+    save_into,
+    trace_counts,
+)
+from prismllm.childenv import ChildEnv
+from prismllm.errors import PrismError
+from prismllm.fsutil import sha256_file
+from prismllm.launch import (
     DEFAULT_RUNNER,
+    LOGS_DIR,
     LaunchError,
     LaunchSpec,
     LineSink,
-    format_ranks,
     launch,
 )
-from prismllm.capture.layout import Layout, ReplicaPlan, replica_plan
-from prismllm.capture.record import (
-    LOGS_DIR,
-    MANIFEST_FILE,
-    SPOOL_DIR,
-    _check_importable,
-    _program,
-    _save_into,
-    _trace_counts,
-    build_manifest,
-    resolve_devices,
-)
-from prismllm.errors import PrismError
-from prismllm.fsutil import sha256_file
+from prismllm.layout import Layout, ReplicaPlan, replica_plan
+from prismllm.specs import format_ranks, parse_devices
+from prismllm.trace.edges import group_rank_lookup
 from prismllm.trace.ranklog import ranklog_path
+from prismllm.trace.replicate import assemble_replicated
+from prismllm.trace.schema import MANIFEST_FILE, NODE_SCHEMA
+from prismllm.trace.validate import validate
 
 STATE_FILE = "capture.json"
 STATE_VERSION = 1
@@ -65,11 +74,11 @@ class CaptureOptions:
     out: str | os.PathLike
     script: str
     args: Sequence[str] = ()
-    devices: int | str | None = None  # G (how many ranks at a time), or "cuda:0,1,..."; None: 1
-    device: str | None = None  # "cpu" | "cuda" | None: cuda if G GPUs are there, else cpu
+    devices: str = "auto"  # auto | cpu | cuda | cuda:G,G,... (prismllm.specs.DeviceSpec)
+    parallel: int | None = None  # ranks at a time; None: one per listed GPU, else 1
     layout: str | dict | None = None
-    rules: str | os.PathLike | None = None  # PRISM_RULES
-    tensors: str | os.PathLike | None = None  # PRISM_TENSOR_STORE
+    rules: str | os.PathLike | None = None  # a generator rules file (ChildEnv.rules)
+    tensors: str | os.PathLike | None = None  # a recorded-tensor store (ChildEnv.tensor_store)
     force: bool = False
     timeout: float | None = None  # per batch of G ranks
     tee: bool = False
@@ -183,39 +192,22 @@ def _fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def _parallel_and_devices(opts: CaptureOptions) -> tuple[int, str, str | list[int]]:
-    """(G, device kind, launcher devices: "cpu" or G GPU indices)."""
-    d = opts.devices
-    gpus: list[int] | None = None
-    if d is None or d == "":
-        g = 1
-    elif isinstance(d, int):
-        g = d
-    else:
-        s = str(d).strip().lower()
-        if s.startswith("cuda:"):
-            try:
-                gpus = [int(x) for x in s[5:].split(",") if x.strip()]
-            except ValueError:
-                raise PrismError(f"bad --devices {d!r}: expected a count G or cuda:0,1,...") from None
-            g = len(gpus)
-        else:
-            try:
-                g = int(s)
-            except ValueError:
-                raise PrismError(f"bad --devices {d!r}: expected a count G or cuda:0,1,...") from None
+    """(G ranks at a time, device kind, launcher devices: "cpu" or G GPU indices). A GPU list
+    runs one rank per listed GPU (a GPU listed twice runs two of them); ``auto`` is CUDA when
+    G GPUs are visible, else the CPU."""
+    try:
+        dev = parse_devices(opts.devices)
+    except ValueError as e:
+        raise PrismError(str(e)) from None
+    g = opts.parallel if opts.parallel is not None else (len(dev.gpus) if dev.gpus is not None else 1)
     if g < 1:
-        raise PrismError(f"--devices must be at least 1, not {g}")
-    kind = (opts.device or "").strip().lower() or None
-    if gpus is not None:
-        if kind == "cpu":
-            raise PrismError(f"--devices {d} lists GPUs but --device is cpu")
-        kind = "cuda"
-    if kind not in (None, "cpu", "cuda", "auto"):
-        raise PrismError(f"bad --device {opts.device!r}: expected cpu or cuda")
-    if kind == "cpu":
-        return g, "cpu", "cpu"
-    spec = None if kind in (None, "auto") else ("cuda" if gpus is None else "cuda:" + ",".join(map(str, gpus)))
-    device, devices = resolve_devices(spec, g)
+        raise PrismError(f"--parallel must be at least 1, not {g}")
+    if dev.gpus is not None and len(dev.gpus) != g:
+        raise PrismError(
+            f"--devices {dev.text} lists {len(dev.gpus)} GPU(s) for --parallel {g}: one rank runs on "
+            f"each listed GPU (list a GPU twice to run two ranks on it)"
+        )
+    device, devices = resolve_devices(dev.text, g)
     return g, device, devices
 
 
@@ -240,8 +232,10 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
     if layout is not None and layout.ep > 1 and layout.edp > 1 and opts.tensors is not None:
         # Recorded values make each expert-DP replica route its own tokens: renaming a
         # representative would copy the wrong split sizes (measured: N=16 TP2·DP8·EP4).
-        plan = dataclasses.replace(replica_plan(None, opts.world), why_all=(
-            "--tensors with expert parallelism: each rank replays its own recorded routing"))
+        plan = dataclasses.replace(
+            replica_plan(None, opts.world),
+            why_all=("--tensors with expert parallelism: each rank replays its own recorded routing"),
+        )
     g, device, devices = _parallel_and_devices(opts)
     fp = fingerprint(opts, layout, device)
 
@@ -300,17 +294,13 @@ def reconcile_all_to_all(trace: Any) -> int:
     ``[in_splits_i[j] for i]`` and ``out_bytes`` to match (bytes per row from the member's
     own ``in_bytes / sum(in_splits)``, else the instance's). Returns the number of instances
     changed; others are left for validation to judge."""
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    from prismllm.trace.assemble import group_rank_lookup
-    from prismllm.trace.schema import NODE_SCHEMA
 
     nodes = trace.nodes
     op = nodes.column("op")
-    rows = np.flatnonzero(pc.equal(op, "all_to_all").to_numpy(zero_copy_only=False)
-                          & pc.equal(nodes.column("kind"), "comm").to_numpy(zero_copy_only=False))
+    rows = np.flatnonzero(
+        pc.equal(op, "all_to_all").to_numpy(zero_copy_only=False)
+        & pc.equal(nodes.column("kind"), "comm").to_numpy(zero_copy_only=False)
+    )
     if not len(rows):
         return 0
     sub = nodes.take(pa.array(rows))
@@ -381,8 +371,11 @@ def reconcile_all_to_all(trace: Any) -> int:
     full_bytes = nodes.column("out_bytes").to_numpy().astype(np.int64).copy()
     full_bytes[rows] = out_bytes
     i = nodes.schema.get_field_index("out_splits")
-    nodes = nodes.set_column(i, NODE_SCHEMA.field("out_splits"), pa.ListArray.from_arrays(
-        pa.array(full_off, type=pa.int32()), pa.array(values, type=pa.int64())))
+    nodes = nodes.set_column(
+        i,
+        NODE_SCHEMA.field("out_splits"),
+        pa.ListArray.from_arrays(pa.array(full_off, type=pa.int32()), pa.array(values, type=pa.int64())),
+    )
     i = nodes.schema.get_field_index("out_bytes")
     nodes = nodes.set_column(i, NODE_SCHEMA.field("out_bytes"), pa.array(full_bytes))
     trace.nodes = nodes
@@ -408,9 +401,7 @@ def capture(
     t0 = time.monotonic()
     plan, fp, state = plan_capture(opts)
     if opts.runner == DEFAULT_RUNNER:
-        _check_importable(DEFAULT_RUNNER, "the capture bootstrap")
-    from prismllm.trace.assemble import assemble_replicated
-    from prismllm.trace.validate import validate
+        check_importable(DEFAULT_RUNNER, "the capture bootstrap")
 
     out = Path(opts.out)
     spool = out / SPOOL_DIR
@@ -424,23 +415,20 @@ def capture(
     # the program's fingerprint before any rank ran (files it writes are not its inputs); a
     # resumed capture keeps the first run's
     if not isinstance(state.get("program"), dict):
-        state["program"] = _program(opts.script, opts.args)
+        state["program"] = program_of(opts.script, opts.args)
     state["runs"] = int(state.get("runs", 0)) + 1
     state["done"] = sorted(plan.resumed)
     _write_state(spool, state)
     if on_plan is not None:
         on_plan(plan)
 
-    env: dict[str, str | None] = {
-        "PRISM_MODE": opts.mode,
-        "PRISM_SPOOL": str(spool.resolve()),
-        "PRISM_DEVICE": plan.device,
-    }
-    if opts.rules is not None:
-        env["PRISM_RULES"] = str(Path(opts.rules).resolve())
-    if opts.tensors is not None:
-        env["PRISM_TENSOR_STORE"] = str(Path(opts.tensors).resolve())
-    env.update(opts.env)
+    child = ChildEnv(
+        mode=opts.mode,
+        spool=str(spool.resolve()),
+        rules=str(Path(opts.rules).resolve()) if opts.rules is not None else None,
+        tensor_store=str(Path(opts.tensors).resolve()) if opts.tensors is not None else None,
+    )
+    env: dict[str, str | None] = {**child.to_env(), **opts.env}
 
     total = len(plan.replicas.representatives)
     done = set(plan.resumed)
@@ -450,7 +438,7 @@ def capture(
         on_progress(len(done), total, 0, 0.0)
     pending = list(plan.pending)
     for i in range(0, len(pending), plan.parallel):
-        batch = pending[i:i + plan.parallel]
+        batch = pending[i : i + plan.parallel]
         spec = LaunchSpec(
             nproc=len(batch),
             ranks=batch,
@@ -458,7 +446,7 @@ def capture(
             script=opts.script,
             args=list(opts.args),
             env=env,
-            devices=plan.devices if plan.devices == "cpu" else list(plan.devices)[:len(batch)],
+            devices=plan.devices if plan.devices == "cpu" else list(plan.devices)[: len(batch)],
             runner=opts.runner,
             timeout=opts.timeout,
             log_dir=out / LOGS_DIR if opts.tee else None,
@@ -485,7 +473,7 @@ def capture(
         if silent:
             raise PrismError(
                 f"rank(s) {format_ranks(silent)} exited normally but wrote no rank log to {spool} "
-                f"(was the program run through the capture bootstrap, with PRISM_MODE={opts.mode}?)"
+                f"(was the program run through the capture bootstrap, in mode {opts.mode}?)"
             )
         if on_progress is not None:
             on_progress(len(done), total, ran, time.monotonic() - t_run)
@@ -521,7 +509,7 @@ def capture(
     }
     if plan.replicas.dedup:
         cap["replica_of"] = plan.replicas.replica_of.tolist()
-        cap["renaming"] = "shift of the edp coordinate (prismllm.capture.layout)"
+        cap["renaming"] = "shift of the edp coordinate (prismllm.layout)"
     manifest["capture"] = cap
     trace = assemble_replicated(
         spool,
@@ -539,10 +527,10 @@ def capture(
     cap["validate_s"] = round(t_save - t_val, 3)
     cap["wall_s"] = round(t_save - t0, 3)  # up to the save
     trace.manifest["capture"] = cap
-    _save_into(trace, out)
+    save_into(trace, out)
     shutil.rmtree(spool, ignore_errors=True)
     t_end = time.monotonic()
-    iterations, nodes = _trace_counts(out, trace)
+    iterations, nodes = trace_counts(out, trace)
     return CaptureResult(
         out=out,
         manifest=trace.manifest,
@@ -556,6 +544,10 @@ def capture(
         nodes=nodes,
         device=plan.device,
         dedup=plan.replicas.dedup,
-        timings={"run_s": run_wall, "assemble_s": t_val - t_asm, "validate_s": t_save - t_val,
-                 "save_s": t_end - t_save},
+        timings={
+            "run_s": run_wall,
+            "assemble_s": t_val - t_asm,
+            "validate_s": t_save - t_val,
+            "save_s": t_end - t_save,
+        },
     )

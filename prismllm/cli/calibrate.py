@@ -17,45 +17,61 @@ Exit status 0, or 2 with one line `prism calibrate: error: ...`.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 from rich.console import Console
 
-from prismllm.calibrate import TRANSFER_RULES, calibrate, render
+from prismllm.calibrate import TRANSFER_RULES, CalibrationError, calibrate, render
+from prismllm.cli import options
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("calibrate", help="solve a timed graph: consistent node times, iteration time, "
-                              "critical path, bubble", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = options.command(
+        subparsers,
+        "calibrate",
+        "solve a timed graph: consistent node times, iteration time, critical path, bubble",
+        __doc__,
+        raw=True,
+    )
     p.add_argument("graph", metavar="GRAPH", help="graph directory with measured durations (`prism record`)")
-    p.add_argument("--out", required=True, metavar="CAL", help="output directory (replaced if it holds a calibration)")
-    p.add_argument("--durations", metavar="OTHER", default=None,
-                   help="take the node durations from OTHER, a graph of the same structure")
-    p.add_argument("--transfer", choices=TRANSFER_RULES, default="auto",
-                   help="transfer time of an instance: min (the smallest of its members' measured durations), "
-                        "slice (per slice the smallest, then the mean over the slices: timed graphs), last (the "
-                        "member that arrived last; needs one clock); auto (default): slice for a timed graph, "
-                        "else min")
-    p.add_argument("--write-graph", action="store_true",
-                   help="also write CAL/graph: GRAPH with the solved times (a PrismTrace, mode calibrated)")
-    p.add_argument("--no-validate", action="store_true", help="skip the static graph check (faster at scale)")
-    p.add_argument("--json", action="store_true", help="print the summary JSON instead of tables")
+    options.add(p, "out", required=("out",))
+    p.add_argument(
+        "--durations",
+        metavar="OTHER",
+        default=None,
+        help="take the node durations from OTHER, a graph of the same structure",
+    )
+    p.add_argument(
+        "--transfer",
+        choices=TRANSFER_RULES,
+        default="auto",
+        help="transfer time of an instance: min (the smallest of its members' measured durations), "
+        "slice (per slice the smallest, then the mean over the slices: timed graphs), last (the "
+        "member that arrived last; needs one clock); auto (default): slice for a timed graph, "
+        "else min",
+    )
+    p.add_argument(
+        "--write-graph",
+        action="store_true",
+        help="also write CAL/graph: GRAPH with the solved times (a PrismTrace, mode calibrated)",
+    )
+    options.add(p, "no_validate", "json")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        summary = calibrate(args.graph, args.out, durations=args.durations, rule=args.transfer,
-                            validate_graph=not args.no_validate, write_graph=args.write_graph)
+        summary = calibrate(
+            args.graph,
+            args.out,
+            durations=args.durations,
+            rule=args.transfer,
+            validate_graph=not args.no_validate,
+            write_graph=args.write_graph,
+        )
     except ValueError as e:  # a duration array the engine refuses: report it as one line
-        from prismllm.calibrate import CalibrationError
-
         raise CalibrationError(str(e)) from None
     if args.json:
-        json.dump(summary, sys.stdout)
-        sys.stdout.write("\n")
+        options.print_json(summary)
     else:
         render(summary, Console(), args.out)
     return 0

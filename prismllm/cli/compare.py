@@ -15,26 +15,22 @@ With --json one object is printed: {"structure": {"equal", "first_difference"} |
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 from rich.console import Console
 from rich.table import Table
 
+from prismllm.cli import options
 from prismllm.trace.compare import compare_traces
-from prismllm.trace.graph import PrismTrace
 from prismllm.trace.summary import fmt_ns
-from prismllm.trace.validate import validate
 
 WORST = 10
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("compare", help="compare two graphs (structure and timing)", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = options.command(subparsers, "compare", "compare two graphs (structure and timing)", __doc__, raw=True)
     p.add_argument("a", metavar="A", help="reference graph directory")
     p.add_argument("b", metavar="B", help="graph directory to judge against A")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    options.add(p, "json")
     only = p.add_mutually_exclusive_group()
     only.add_argument("--timing-only", action="store_true", help="compare timing only (exit 0)")
     only.add_argument("--structure-only", action="store_true", help="compare structure only")
@@ -42,14 +38,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    a = PrismTrace.load(args.a)
-    validate(a)
-    b = PrismTrace.load(args.b)
-    validate(b)
+    a, b = options.load_graph(args.a), options.load_graph(args.b)
     res = compare_traces(a, b, structure=not args.timing_only, timing=not args.structure_only)
     if args.json:
-        json.dump(res.to_dict(), sys.stdout)
-        sys.stdout.write("\n")
+        options.print_json(res.to_dict())
     else:
         render(res, Console(), args.a, args.b)
     return 1 if res.structure_equal is False else 0

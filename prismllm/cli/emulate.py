@@ -1,11 +1,17 @@
 """`prism emulate`: sandbox ranks run the real program, an assistant replays the others.
 
-    prism emulate --graph BARE --sandbox RANKS --out DIR [--tensors STORE] [--timeout S]
-                  [--force] [--tee] [--prefix] -- SCRIPT ARGS...
+    prism emulate --graph GRAPH --sandbox RANKS --out DIR [--devices ...] [--inputs ...] [--tensors STORE]
+                  [--timeout S] [--force] [--tee] [--prefix] -- SCRIPT ARGS...
 
 Exit status: 0 when every sandbox rank and the assistant ended well; 1 when a sandbox rank ran
 out of memory (a reproduced OOM: a result of the emulation, reported as such); 2 for any error
 (one line ``prism emulate: error: ...`` naming who failed and with what).
+
+Run SCRIPT for real as the sandbox ranks of the N-rank job the graph GRAPH describes (torchrun's
+environment for each of them, WORLD_SIZE = N); every other rank is virtual, replayed from the graph
+by one assistant process that takes part in every collective with the sandbox, contributing the
+virtual ranks' recorded (or generated) inputs; CPU (gloo) or GPU (NCCL). Exit status 1: a sandbox
+rank ran out of memory (a reproduced OOM); 2: an error.
 """
 
 from __future__ import annotations
@@ -13,61 +19,61 @@ from __future__ import annotations
 import argparse
 import sys
 
-from prismllm.capture.launcher import LaunchInterrupted
-from prismllm.cli.program import add_program_args, devices_arg, line_prefix, program_args
+from prismllm.cli import options
+from prismllm.cli.program import add_program_args, line_prefix, program_args
 from prismllm.emulate.run import EmulateOptions, SandboxOutOfMemory, emulate
+from prismllm.launch import LaunchInterrupted
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
+    p = options.command(
+        subparsers,
         "emulate",
-        help="run a few ranks for real inside the virtual world of a recorded graph",
-        description=(
-            "Run SCRIPT for real as the sandbox ranks of the N-rank job the graph BARE describes "
-            "(torchrun's environment for each of them, WORLD_SIZE = N); every other rank is virtual, "
-            "replayed from the graph by one assistant process that takes part in every collective "
-            "with the sandbox, contributing the virtual ranks' recorded (or generated) inputs; CPU (gloo) or GPU (NCCL). "
-            "Exit status 1: a sandbox rank ran out of memory (a reproduced OOM); 2: an error."
-        ),
+        "run a few ranks for real inside the virtual world of a recorded graph",
+        __doc__,
+        raw=True,
     )
-    p.add_argument("--graph", required=True, metavar="BARE", help="the bare graph (a `prism record` output)")
-    p.add_argument("--sandbox", required=True, metavar="RANKS", help="ranks that run for real, e.g. 1 or 0,2-3")
-    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
-    p.add_argument("--tensors", default=None, metavar="STORE",
-                   help="recorded tensors with inputs (`prism record --save-tensors all,inputs`); "
-                        "default: BARE/tensors")
-    p.add_argument("--timeout", type=float, default=None, metavar="S",
-                   help="end the run after S seconds, naming what is still running")
-    p.add_argument("--check", action="store_true",
-                   help="compare every pruned collective's output on the sandbox with the recorded "
-                        "run's (needs outputs in the store: --save-tensors all,inputs); summary in "
-                        "DIR/check-rank-R.json")
-    p.add_argument("--devices", type=devices_arg, default="cpu", metavar="cpu|cuda|cuda:G,...",
-                   help="cpu (gloo), or cuda: a GPU per sandbox rank plus one per assistant (NCCL); or "
-                        "cuda:G,G,... their GPUs in that order, a GPU listed twice being shared (its "
-                        "processes each NCCL's own host, talking through sockets: right values and "
-                        "memory, communication times not those of linked GPUs)")
-    p.add_argument("--inputs", choices=["recorded", "generated"], default="recorded",
-                   help="the virtual ranks' inputs: recorded (the tensor store) or generated (zeros: "
-                        "the sandbox's numbers then lack the virtual ranks' contributions)")
-    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                   help="multi-host: where every invocation's processes meet (hosted by the one that "
-                        "runs the sandbox ranks), as torchrun's --rdzv-endpoint")
-    p.add_argument("--role", choices=["all", "sandbox", "assistant"], default="all",
-                   help="the processes this invocation runs (with --rdzv-endpoint): all, the sandbox "
-                        "ranks, or the assistant")
-    p.add_argument("--timing", choices=["auto", "fast", "real"], default="auto",
-                   help="how the virtual ranks are replayed: real (in real time with the graph's calibrated "
-                        "durations, the sandbox's real completions fed back), fast (as fast as dependencies "
-                        "allow, as slice timing does); auto (default): real for a calibrated graph "
-                        "(`prism calibrate --write-graph`: CAL/graph), else fast")
-    p.add_argument("--assistants", type=int, default=1, metavar="K",
-                   help="assistant processes (on GPU one GPU each, after the sandbox's): each plays the "
-                        "proxy of a share of the groups that mix sandbox and virtual ranks (default 1)")
-    p.add_argument("--force", action="store_true", help="replace DIR if it holds an emulation")
-    p.add_argument("--tee", action="store_true",
-                   help="also write each process's stdout/stderr to DIR/logs")
-    add_program_args(p, "prefix each line of output with [rankN] / [assistant]")
+    options.add(p, "graph", "sandbox", "out", required=("graph", "sandbox", "out"))
+    options.add(p, "devices", "tensors", "inputs", "timeout")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="compare every pruned collective's output on the sandbox with the recorded "
+        "run's (needs outputs in the store: --save-tensors all,inputs); summary in "
+        "DIR/check-rank-R.json",
+    )
+    p.add_argument(
+        "--rdzv-endpoint",
+        default=None,
+        metavar="HOST:PORT",
+        help="multi-host: where every invocation's processes meet (hosted by the one that "
+        "runs the sandbox ranks), as torchrun's --rdzv-endpoint",
+    )
+    p.add_argument(
+        "--role",
+        choices=["all", "sandbox", "assistant"],
+        default="all",
+        help="the processes this invocation runs (with --rdzv-endpoint): all, the sandbox ranks, or the assistant",
+    )
+    p.add_argument(
+        "--timing",
+        choices=["auto", "fast", "real"],
+        default="auto",
+        help="how the virtual ranks are replayed: real (in real time with the graph's calibrated "
+        "durations, the sandbox's real completions fed back), fast (as fast as dependencies "
+        "allow, as slice timing does); auto (default): real for a calibrated graph "
+        "(`prism calibrate --write-graph`: CAL/graph), else fast",
+    )
+    p.add_argument(
+        "--assistants",
+        type=int,
+        default=1,
+        metavar="K",
+        help="assistant processes (on GPU one GPU each, after the sandbox's): each plays the "
+        "proxy of a share of the groups that mix sandbox and virtual ranks (default 1)",
+    )
+    options.add(p, "force", "tee")
+    add_program_args(p)
     p.set_defaults(run=run)
     return p
 
@@ -84,10 +90,15 @@ def _print_figures(res) -> None:
         its = ", ".join(_ms(t) for t in m["iteration_ns"])
         mem = m["peak_memory_bytes"]
         med = m["median_steady_iteration_ns"]
-        line = (f"prism emulate: sandbox rank {r}: iterations [{its}]; median steady {_ms(med)}"
-                + (f"; peak memory {mem:,} B" if mem >= 0 else "")
-                + (f" (+ {m['emulation_scratch_bytes']:,} B of pruned-call scratch outside it)"
-                   if m.get("emulation_scratch_bytes") else ""))
+        line = (
+            f"prism emulate: sandbox rank {r}: iterations [{its}]; median steady {_ms(med)}"
+            + (f"; peak memory {mem:,} B" if mem >= 0 else "")
+            + (
+                f" (+ {m['emulation_scratch_bytes']:,} B of pruned-call scratch outside it)"
+                if m.get("emulation_scratch_bytes")
+                else ""
+            )
+        )
         if pred and med:
             line += f"; calibrated prediction {_ms(pred)} ({(med - pred) / pred * 100:+.2f} %)"
         if m.get("emulation_overhead_left_out_ns"):  # CPU: the pruned calls' own host time
@@ -95,23 +106,42 @@ def _print_figures(res) -> None:
         print(line, file=sys.stderr)
     c = res.communicators
     if c:
-        print(f"prism emulate: communicators: {c['communicators']} for {c['logical_groups']} logical group(s) "
-              f"({c['all_real']} of sandbox ranks only, {c['pruned']} pruned to sandbox ranks + a proxy, "
-              f"{c['not_instantiated']} never instantiated); largest {c['largest_communicator']} member(s) "
-              f"against a largest logical group of {c['largest_logical_group']}", file=sys.stderr)
+        print(
+            f"prism emulate: communicators: {c['communicators']} for {c['logical_groups']} logical group(s) "
+            f"({c['all_real']} of sandbox ranks only, {c['pruned']} pruned to sandbox ranks + a proxy, "
+            f"{c['not_instantiated']} never instantiated); largest {c['largest_communicator']} member(s) "
+            f"against a largest logical group of {c['largest_logical_group']}",
+            file=sys.stderr,
+        )
     rep = res.replay or {}
     if rep.get("median_steady_iteration_ns") is not None:
-        print(f"prism emulate: virtual ranks ({rep['virtual_ranks']}, {res.timing} timing): median steady "
-              f"iteration {_ms(rep['median_steady_iteration_ns'])}", file=sys.stderr)
+        print(
+            f"prism emulate: virtual ranks ({rep['virtual_ranks']}, {res.timing} timing): median steady "
+            f"iteration {_ms(rep['median_steady_iteration_ns'])}",
+            file=sys.stderr,
+        )
 
 
 def run(args: argparse.Namespace) -> int:
     script_args = program_args(args)
     opts = EmulateOptions(
-        graph=args.graph, sandbox=args.sandbox, out=args.out, script=args.script, args=script_args,
-        tensors=args.tensors, timeout=args.timeout, force=args.force, tee=args.tee,
-        line_prefix=line_prefix(args), check=args.check, devices=args.devices, inputs=args.inputs,
-        rdzv_endpoint=args.rdzv_endpoint, role=args.role, timing=args.timing, assistants=args.assistants,
+        graph=args.graph,
+        sandbox=args.sandbox,
+        out=args.out,
+        script=args.script,
+        args=script_args,
+        tensors=args.tensors,
+        timeout=args.timeout,
+        force=args.force,
+        tee=args.tee,
+        line_prefix=line_prefix(args),
+        check=args.check,
+        devices=args.devices,
+        inputs=args.inputs,
+        rdzv_endpoint=args.rdzv_endpoint,
+        role=args.role,
+        timing=args.timing,
+        assistants=args.assistants,
     )
     try:
         res = emulate(opts)
@@ -125,15 +155,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"prism emulate: sandbox rank {r} of {res.world_size}: exit status {rc}", file=sys.stderr)
         c = res.checks.get(r)
         if c is not None:
-            print(f"prism emulate: sandbox rank {r}: {c['compared']} collective output(s) compared with the "
-                  f"recording, max abs diff {c['max_abs_diff']:.3g}, max rel diff {c['max_rel_diff']:.3g}"
-                  + (f" ({c['worst']})" if c['max_rel_diff'] > 0 else "")
-                  + (f"; {c['missing']} not in the store" if c['missing'] else "")
-                  + (f"; {c['unfinished']} never finished" if c.get('unfinished') else "")
-                  + (f"; {c['errors']} could not be compared" if c.get('errors') else ""), file=sys.stderr)
+            print(
+                f"prism emulate: sandbox rank {r}: {c['compared']} collective output(s) compared with the "
+                f"recording, max abs diff {c['max_abs_diff']:.3g}, max rel diff {c['max_rel_diff']:.3g}"
+                + (f" ({c['worst']})" if c["max_rel_diff"] > 0 else "")
+                + (f"; {c['missing']} not in the store" if c["missing"] else "")
+                + (f"; {c['unfinished']} never finished" if c.get("unfinished") else "")
+                + (f"; {c['errors']} could not be compared" if c.get("errors") else ""),
+                file=sys.stderr,
+            )
     _print_figures(res)
     if res.shared_gpu:
-        print("prism emulate: a GPU was shared by sandbox ranks and assistants (NCCL over sockets): values "
-              "and memory are the program's, iteration times are not those of linked GPUs", file=sys.stderr)
+        print(
+            "prism emulate: a GPU was shared by sandbox ranks and assistants (NCCL over sockets): values "
+            "and memory are the program's, iteration times are not those of linked GPUs",
+            file=sys.stderr,
+        )
     print(f"prism emulate: done in {res.wall_s:.1f} s; output in {res.out}", file=sys.stderr)
     return 0

@@ -1,44 +1,64 @@
-"""`prism export DIR --perfetto OUT.json`: write a graph in another format.
+"""`prism export DIR (--perfetto OUT.json | --hta OUT_DIR | --chakra OUT_DIR) [--ranks RANKS]`:
+write a graph for the tools people use.
 
---perfetto: Chrome trace-event JSON for https://ui.perfetto.dev or chrome://tracing — a
+--perfetto: Chrome trace-event JSON for https://ui.perfetto.dev or chrome://tracing: a
 process per rank, a track per stream (compute, comm:<group>), iteration spans, and flow
 arrows between the participants of each collective and send/recv pair. A graph without times
-is laid out by program order (1 µs per node) and the file's metadata says so. --ranks keeps
-some ranks only (flows between kept ranks).
-The graph is loaded and validated first (--no-validate skips the check).
+is laid out by program order (1 µs per node) and the file's metadata says so.
+--hta: Kineto-style traces, one rank-<r>.json per rank with distributedInfo, that Holistic
+Trace Analysis loads (`TraceAnalysis(trace_dir=OUT_DIR)`); a directory of their own (HTA reads
+every .json in it). Needs a graph with times.
+--chakra: Chakra execution traces (prism.<r>.et, what ASTRA-sim reads) and comm_group.json.
+Needs a graph with times.
+--ranks keeps some ranks only. The graph is validated first (--no-validate skips the check).
 """
 
 from __future__ import annotations
 
 import argparse
 
+from prismllm.cli import options
 from prismllm.errors import PrismError
-from prismllm.trace.graph import PrismTrace
+from prismllm.trace.chakra import export_chakra
+from prismllm.trace.kineto import export_kineto
 from prismllm.trace.perfetto import export_perfetto, parse_ranks
-from prismllm.trace.validate import validate
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("export", help="export a graph (Perfetto / Chrome trace JSON)", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = options.command(
+        subparsers, "export", "export a graph for Perfetto, Holistic Trace Analysis or Chakra", __doc__, raw=True
+    )
     p.add_argument("graph", metavar="DIR", help="graph directory")
-    p.add_argument("--perfetto", metavar="OUT.json", help="write Chrome trace-event JSON for Perfetto")
-    p.add_argument("--ranks", metavar="LIST", help="only these ranks, e.g. 0-7,12 (large graphs make large files)")
-    p.add_argument("--no-validate", action="store_true", help="export without validating the graph first")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--perfetto", metavar="OUT.json", help="write Chrome trace-event JSON for Perfetto")
+    fmt.add_argument("--hta", metavar="OUT_DIR", help="write Kineto traces for Holistic Trace Analysis")
+    fmt.add_argument("--chakra", metavar="OUT_DIR", help="write Chakra execution traces (ASTRA-sim)")
+    options.add(p, "ranks", "no_validate")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.perfetto:
-        raise PrismError("choose an export format: --perfetto OUT.json")
-    trace = PrismTrace.load(args.graph)
-    if not args.no_validate:
-        validate(trace)
+    if not (args.perfetto or args.hta or args.chakra):
+        raise PrismError("choose an export format: --perfetto OUT.json, --hta OUT_DIR or --chakra OUT_DIR")
+    trace = options.load_graph(args.graph, check=not args.no_validate)
     ranks = parse_ranks(args.ranks, trace.world_size) if args.ranks else None
+    shown = f"{len(set(ranks))} of {trace.world_size}" if ranks else f"{trace.world_size}"
+    if args.hta:
+        stats = export_kineto(trace, args.hta, ranks=ranks)
+        print(
+            f"wrote {args.hta}: {shown} ranks, {stats['kernels']} kernels in {len(stats['files'])} Kineto "
+            f"trace(s) for Holistic Trace Analysis"
+        )
+        return 0
+    if args.chakra:
+        stats = export_chakra(trace, args.chakra, ranks=ranks)
+        print(
+            f"wrote {args.chakra}: {shown} ranks, {stats['nodes']} nodes in {len(stats['files'])} Chakra "
+            f"execution trace(s)"
+        )
+        return 0
     stats = export_perfetto(trace, args.perfetto, ranks=ranks)
     note = " (no times in the graph: laid out by program order)" if stats["synthetic"] else ""
     skipped = f", {stats['nodes_without_times']} nodes without times left out" if stats["nodes_without_times"] else ""
-    shown = f"{len(set(ranks))} of {trace.world_size}" if ranks else f"{trace.world_size}"
-    print(f"wrote {args.perfetto}: {shown} ranks, {stats['nodes']} nodes, "
-          f"{stats['flows']} sync flows{skipped}{note}")
+    print(f"wrote {args.perfetto}: {shown} ranks, {stats['nodes']} nodes, {stats['flows']} sync flows{skipped}{note}")
     return 0

@@ -10,7 +10,7 @@ import sys
 from prismllm import __version__
 from prismllm.errors import PrismError
 
-SUBCOMMANDS = ("record", "capture", "time", "calibrate", "emulate", "show", "export", "compare", "demo")
+SUBCOMMANDS = ("run", "record", "capture", "time", "calibrate", "emulate", "report", "show", "export", "compare")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,12 +8,16 @@ import argparse
 LINE_PREFIX = "[rank{rank}]: "
 
 
-def add_program_args(p: argparse.ArgumentParser,
-                     prefix_help: str = "prefix each line of the program's output with [rankN]") -> None:
-    p.add_argument("--prefix", action="store_true", help=prefix_help)
+def add_program_args(p: argparse.ArgumentParser, prefix: bool = True) -> None:
+    """SCRIPT ARGS, and with ``prefix`` (commands that pass the program's output through) --prefix."""
+    if prefix:
+        p.add_argument(
+            "--prefix",
+            action="store_true",
+            help="prefix each line of the processes' output with [rankN] (an assistant's: [assistant])",
+        )
     p.add_argument("script", metavar="SCRIPT", help="the training program")
-    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS",
-                   help="arguments for SCRIPT (after --)")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, metavar="ARGS", help="arguments for SCRIPT (after --)")
 
 
 def program_args(args: argparse.Namespace) -> list[str]:
@@ -24,19 +28,6 @@ def program_args(args: argparse.Namespace) -> list[str]:
         script_args = script_args[1:]
     args.script_args = script_args
     return script_args
-
-
-def devices_arg(value: str) -> str:
-    """--devices of the commands that run sandbox ranks and assistants: cpu, cuda, or
-    cuda:G,G,... (their GPUs in order; one listed twice is shared)."""
-    v = value.strip().lower()
-    if v in ("cpu", "cuda"):
-        return v
-    if v.startswith("cuda:"):
-        items = v[5:].split(",")
-        if items and all(x.strip().isdigit() for x in items):
-            return "cuda:" + ",".join(x.strip() for x in items)
-    raise argparse.ArgumentTypeError(f"{value!r}: expected cpu, cuda or cuda:G,G,... (GPU indices)")
 
 
 def line_prefix(args: argparse.Namespace) -> str | None:

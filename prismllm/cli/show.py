@@ -5,34 +5,29 @@ The JSON keys are documented in :mod:`prismllm.trace.summary`."""
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
 from rich.console import Console
 from rich.table import Table
 
-from prismllm.trace.graph import PrismTrace, ranks_text
+from prismllm.cli import options
+from prismllm.trace.graph import ranks_text
 from prismllm.trace.summary import fmt_bytes, fmt_ns, summarize
-from prismllm.trace.validate import validate
 
 MAX_ROWS = 20
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("show", help="summarise a recorded graph", description=__doc__)
+    p = options.command(subparsers, "show", "summarise a recorded graph", __doc__)
     p.add_argument("graph", metavar="DIR", help="graph directory")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    options.add(p, "json")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    trace = PrismTrace.load(args.graph)
-    validate(trace)
-    s = summarize(trace)
-    s = {"path": str(args.graph), **s}
+    trace = options.load_graph(args.graph)
+    s = {"path": str(args.graph), **summarize(trace)}
     if args.json:
-        json.dump(s, sys.stdout)
-        sys.stdout.write("\n")
+        options.print_json(s)
         return 0
     texts = {gid: ranks_text(g["ranks"]) for gid, g in trace.group_info().items()}
     render(s, Console(), texts)
@@ -71,8 +66,9 @@ def render(s: dict, console: Console, rank_text: dict[int, str] | None = None) -
             g.add_column(col, justify=j)
         for e in s["bytes_by_group"][:MAX_ROWS]:
             ops_txt = ", ".join(f"{op}×{n}" for op, n in e["ops"].items())
-            g.add_row(str(e["group"]), e["desc"], rank_text.get(e["group"], str(e["size"])), ops_txt,
-                      fmt_bytes(e["in_bytes"]))
+            g.add_row(
+                str(e["group"]), e["desc"], rank_text.get(e["group"], str(e["size"])), ops_txt, fmt_bytes(e["in_bytes"])
+            )
         more = len(s["bytes_by_group"]) - MAX_ROWS
         if more > 0:
             g.caption = f"... {more} more groups (--json lists all)"
@@ -84,8 +80,13 @@ def render(s: dict, console: Console, rank_text: dict[int, str] | None = None) -
             t.add_column(col, justify="right" if col else "left")
         steady = set(s["steady_iterations"])
         for it in s["iteration_times"][: 2 * MAX_ROWS]:
-            t.add_row(str(it["iteration"]), str(it["ranks"]), fmt_ns(it["mean_ns"]), fmt_ns(it["max_ns"]),
-                      "" if it["iteration"] in steady else "warm-up")
+            t.add_row(
+                str(it["iteration"]),
+                str(it["ranks"]),
+                fmt_ns(it["mean_ns"]),
+                fmt_ns(it["max_ns"]),
+                "" if it["iteration"] in steady else "warm-up",
+            )
         console.print(t)
 
     peak = s["peak_memory_bytes"]
@@ -96,8 +97,10 @@ def render(s: dict, console: Console, rank_text: dict[int, str] | None = None) -
         items = sorted(peak.items(), key=lambda kv: -kv[1])
         if len(items) > MAX_ROWS:
             vals = [v for _, v in items]
-            t.caption = (f"{len(items)} ranks: max {fmt_bytes(vals[0])}, min {fmt_bytes(vals[-1])}, "
-                         f"mean {fmt_bytes(sum(vals) / len(vals))}; the {MAX_ROWS} highest shown")
+            t.caption = (
+                f"{len(items)} ranks: max {fmt_bytes(vals[0])}, min {fmt_bytes(vals[-1])}, "
+                f"mean {fmt_bytes(sum(vals) / len(vals))}; the {MAX_ROWS} highest shown"
+            )
             items = items[:MAX_ROWS]
         else:
             items = sorted(items, key=lambda kv: int(kv[0]))
@@ -110,5 +113,7 @@ def _iter_line(s: dict) -> str:
     if s["iteration_time_ns"] is None:
         return "- (no times in this graph)"
     n = len(s["steady_iterations"])
-    return (f"{fmt_ns(s['iteration_time_ns'])} (median over {n} steady iteration{'s' if n != 1 else ''} "
-            f"of the slowest rank; mean over ranks {fmt_ns(s['iteration_time_mean_ns'])})")
+    return (
+        f"{fmt_ns(s['iteration_time_ns'])} (median over {n} steady iteration{'s' if n != 1 else ''} "
+        f"of the slowest rank; mean over ranks {fmt_ns(s['iteration_time_mean_ns'])})"
+    )

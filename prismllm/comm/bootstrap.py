@@ -1,15 +1,19 @@
 """Run a training program under the interception: ``python -m prismllm.comm.bootstrap SCRIPT
 ARGS...`` behaves like ``python SCRIPT ARGS...``.
 
-The launcher starts one of these per rank with torchrun's environment plus ``PRISM_MODE``
-and ``PRISM_SPOOL``. With ``PRISM_MODE`` unset nothing is installed: the script just runs.
-A PrismError raised inside the program (solo mode's tensor generator: a bad rule, a
-collective nothing can answer) is printed as one line ``prism: error: ...`` to stderr and the
-exit status is 3, with no traceback.
-At exit (normal end, ``sys.exit(n)``, or an exception) the rank's RankLog is written to
-``$PRISM_SPOOL`` -- once, from the process that started (never from forked workers) -- and
-the program's own exit status and traceback are kept. ``PRISM_MEMORY_HISTORY=<dir>`` also
-writes the rank's allocator history there (GPU; ``prismllm.comm.memhistory``).
+The launcher starts one of these per rank with torchrun's environment plus the rank's
+:class:`~prismllm.childenv.ChildEnv` (``mode``, ``spool``, ...). Without a mode nothing is
+installed: the script just runs. A PrismError raised inside the program (solo mode's tensor
+generator: a bad rule, a collective nothing can answer; emulation: a call that deviates from
+the graph) is reported to the launcher (``childenv.report_error``) and printed as one line
+``prism: error: ...`` to stderr; the exit status is 3, with no traceback.
+At exit (normal end, ``sys.exit(n)``, or an exception) the rank's RankLog is written to the
+spool -- once, from the process that started (never from forked workers) -- and the
+program's own exit status and traceback are kept. With ``memory_history`` the rank's
+allocator history is written too (GPU; ``prismllm.comm.memhistory``).
+
+The interception's modules are imported only when a mode is set: a plain run of the
+bootstrap loads nothing of prism's (nor torch) before the program does.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ import runpy
 import sys
 import traceback
 
+from prismllm.childenv import ChildEnv, report_error
+from prismllm.errors import PrismError
+from prismllm.launch.status import reporter
+
 USAGE = "usage: python -m prismllm.comm.bootstrap SCRIPT [ARGS...]"
 
 
@@ -27,7 +35,7 @@ class _Flusher:
     def __init__(self, rec, spool: str | None, history: str | None = None):
         self.rec = rec
         self.spool = spool
-        self.history = history  # PRISM_MEMORY_HISTORY directory (prismllm.comm.memhistory)
+        self.history = history  # ChildEnv.memory_history (prismllm.comm.memhistory)
         self.pid = os.getpid()
         self.done = False
 
@@ -36,6 +44,7 @@ class _Flusher:
             return
         self.done = True
         try:
+            # only with a mode (rec set): see the module docstring
             from prismllm.comm.install import collect
             from prismllm.trace.ranklog import write_ranklog
 
@@ -48,6 +57,7 @@ class _Flusher:
                 os.makedirs(self.spool, exist_ok=True)
                 write_ranklog(self.spool, log)
             if self.history:
+                # torch's allocator history: only when asked
                 from prismllm.comm import memhistory
 
                 memhistory.dump(self.history, self.rec.rank)
@@ -70,8 +80,6 @@ def _program_traceback(tb, script: str):
 def _prism_error(e: BaseException):
     """The PrismError behind ``e`` (itself, its cause, or a generator error that a C++
     caller turned into a RuntimeError), or None for the program's own errors."""
-    from prismllm.errors import PrismError
-
     if isinstance(e, PrismError):
         return e
     if isinstance(e.__cause__, PrismError):
@@ -81,6 +89,14 @@ def _prism_error(e: BaseException):
     if last is not None and str(last) in str(e):
         return last
     return None
+
+
+def _stop(message: str) -> None:
+    """Prism stopped the program: report why to the launcher and in one line, exit 3."""
+    report_error("prism", message)
+    print(f"prism: error: {message}", file=sys.stderr)
+    sys.stderr.flush()
+    raise SystemExit(3) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -94,27 +110,29 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2)
 
     rec = None
-    if os.environ.get("PRISM_MODE"):
-        from prismllm.comm.install import install
-        from prismllm.errors import PrismError
+    try:
+        child = ChildEnv.current()
+        if child.mode:
+            # torch and the interception: only with a mode
+            from prismllm.comm.install import install
 
-        try:
-            rec = install(os.environ["PRISM_MODE"])
-        except (PrismError, ValueError) as e:
-            print(f"prism: error: {e}", file=sys.stderr)
-            raise SystemExit(3) from None
-    from prismllm.status import reporter
-
+            rec = install(child.mode, child)
+    except (PrismError, ValueError) as e:
+        _stop(str(e))
     status = reporter()  # the launcher's hang diagnosis: where this rank stands, on request
     if status is not None and rec is not None:
-        status.add(rec.status_lines, rec.progress)
-    history = os.environ.get("PRISM_MEMORY_HISTORY") if rec is not None else None
+        # with the interception, as above
+        from prismllm.comm.recorder_status import status_lines
+
+        status.add(lambda: status_lines(rec), rec.progress)
+    history = child.memory_history if rec is not None else None
     if history:
+        # torch's allocator history: only when asked
         from prismllm.comm import memhistory
 
         if not memhistory.start(int(os.environ.get("LOCAL_RANK", "0"))):
             history = None
-    flush = _Flusher(rec, os.environ.get("PRISM_SPOOL"), history)
+    flush = _Flusher(rec, child.spool, history)
     atexit.register(flush)
 
     sys.argv = [script, *args]
@@ -128,9 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         flush()
         perr = _prism_error(e)
         if perr is not None:  # prism's own error (e.g. the tensor generator): one line
-            print(f"prism: error: {perr}", file=sys.stderr)
-            sys.stderr.flush()
-            raise SystemExit(3) from None
+            _stop(str(perr))
         tb = _program_traceback(e.__traceback__, script)
         e.__traceback__ = tb
         sys.excepthook(type(e), e, tb)

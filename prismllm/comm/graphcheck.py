@@ -54,12 +54,18 @@ class GraphExpectation:
         try:
             manifest = json.loads((path / MANIFEST_FILE).read_text())
             groups = pq.read_table(path / FILES["groups"][0], columns=["group_id", "name", "desc", "ranks"])
-            nodes = pq.read_table(path / FILES["nodes"][0], columns=_COLUMNS, memory_map=True,
-                                  filters=[("rank", "=", self.rank), ("kind", "=", KIND_COMM)])
+            nodes = pq.read_table(
+                path / FILES["nodes"][0],
+                columns=_COLUMNS,
+                memory_map=True,
+                filters=[("rank", "=", self.rank), ("kind", "=", KIND_COMM)],
+            )
         except (OSError, ValueError, pa.ArrowException) as e:
-            raise TraceError(f"graph {path}: cannot read the calls of rank {self.rank} "
-                             f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
-                             f"re-record the graph") from None
+            raise TraceError(
+                f"graph {path}: cannot read the calls of rank {self.rank} "
+                f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}); "
+                f"re-record the graph"
+            ) from None
         manifest = manifest if isinstance(manifest, dict) else {}
         world = manifest.get("world_size")
         if isinstance(world, int) and not 0 <= self.rank < world:
@@ -130,8 +136,10 @@ class GraphExpectation:
         code = _P2P_CODE.get(op, 0)
         if grp is None:
             why = f"does not have rank {self.rank} in it" if group_name in self._others else "has no such group"
-            raise self._deviation(f"{self._at(op, seq, code, peer)} on group {group_name}: the program issued "
-                                  f"{self._issued(op, code, in_bytes, out_bytes, peer)}, the graph {why}")
+            raise self._deviation(
+                f"{self._at(op, seq, code, peer)} on group {group_name}: the program issued "
+                f"{self._issued(op, code, in_bytes, out_bytes, peer)}, the graph {why}"
+            )
         key = (grp[0], code, peer if code else -1)
         span = self._spans.get(key)
         i = None
@@ -153,10 +161,12 @@ class GraphExpectation:
         issued = self._issued(op, code, in_bytes, out_bytes, peer)
         if i is None:
             n = 0 if span is None else span[1] - span[0]
-            calls = ("collectives" if not code else
-                     f"sends to rank {peer}" if op == "send" else f"recvs from rank {peer}")
-            raise self._deviation(f"{where}: the program issued {issued}, the graph has no more {calls} on "
-                                  f"this group (it has {n})")
+            calls = (
+                "collectives" if not code else f"sends to rank {peer}" if op == "send" else f"recvs from rank {peer}"
+            )
+            raise self._deviation(
+                f"{where}: the program issued {issued}, the graph has no more {calls} on this group (it has {n})"
+            )
         shape = self._shape[i].as_py()
         context = f"{self._dtype[i].as_py() or 'no tensor'} {list(shape)}, iteration {int(self._iteration[i])}"
         graph_call = f"{g_op} of {_size(_P2P_CODE.get(g_op, 0), g_in, g_out)}"
@@ -176,7 +186,7 @@ class GraphExpectation:
         return issued
 
     def _label(self, name: str) -> str:
-        """"3 [0, 1]", "0 (default_pg) [0, 1, 2, 3]"; large groups compactly."""
+        """ "3 [0, 1]", "0 (default_pg) [0, 1, 2, 3]"; large groups compactly."""
         _, ranks, desc = self._groups[name]
         members = f"[{', '.join(map(str, ranks))}]" if len(ranks) <= 8 else f"[{ranks_text(ranks)}]"
         return f"{name} ({desc}) {members}" if desc else f"{name} {members}"
@@ -187,7 +197,8 @@ class GraphExpectation:
         return GraphDeviation(
             f"rank {self.rank} deviates from its graph at {what}. The program or its arguments differ "
             f"from the captured run: capture the graph again with the same command as this run "
-            f"(`prism record` / `prism capture`), or run the command the graph was captured with{ran}")
+            f"(`prism record` / `prism capture`), or run the command the graph was captured with{ran}"
+        )
 
 
 def _size(p2p: int, in_bytes: int, out_bytes: int) -> str:

@@ -2,7 +2,7 @@
 
 ``install("record")`` (called by ``prismllm.comm.bootstrap`` before the program runs; mode
 "solo" hands group creation to ``prismllm.comm.solo``, mode "emulate" to
-``prismllm.comm.emulate`` for groups with virtual members -- a group whose members all run
+``prismllm.comm.sandbox`` for groups with virtual members -- a group whose members all run
 for real is built by the record-mode creator below):
 
 * registers the c10d backend "prism" once (``Backend.register_backend``, extended API, for
@@ -41,11 +41,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
-from prismllm.comm import recorder as _recorder_mod
-from prismllm.comm import scratch
+from prismllm.childenv import ChildEnv
+from prismllm.comm import recorder as _recorder_mod, sandbox, saving, scratch, solo
 from prismllm.comm.recorder import Recorder
 from prismllm.comm.recording import RecordingProcessGroup
+from prismllm.comm.rows import iteration_rows, node_rows
+from prismllm.trace.ranklog import GroupInfo, RankLog
 
 BACKEND_NAME = "prism"
 SUPPORTED_MODES = ("record", "solo", "emulate")
@@ -59,22 +65,22 @@ _NATIVE: Any = None  # prismllm.comm.native's module when it records (record mod
 _NATIVE_GROUPS: set[str] = set()  # names of the groups it records
 
 
-def native_wanted(mode: str) -> bool:
-    """Whether this process records through the native backend: record mode, unless
-    PRISM_NATIVE=0 or tensors are saved (the Python path's hooks do that)."""
-    if mode != "record" or os.environ.get("PRISM_NATIVE", "0") == "0":
-        return False
-    return not os.environ.get("PRISM_SAVE_TENSORS")
+def native_wanted(mode: str, child: ChildEnv) -> bool:
+    """Whether this process records through the native backend: record mode when the parent
+    said so (ChildEnv.native), unless tensors are saved (the Python path's hooks do that)."""
+    return mode == "record" and bool(child.native) and not child.save_tensors
 
 
 def installed() -> bool:
     return bool(_ORIG)
 
 
-def install(mode: str | None = None) -> Recorder | None:
-    """Install the interception for ``mode`` (default: $PRISM_MODE). No-op without a mode."""
+def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder | None:
+    """Install the interception for ``mode`` with the settings ``child`` (default: this
+    process's ChildEnv and its mode). No-op without a mode."""
     global _REC, _MODE
-    mode = mode if mode is not None else os.environ.get("PRISM_MODE", "")
+    child = child if child is not None else ChildEnv.current()
+    mode = mode if mode is not None else (child.mode or "")
     if not mode:
         return None
     if mode not in SUPPORTED_MODES:
@@ -87,32 +93,27 @@ def install(mode: str | None = None) -> Recorder | None:
     _recorder_mod.set_current(_REC)
     _MODE = mode
     if mode == "solo":
-        from prismllm.comm import solo
-
-        solo.prepare(rank)
+        solo.prepare(rank, child)
     elif mode == "emulate":
-        from prismllm.comm import emulate
-
-        emulate.prepare(rank)
+        sandbox.prepare(rank, child)
     else:
-        from prismllm.comm import saving
-
-        saving.setup(rank)
-        if native_wanted(mode):
+        saving.setup(rank, child)
+        if native_wanted(mode, child):
             global _NATIVE
+            # imported here: it loads (and may first build) a C++ extension, which a run that
+            # records through the Python path never needs
             from prismllm.comm import native
+            from prismllm.comm.native.replay import NativeSession
 
             _NATIVE = native.load()
-            _REC.native = _NATIVE
+            _REC.native = NativeSession(_NATIVE)
             for name in ("send", "recv"):
                 _ORIG[name] = getattr(c10d, name)
                 setattr(c10d, name, _sync_p2p(_ORIG[name]))
                 setattr(dist, name, getattr(c10d, name))
 
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(
-            BACKEND_NAME, _create_pg, extended_api=True, devices=["cpu", "cuda"]
-        )
+        dist.Backend.register_backend(BACKEND_NAME, _create_pg, extended_api=True, devices=["cpu", "cuda"])
 
     _ORIG["helper"] = c10d._new_process_group_helper
     _ORIG["helper_sig"] = inspect.signature(c10d._new_process_group_helper)
@@ -124,11 +125,6 @@ def install(mode: str | None = None) -> Recorder | None:
 
     _ORIG["_coalescing_manager"] = c10d._coalescing_manager
     c10d._coalescing_manager = _coalescing_manager
-
-    from torch.optim.optimizer import (
-        register_optimizer_step_post_hook,
-        register_optimizer_step_pre_hook,
-    )
 
     rec = _REC
     _ORIG["opt_pre"] = register_optimizer_step_pre_hook(lambda *a: rec.optimizer_pre())
@@ -153,9 +149,7 @@ def _helper(*args, **kwargs):
     except Exception:
         return orig(*args, **kwargs)
     if not devmap or not set(devmap.values()) <= {"gloo", "nccl"}:
-        warnings.warn(
-            f"prism: backend {backend!r} is not recorded (only gloo and nccl are)", stacklevel=3
-        )
+        warnings.warn(f"prism: backend {backend!r} is not recorded (only gloo and nccl are)", stacklevel=3)
         return orig(*args, **kwargs)
     device_id = a.get("device_id")
     _PENDING.append(
@@ -273,13 +267,9 @@ def _create_pg(dist_opts, backend_options):
         ctx = {"backend": "undefined", "devmap": _real_device_map("undefined"),
                "device_id": None, "backend_options": backend_options}  # fmt: skip
     if _MODE == "solo":
-        from prismllm.comm import solo
-
         return solo.create_pg(dist_opts, ctx, rec, _BTYPE)
     if _MODE == "emulate":  # a group with virtual members; all real: the real backend below
-        from prismllm.comm import emulate
-
-        pg = emulate.create_pg(dist_opts, ctx, rec, _BTYPE)
+        pg = sandbox.create_pg(dist_opts, ctx, rec, _BTYPE)
         if pg is not None:
             return pg
     devmap: dict[str, str] = ctx["devmap"]
@@ -324,16 +314,13 @@ def _create_pg(dist_opts, backend_options):
         rec.add_group(pg)
         return pg
     inner = _C.ProcessGroup(prefix_store, rank, size)
-    pg = RecordingProcessGroup(
-        prefix_store, rank, size, inner, group_name, global_ranks, backend, rec
-    )
+    pg = _recording_group(prefix_store, rank, size, inner, group_name, global_ranks, backend, rec)
     for g in (inner, pg):
         g._set_default_backend(default_type)
         for dev, name, be in created:
             g._register_backend(torch.device(dev), _BTYPE[name], be)
     inner._set_group_name(group_name)
     _bind_device(pg, inner, ctx["device_id"], created)
-    _maybe_saving(pg)
     rec.add_group(pg)
     return pg
 
@@ -350,33 +337,45 @@ def _bind_device(pg: Any, inner: Any, device_id: Any, created: list) -> None:
             break
 
 
-def _maybe_saving(pg: RecordingProcessGroup) -> None:
-    """Record mode with PRISM_SAVE_TENSORS: save selected outputs (prismllm.comm.saving)."""
-    from prismllm.comm import saving
-
-    if saving.saving_enabled():
+def _recording_group(
+    store, rank: int, size: int, inner, group_name: str, granks: list[int], backend: str, rec: Recorder
+) -> RecordingProcessGroup:
+    """A RecordingProcessGroup over a real group: it splits the real group, and with
+    --save-tensors it saves the selected outputs (prismllm.comm.saving)."""
+    saves = saving.saving_enabled()
+    pg = RecordingProcessGroup(
+        store,
+        rank,
+        size,
+        inner,
+        group_name,
+        granks,
+        backend,
+        rec,
+        split=_split_real,
+        on_wait=saving.on_wait if saves else None,
+    )
+    if saves:
         pg._inner = saving.SavingInner(pg._inner, pg)
+    return pg
 
 
-def wrap_split(parent: RecordingProcessGroup, inner, granks, group_name, group_desc):
-    """Wrap a real group split from ``parent._inner`` (see RecordingProcessGroup.split_group)."""
-    try:
-        store = inner.get_group_store()
-    except Exception:
-        store = None
+def _split_real(
+    parent: RecordingProcessGroup, ranks, timeout=None, opts=None, group_name=None, group_desc=None, device_types=None
+):
+    """``split_group`` of a real group: split ``parent._inner``, then wrap the split."""
+    kwargs: dict[str, Any] = {"timeout": timeout, "opts": opts, "group_name": group_name,
+                              "group_desc": group_desc}  # fmt: skip
+    if device_types is not None:
+        kwargs["device_types"] = device_types
+    inner = parent._inner.split_group(list(ranks), **kwargs)
+    if inner is None:
+        return None
+    granks = [parent._global_ranks[r] for r in sorted(ranks)]
     name = group_name or inner.group_name
-    if store is not None:
-        pg = RecordingProcessGroup(
-            store, inner.rank(), inner.size(), inner, name, granks, parent._real_backend,
-            parent._rec,
-        )  # fmt: skip
-    else:  # pragma: no cover - older torch without get_group_store
-        pg = RecordingProcessGroup.__new__(RecordingProcessGroup)
-        dist.ProcessGroup.__init__(pg, inner.rank(), inner.size())
-        pg.__dict__.update(
-            _inner=inner, _prism_group_name=name, _global_ranks=granks,
-            _real_backend=parent._real_backend, _rec=parent._rec, _seq=0, _p2p={},
-        )  # fmt: skip
+    pg = _recording_group(
+        inner.get_group_store(), inner.rank(), inner.size(), inner, name, granks, parent._real_backend, parent._rec
+    )
     default = None
     for dev in inner._device_types:
         be = inner._get_backend(dev)
@@ -391,7 +390,6 @@ def wrap_split(parent: RecordingProcessGroup, inner, granks, group_name, group_d
         pg._set_group_desc(group_desc)
     if parent.bound_device_id is not None:
         pg.bound_device_id = parent.bound_device_id
-    _maybe_saving(pg)
     parent._rec.add_group(pg)
     return pg
 
@@ -469,10 +467,8 @@ def _coalescing_manager(group=None, device=None, async_ops: bool = False):
 
 
 # ---- exit -----------------------------------------------------------------------------------
-def collect(rec: Recorder):
+def collect(rec: Recorder) -> RankLog:
     """The RankLog of this process (after ``rec.finish()``)."""
-    from prismllm.trace.ranklog import GroupInfo, RankLog
-
     groups = []
     seen = set()
     for pg in rec.groups:
@@ -498,9 +494,9 @@ def collect(rec: Recorder):
         world_size=rec.world_size,
         device=device,
         clock="cuda" if rec.cuda else "host",
-        nodes=rec.node_dicts(),
+        nodes=node_rows(rec),
         groups=groups,
-        iterations=rec.iteration_dicts(),
+        iterations=iteration_rows(rec),
         peak_memory_bytes=peak,
         excluded_ns=int(rec.excluded_ns),
         scratch_bytes=scratch.reserved_bytes(),

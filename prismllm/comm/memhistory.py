@@ -1,7 +1,7 @@
 """Allocator history of a rank, for explaining a peak-memory difference (GPU).
 
-``PRISM_MEMORY_HISTORY=<dir>`` (record and solo modes): the bootstrap starts the CUDA caching
-allocator's own history (``torch.cuda.memory._record_memory_history``, Python stacks) before
+``PRISM_MEMORY_HISTORY=<dir>`` (``ChildEnv.memory_history``; record and solo modes): the
+bootstrap starts the CUDA caching allocator's own history (``torch.cuda.memory._record_memory_history``, Python stacks) before
 the program runs, and at exit writes ``<dir>/rank-<rank:06d>.msgpack``: every allocator event
 of the rank's device (action, address, size, stream, the innermost Python frames). Written
 with msgpack from the snapshot dict, not torch's pickle dump.
@@ -19,15 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import torch
 
-ENV = "PRISM_MEMORY_HISTORY"
 FRAMES_KEPT = 6
 
 
 def start(local_rank: int) -> bool:
     """Start the history on this rank's device (LOCAL_RANK, as torchrun programs select it);
     False where there is no CUDA."""
-    import torch
 
     if not torch.cuda.is_available():
         return False
@@ -38,7 +37,6 @@ def start(local_rank: int) -> bool:
 
 def dump(directory: str | os.PathLike, rank: int) -> Path:
     """Write this rank's allocator events (see the module docstring)."""
-    import torch
 
     snap = torch.cuda.memory._snapshot()
     dev = torch.cuda.current_device()

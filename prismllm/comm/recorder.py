@@ -99,17 +99,26 @@ class _Cuda:
 
 _cuda = _Cuda
 
-_COMM_INT_COLS = ("m_index", "m_iter", "m_seq", "m_peer", "m_tag", "m_in", "m_out", "m_coal",
-                  "m_async", "m_wait", "m_p0", "m_p1", "m_done", "m_dur", "m_cuda", "m_state")
+_COMM_INT_COLS = (
+    "m_index",
+    "m_iter",
+    "m_seq",
+    "m_peer",
+    "m_tag",
+    "m_in",
+    "m_out",
+    "m_coal",
+    "m_async",
+    "m_wait",
+    "m_p0",
+    "m_p1",
+    "m_done",
+    "m_dur",
+    "m_cuda",
+    "m_state",
+)
 _COMM_OBJ_COLS = ("m_op", "m_group", "m_red", "m_dtype", "m_shape", "m_insp", "m_outsp",
                   "m_api", "m_label")  # fmt: skip
-
-
-def _call_words(index: int, op: str, group: str, peer: int) -> str:
-    """'call 3 recv on group '0' from rank 1': one call in a status report (prismllm.status);
-    ``peer`` is a send's destination, a recv's source, a rooted op's root (-1: none)."""
-    to = {"send": "to", "recv": "from"}.get(op, "root")
-    return f"call {index} {op} on group {group!r}" + (f" {to} rank {peer}" if peer >= 0 else "")
 
 
 class Recorder:
@@ -124,7 +133,7 @@ class Recorder:
         self.started = False
         self.finished = False
         self.groups: list[Any] = []  # the recorded groups, in creation order
-        # the native recording backend's module (prismllm.comm.native) when it records this
+        # the native recording backend (prismllm.comm.native.replay.NativeSession) when it records this
         # rank: the live methods below then only log, and ``finish`` replays the log
         self.native: Any = None
         self.replayed: Recorder | None = None
@@ -227,9 +236,7 @@ class Recorder:
         sd = _cuda.get_stream(dev)
         st = self.streams.get(sd)
         if st is None:
-            st = self.streams[sd] = torch.cuda.Stream(
-                stream_id=sd[0], device_index=sd[1], device_type=sd[2]
-            )
+            st = self.streams[sd] = torch.cuda.Stream(stream_id=sd[0], device_index=sd[1], device_type=sd[2])
         _cuda.record(ev, st)
         pid = len(self.p_host)
         self.p_host.append(t)
@@ -503,57 +510,13 @@ class Recorder:
         for j in w._rows:
             self.m_async[j] = 1
 
-    # ---- status (prismllm.status: read from the reporter's thread, under the GIL) -------
+    # ---- status (prismllm.launch.status: read from the reporter's thread, under the GIL) -------
     def progress(self) -> int:
         """A count that moves with every call, wait and boundary."""
         if self.native is not None:
             t = self.native.self_time()
             return t["calls"] + t["waits"] + t["boundaries"]
         return len(self.n_kind)
-
-    def _call_text(self, j: int, now: int) -> str:
-        age = (now - self.p_host[self.m_p0[j]]) / 1e9
-        return (_call_words(j, self.m_op[j], self.m_group[j], self.m_peer[j])
-                + f" (seq {self.m_seq[j]}, {self.m_api[j]}), issued {age:.1f} s ago")
-
-    def status_lines(self) -> list[str]:
-        """Where the rank stands in its communication: the call it waits on, the calls not
-        yet waited, its last call."""
-        if self.native is not None:
-            return self._native_status_lines()
-        n = len(self.m_op)
-        if not n:
-            return ["no communication call yet"]
-        now = _now()
-        lines = [f"{n} call(s) so far, in iteration {self.iteration}"]
-        waiting = self.waiting
-        if waiting is not None:
-            lines.append("waiting on " + "; ".join(self._call_text(j, now) for j in waiting._rows))
-        open_rows = [j for w in list(self.outstanding.values()) if w is not waiting for j in w._rows]
-        if open_rows:
-            lines.append(f"{len(open_rows)} call(s) issued, not yet waited; the oldest: "
-                         + self._call_text(min(open_rows), now))
-        if waiting is None or waiting._rows[-1] != n - 1:
-            lines.append("last: " + self._call_text(n - 1, now))
-        return lines
-
-    def _native_status_lines(self) -> list[str]:
-        from prismllm.comm.native.replay import group_table
-
-        st = self.native.status()
-        groups = group_table(self.groups)
-        ops = self.native.OPS
-
-        def text(row) -> str:
-            k, op, gid, peer = row
-            return _call_words(k, ops[op], groups.get(gid, (f"gid{gid}",))[0], peer)
-
-        lines = [f"{st['calls']} call(s), {st['waits']} wait(s), {st['boundaries']} iteration boundaries so far"]
-        if st["waiting"] is not None:
-            lines.append("waiting on " + text(st["waiting"]))
-        if st["last"] is not None and st["last"] != st["waiting"]:
-            lines.append("last: " + text(st["last"]))
-        return lines
 
     # ---- waits --------------------------------------------------------------------------
     def wait(self, work: Any, fn, args) -> Any:
@@ -565,7 +528,7 @@ class Recorder:
             if self.pending_sync is not None:
                 self._demote_sync()
             self._close_span(self.point())
-        self.waiting = work  # for a status report (prismllm.status) while the wait blocks
+        self.waiting = work  # for a status report (prismllm.launch.status) while the wait blocks
         try:
             return fn(*args)
         finally:
@@ -666,7 +629,7 @@ class Recorder:
     def end_coalesce(self) -> list[int]:
         """Leave a scope; returns the rows issued since the matching begin_coalesce."""
         self.coal_depth -= 1
-        rows = self.coal_rows[self.coal_starts.pop():]
+        rows = self.coal_rows[self.coal_starts.pop() :]
         if self.coal_depth == 0:
             if not self.coal_rows:  # nothing was issued: give the id back
                 self.next_coal -= 1
@@ -735,10 +698,7 @@ class Recorder:
         if not self.started:
             return
         if self.native is not None:
-            from prismllm.comm.native.replay import replay
-
-            self.native.finish()
-            self.replayed = replay(self, self.native.export())
+            self.replayed = self.native.replay_into(self)
             return
         if self.pending_sync is not None:
             self._demote_sync()
@@ -759,88 +719,6 @@ class Recorder:
                         self.m_dur[j] = int(round(d * 1e6)) if d > 0 else -1
                     except Exception:
                         self.durations_ok = False
-
-    def node_dicts(self) -> list[dict[str, Any]]:
-        """Every node as a RankLog row (after ``finish``)."""
-        if self.replayed is not None:
-            return self.replayed.node_dicts()
-        rank = self.rank
-        p_host, p_ns = self.p_host, self.p_ns
-        out = []
-        stream_end: dict[str, int] = {}
-        for idx, (kind, k) in enumerate(zip(self.n_kind, self.n_sub)):
-            if kind == 0:
-                p0, p1 = self.c_p0[k], self.c_p1[k]
-                start = p_ns[p0] if p0 >= 0 else -1
-                end = p_ns[p1] if p1 >= 0 else -1
-                if 0 <= end < start:  # its two points were on different streams
-                    end = start
-                out.append({
-                    "rank": rank, "index": idx, "iteration": self.c_iter[k], "kind": "compute",
-                    "op": "compute", "group_name": "", "seq": -1, "peer": -1, "tag": 0,
-                    "reduce_op": "", "dtype": "", "shape": [], "in_bytes": 0, "out_bytes": 0,
-                    "in_splits": [], "out_splits": [], "coalesced": -1, "async_op": False,
-                    "api": "", "stream": "compute", "wait_index": -1,
-                    "issue_ns": p_host[p0] if p0 >= 0 else -1, "start_ns": start,
-                    "end_ns": end, "duration_ns": end - start if start >= 0 <= end else -1,
-                    "label": self.c_label[k],
-                })  # fmt: skip
-                continue
-            grp = self.m_group[k]
-            stream = "comm:" + grp
-            start, end, dur = self._comm_times(k, stream_end, stream)
-            p0 = self.m_p0[k]
-            out.append({
-                "rank": rank, "index": idx, "iteration": self.m_iter[k], "kind": "comm",
-                "op": self.m_op[k], "group_name": grp, "seq": self.m_seq[k],
-                "peer": self.m_peer[k], "tag": self.m_tag[k],
-                "reduce_op": redop_name(self.m_red[k]), "dtype": self.m_dtype[k],
-                "shape": list(self.m_shape[k]), "in_bytes": self.m_in[k],
-                "out_bytes": self.m_out[k], "in_splits": list(self.m_insp[k]),
-                "out_splits": list(self.m_outsp[k]), "coalesced": self.m_coal[k],
-                "async_op": bool(self.m_async[k]), "api": self.m_api[k], "stream": stream,
-                "wait_index": self.m_wait[k], "issue_ns": p_host[p0] if p0 >= 0 else -1,
-                "start_ns": start, "end_ns": end, "duration_ns": dur, "label": self.m_label[k],
-            })  # fmt: skip
-        return out
-
-    def _comm_times(self, k: int, stream_end: dict[str, int], stream: str):
-        """(start, end, duration) of communication row ``k`` on the host clock."""
-        p0, p1 = self.m_p0[k], self.m_p1[k]
-        dur = self.m_dur[k]
-        ns = self.p_ns
-        if self.m_cuda[k] and p0 >= 0 and self.p_dev[p0] >= 0:
-            # Device clock: it starts when the stream reached the issue point, or when the
-            # previous op on this group's stream ended; it ends after NCCL's own duration if
-            # known, else where the program's stream resumed after the wait.
-            start = max(ns[p0], stream_end.get(stream, -1))
-            if dur >= 0:
-                end = start + dur
-            elif p1 >= 0 and ns[p1] >= 0:
-                end = max(ns[p1], start)
-            else:
-                end = -1
-            if end >= 0:
-                stream_end[stream] = end
-            return start, end, (end - start if end >= 0 else -1)
-        # Host clock: from the call to its completion (Future callback) or the wait's return.
-        start = self.p_host[p0] if p0 >= 0 else -1
-        end = self.p_host[p1] if p1 >= 0 else -1
-        done = self.m_done[k]
-        if done >= 0 and (end < 0 or done < end):
-            end = done
-        if 0 <= end < start:
-            end = start
-        return start, end, (end - start if end >= 0 and start >= 0 else -1)
-
-    def iteration_dicts(self) -> list[dict[str, Any]]:
-        if self.replayed is not None:
-            return self.replayed.iteration_dicts()
-        ns = self.p_ns
-        return [
-            {"iteration": i, "start_ns": ns[s], "end_ns": ns[e], "label": lab}
-            for i, s, e, lab in self.iterations
-        ]
 
 
 _RECORDER: Recorder | None = None

@@ -41,24 +41,25 @@ from __future__ import annotations
 
 import inspect
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from prismllm.comm.recorder import (
-    ST_PENDING,
-    Recorder,
-    dtype_name,
-)
+from prismllm.comm.recorder import Recorder, dtype_name
+from prismllm.comm.recording_work import RecordingWork
 
 _C = torch._C._distributed_c10d
 _getframe = sys._getframe
 _HAS_ASYNC_OP = hasattr(_C.AllreduceOptions(), "asyncOp")
-# Set by prismllm.comm.saving (record mode with PRISM_SAVE_TENSORS): real Work -> callback
-# to run when the program waits on it (None: nothing to do).
-ON_WAIT = None
+# A group's hook on the program's waits: real Work -> callback to run when the program waits on
+# it, or None (record mode with --save-tensors: prismllm.comm.saving.on_wait).
+OnWait = Callable[[Any], Callable[[], None] | None]
+# How a group splits (``dist.split_group``): (parent, ranks, timeout, opts, group_name,
+# group_desc, device_types) -> the new group, or None where this rank is not in it.
+Split = Callable[..., Any]
 
 # Code objects used to tell the synchronous send/recv (isend + wait) from isend/irecv.
 _ISEND = c10d.isend.__code__
@@ -106,76 +107,6 @@ def _rows_of(ts) -> list[int]:
     return [t.shape[0] if t.dim() else 1 for t in ts]
 
 
-class RecordingWork(dist.Work):
-    """Forwards to the real Work; reports the program's wait to the recorder."""
-
-    # Defaults at class level: an instance sets them only where they differ (one Work a call).
-    _state = ST_PENDING
-    _anysource = False
-    _on_wait = None
-
-    def __init__(self, inner: Any, pg: "RecordingProcessGroup", rows: tuple):
-        super().__init__()
-        self._inner = inner
-        self._pg = pg
-        self._rows = rows
-        if ON_WAIT is not None:
-            self._on_wait = ON_WAIT(inner)
-
-    # -- waits (points of program order) --
-    def wait(self, timeout=None):
-        inner = self._inner
-        if timeout is None:
-            return self._pg._rec.wait(self, inner.wait, ())
-        return self._pg._rec.wait(self, inner.wait, (timeout,))
-
-    def synchronize(self):
-        return self._pg._rec.wait(self, self._inner.synchronize, ())
-
-    def block_current_stream(self):
-        return self._pg._rec.wait(self, self._inner.block_current_stream, ())
-
-    # -- everything else is the real Work's --
-    def get_future(self):
-        return self._inner.get_future()
-
-    def get_future_result(self):
-        return self._inner.get_future_result()
-
-    def is_completed(self):
-        return self._inner.is_completed()
-
-    def is_success(self):
-        return self._inner.is_success()
-
-    def exception(self):
-        return self._inner.exception()
-
-    def source_rank(self):
-        return self._inner.source_rank()
-
-    def _source_rank(self):
-        return self._inner._source_rank()
-
-    def result(self):
-        return self._inner.result()
-
-    def _get_duration(self):
-        return self._inner._get_duration()
-
-    def _get_op_type(self):
-        return self._inner._get_op_type()
-
-    def boxed(self):
-        return self._inner.boxed()
-
-    def __getattr__(self, name):  # attributes of newer torch versions
-        return getattr(self.__dict__["_inner"], name)
-
-    def __repr__(self):
-        return f"RecordingWork({self._inner!r})"
-
-
 def _inner_method(name: str, *alternatives: str):
     """The inner ProcessGroup's method ``name``, or the first alternative this torch has."""
     for n in (name, *alternatives):
@@ -203,7 +134,13 @@ class RecordingProcessGroup(dist.ProcessGroup):
         global_ranks: list[int],
         real_backend: str,
         rec: Recorder,
+        *,
+        split: Split | None = None,
+        on_wait: OnWait | None = None,
     ):
+        """``split``: how ``split_group`` makes a subgroup (None: not supported here);
+        ``on_wait``: the hook on the program's waits (None: none). The creator of the group
+        passes both: the backends differ by mode, and the group does not know them."""
         super().__init__(rank, size)  # (store, rank, size) cannot build a Python subclass
         self._store = store
         self._inner = inner
@@ -211,6 +148,8 @@ class RecordingProcessGroup(dist.ProcessGroup):
         self._global_ranks = global_ranks
         self._real_backend = real_backend
         self._rec = rec
+        self._split = split
+        self._on_wait_hook = on_wait
         self._seq = 0
         self._p2p: dict[tuple[int, str], int] = {}
 
@@ -421,9 +360,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
     def _rs_base(self, api, output, input, opts):
         if opts is None:
             opts = _C.ReduceScatterOptions()
-        row = self._row(
-            "reduce_scatter", api, input, input.nbytes, output.nbytes, _red(opts)
-        )
+        row = self._row("reduce_scatter", api, input, input.nbytes, output.nbytes, _red(opts))
         try:
             work = getattr(self._inner, _RS_BASE)(output, input, opts)
         except BaseException:
@@ -476,23 +413,17 @@ class RecordingProcessGroup(dist.ProcessGroup):
             insp=list(input_split_sizes), outsp=list(output_split_sizes),
         )  # fmt: skip
         try:
-            work = getattr(self._inner, _A2A_BASE)(
-                output, input, output_split_sizes, input_split_sizes, opts
-            )
+            work = getattr(self._inner, _A2A_BASE)(output, input, output_split_sizes, input_split_sizes, opts)
         except BaseException:
             self._cancel((row,))
             raise
         return self._done(work, (row,), (opts.asyncOp if _HAS_ASYNC_OP else True))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        return self._a2a_base(
-            "all_to_all_single", output, input, output_split_sizes, input_split_sizes, opts
-        )
+        return self._a2a_base("all_to_all_single", output, input, output_split_sizes, input_split_sizes, opts)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
-        return self._a2a_base(
-            "alltoall_base", output, input, output_split_sizes, input_split_sizes, opts
-        )
+        return self._a2a_base("alltoall_base", output, input, output_split_sizes, input_split_sizes, opts)
 
     # ---- rooted collectives ----------------------------------------------------------------
     def broadcast(self, tensors, opts=None, *args):
@@ -554,9 +485,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         root = opts.rootRank
         t = input_tensors[0]
         outb = sum(_nbytes(ol) for ol in output_tensors)
-        row = self._row(
-            "gather", "gather", t, _nbytes(input_tensors), outb, peer=self._global(root)
-        )
+        row = self._row("gather", "gather", t, _nbytes(input_tensors), outb, peer=self._global(root))
         try:
             work = self._inner.gather(output_tensors, input_tensors, opts)
         except BaseException:
@@ -570,9 +499,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         root = opts.rootRank
         inb = sum(_nbytes(il) for il in input_tensors)
         t = input_tensors[0][0] if input_tensors and input_tensors[0] else output_tensors[0]
-        row = self._row(
-            "scatter", "scatter", t, inb, _nbytes(output_tensors), peer=self._global(root)
-        )
+        row = self._row("scatter", "scatter", t, inb, _nbytes(output_tensors), peer=self._global(root))
         try:
             work = self._inner.scatter(output_tensors, input_tensors, opts)
         except BaseException:
@@ -645,9 +572,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag=0):
         t = tensors[0]
-        row = self._row(
-            "recv", "recv_anysource", t, 0, _nbytes(tensors), peer=-1, tag=tag, seq=-1
-        )
+        row = self._row("recv", "recv_anysource", t, 0, _nbytes(tensors), peer=-1, tag=tag, seq=-1)
         try:
             work = self._inner.recv_anysource(tensors, tag)
         except BaseException:
@@ -694,22 +619,10 @@ class RecordingProcessGroup(dist.ProcessGroup):
         device_types=None,
     ):
         """``dist.split_group`` (used by DeviceMesh when the default group has a bound device):
-        split the real group, then wrap the split in a RecordingProcessGroup."""
-        if getattr(self._inner, "solo", False):
-            from prismllm.comm.solo import split_pg
-
-            return split_pg(self, ranks, group_name, group_desc)
-        kwargs: dict[str, Any] = {"timeout": timeout, "opts": opts, "group_name": group_name,
-                                  "group_desc": group_desc}  # fmt: skip
-        if device_types is not None:
-            kwargs["device_types"] = device_types
-        inner = self._inner.split_group(list(ranks), **kwargs)
-        if inner is None:
-            return None
-        from prismllm.comm.install import wrap_split
-
-        granks = [self._global_ranks[r] for r in sorted(ranks)]
-        return wrap_split(self, inner, granks, group_name, group_desc)
+        a subgroup of this group's ranks, made the way this group's creator says."""
+        if self._split is None:
+            raise RuntimeError(f"split_group is not supported on group {self._prism_group_name!r} in this mode")
+        return self._split(self, ranks, timeout, opts, group_name, group_desc, device_types)
 
 
 def _barrier_on_cuda(pg: RecordingProcessGroup, opts) -> bool:

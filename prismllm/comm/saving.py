@@ -1,5 +1,6 @@
-"""Record mode with ``PRISM_SAVE_TENSORS=<selector>``: save selected collective outputs into
-the recorded-tensor store (``PRISM_TENSOR_STORE``, see ``prismllm.generate.store``); with the
+"""Record mode with ``--save-tensors SELECTOR`` (``ChildEnv.save_tensors``): save selected
+collective outputs into the recorded-tensor store (``ChildEnv.tensor_store``, see
+``prismllm.generate.store``); with the
 selector item ``inputs``, also their inputs, copied at issue (before an in-place backend
 overwrites them; a synchronous copy to the host: saving runs are not timing runs).
 
@@ -12,9 +13,11 @@ unchanged (``__getattr__``).
 
 from __future__ import annotations
 
-import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+from prismllm.childenv import ChildEnv, variable
+from prismllm.errors import PrismError
 from prismllm.generate.store import Selector, TensorStoreWriter
 
 # method -> (rows, outputs per row) from the call's arguments
@@ -75,24 +78,18 @@ def saving_enabled() -> bool:
     return _WRITER is not None
 
 
-def setup(rank: int) -> None:
-    """Open the store writer when PRISM_SAVE_TENSORS and PRISM_TENSOR_STORE are set."""
+def setup(rank: int, child: ChildEnv) -> None:
+    """Open the store writer when the child was told to save tensors (``save_tensors``,
+    ``tensor_store``)."""
     global _WRITER, _SELECTOR
-    spec = os.environ.get("PRISM_SAVE_TENSORS", "")
-    root = os.environ.get("PRISM_TENSOR_STORE", "")
-    if not spec:
+    if not child.save_tensors:
         return
-    if not root:
-        from prismllm.errors import PrismError
-
-        raise PrismError("PRISM_SAVE_TENSORS is set but PRISM_TENSOR_STORE (the directory) is not")
-    sel = Selector(spec)
+    if not child.tensor_store:
+        raise PrismError(f"{variable('save_tensors')} is set but {variable('tensor_store')} (the directory) is not")
+    sel = Selector(child.save_tensors)
     if sel:
-        from prismllm.comm import recording
-
         _SELECTOR = sel
-        _WRITER = TensorStoreWriter(root, rank)
-        recording.ON_WAIT = _on_wait
+        _WRITER = TensorStoreWriter(child.tensor_store, rank)
 
 
 class SavingInner:
@@ -104,13 +101,16 @@ class SavingInner:
         attr = getattr(self.__dict__["_real"], name)
         owner = self.__dict__["_owner"]
         if name in ("_end_coalescing", "end_coalescing"):
+
             def end(*args, **kwargs):
                 work = attr(*args, **kwargs)
                 saves = _BATCHED.pop(id(owner), [])
                 if saves:
+
                     def save_batch():
                         for f in saves:
                             f()
+
                     # At the program's wait, never through the batch's Future: NCCL's coalesced
                     # Work completes its Future without ordering a callback after the batch's
                     # kernels, and on a GPU the receive buffers were read before the data
@@ -154,8 +154,7 @@ def _items(owner, per_row: list[list]) -> list[tuple]:
         if not ts or not _SELECTOR(op, label):
             continue
         peer = rec.m_peer[j] if op in ("send", "recv") else -1
-        items.append((owner.group_name, tuple(owner._global_ranks), op, rec.m_seq[j], peer,
-                      label, ts))
+        items.append((owner.group_name, tuple(owner._global_ranks), op, rec.m_seq[j], peer, label, ts))
     return items
 
 
@@ -199,7 +198,7 @@ def _attach(save: Callable[..., None], work) -> None:
 
 def _at_wait(save: Callable[[], None], work) -> None:
     """Run ``save`` when the program waits on ``work`` (RecordingWork -> Recorder.wait runs
-    _on_wait), or at exit for a Work never waited on (then the buffer's value at exit is
+    on_wait), or at exit for a Work never waited on (then the buffer's value at exit is
     saved); at once without a Work (the call returned complete)."""
     if work is None:
         save()
@@ -211,7 +210,9 @@ _PENDING: dict[int, tuple] = {}
 _BATCHED: dict[int, list] = {}  # id(owner) -> saves of the open coalesced batch
 
 
-def _on_wait(work):
+def on_wait(work):
+    """A RecordingProcessGroup's hook on the program's waits: the save to run at the wait on
+    ``work``, if one is pending."""
     entry = _PENDING.pop(id(work), None)
     if entry is None:
         return None
@@ -240,4 +241,4 @@ def close() -> None:
         _WRITER.close()
 
 
-__all__ = ["SavingInner", "setup", "saving_enabled"]
+__all__ = ["SavingInner", "close", "on_wait", "setup", "saving_enabled"]

@@ -62,16 +62,18 @@ the store's returned tensor is copied from wherever it lives (the store's: the h
 
 from __future__ import annotations
 
-import os
+import importlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from prismllm.childenv import ChildEnv
+from prismllm.comm import solo_objects
 from prismllm.comm.recorder import redop_name
-from prismllm.generate.errors import GenerateError
-from prismllm.generate.generator import DEFAULT, Call, TensorGenerator
+from prismllm.comm.recording import RecordingProcessGroup
+from prismllm.generate.generator import Call, TensorGenerator
 
 _C = torch._C._distributed_c10d
 _ORIG: dict[str, Any] = {}
@@ -104,14 +106,13 @@ def generator() -> TensorGenerator | None:
     return _GEN
 
 
-def prepare(rank: int) -> TensorGenerator:
+def prepare(rank: int, child: ChildEnv) -> TensorGenerator:
     """Patch torch for a world without peers; build the tensor generator."""
     global _GEN
-    import importlib
 
     rdzv = importlib.import_module("torch.distributed.rendezvous")
 
-    _GEN = TensorGenerator.from_env(rank, os.environ)
+    _GEN = TensorGenerator.for_rank(rank, child.rules, child.tensor_store)
     if _ORIG:
         return _GEN
     _ORIG["create_store"] = rdzv._create_c10d_store
@@ -121,22 +122,13 @@ def prepare(rank: int) -> TensorGenerator:
     c10d.TCPStore = SoloTCPStore
     _ORIG["barrier"] = c10d._store_based_barrier
     c10d._store_based_barrier = lambda *a, **k: None
-    for name, fn in (("broadcast_object_list", _broadcast_object_list),
-                     ("all_gather_object", _all_gather_object),
-                     ("gather_object", _gather_object),
-                     ("scatter_object_list", _scatter_object_list),
-                     ("recv_object_list", _recv_object_list)):  # fmt: skip
-        _ORIG[name] = getattr(c10d, name)
-        setattr(c10d, name, fn)
-        setattr(dist, name, fn)
+    solo_objects.install(_GEN)
     return _GEN
 
 
 # ---- group creation -------------------------------------------------------------------------
 def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
     """The "prism" creator's solo branch: a RecordingProcessGroup over a GeneratedBackend."""
-    from prismllm.comm.recording import RecordingProcessGroup
-
     devmap: dict[str, str] = ctx["devmap"]
     prefix_store = dist_opts.store.underlying_store
     rank, size = dist_opts.group_rank, dist_opts.group_size
@@ -145,9 +137,7 @@ def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
     global_ranks = granks if granks else list(range(size))
     inner = GeneratedBackend(rank, size, global_ranks, devmap, group_name)
     backend = ctx["backend"]
-    pg = RecordingProcessGroup(
-        prefix_store, rank, size, inner, group_name, global_ranks, backend, rec
-    )
+    pg = RecordingProcessGroup(prefix_store, rank, size, inner, group_name, global_ranks, backend, rec, split=split_pg)
     _attach(pg, inner, devmap, btypes, ctx["device_id"])
     rec.add_group(pg)
     return pg
@@ -180,7 +170,7 @@ def _gloo() -> Any:
     return _GLOO
 
 
-def _attach(pg, inner: "GeneratedBackend", devmap, btypes, device_id) -> None:
+def _attach(pg, inner: GeneratedBackend, devmap, btypes, device_id) -> None:
     inner.owner = pg
     names = list(devmap.values())
     if "," in pg._real_backend or ":" in pg._real_backend or pg._real_backend == "undefined":
@@ -199,10 +189,9 @@ def _attach(pg, inner: "GeneratedBackend", devmap, btypes, device_id) -> None:
         pg._rec.cuda = True
 
 
-def split_pg(parent, ranks, group_name, group_desc):
-    """``RecordingProcessGroup.split_group`` in solo mode (group ranks of the parent)."""
-    from prismllm.comm.recording import RecordingProcessGroup
-
+def split_pg(parent, ranks, timeout=None, opts=None, group_name=None, group_desc=None, device_types=None):
+    """``RecordingProcessGroup.split_group`` in solo mode (group ranks of the parent; no
+    backend to split, so timeout, options and device types do not matter)."""
     my = parent.rank()
     ranks = sorted(int(r) for r in ranks)
     if my not in ranks:
@@ -212,9 +201,16 @@ def split_pg(parent, ranks, group_name, group_desc):
     name = group_name or c10d._process_group_name(ranks, use_hashed_name=True)
     inner = GeneratedBackend(ranks.index(my), len(ranks), granks, pinner.devmap, name)
     pg = RecordingProcessGroup(
-        parent._store, ranks.index(my), len(ranks), inner, name, granks, parent._real_backend,
+        parent._store,
+        ranks.index(my),
+        len(ranks),
+        inner,
+        name,
+        granks,
+        parent._real_backend,
         parent._rec,
-    )  # fmt: skip
+        split=split_pg,
+    )
     btypes = {"gloo": _C.ProcessGroup.BackendType.GLOO, "nccl": _C.ProcessGroup.BackendType.NCCL}
     _attach(pg, inner, pinner.devmap, btypes, parent.bound_device_id)
     if group_desc:
@@ -296,8 +292,6 @@ def _check(cond: bool, msg: str) -> None:
 
 class GeneratedBackend:
     """Stands where the real ProcessGroup would be: same methods, outputs generated."""
-
-    solo = True
 
     def __init__(self, rank: int, size: int, global_ranks: list[int], devmap: dict[str, str],
                  group_name: str):  # fmt: skip
@@ -404,15 +398,19 @@ class GeneratedBackend:
         out, inp = output_tensors[0], input_tensors[0]
         _check(len(out) == self._size, f"allgather: {len(out)} outputs for a group of {self._size}")
         for t in out:
-            _check(t.numel() == inp.numel() and t.dtype == inp.dtype,
-                   "allgather: output tensors must match the input's size and dtype")
+            _check(
+                t.numel() == inp.numel() and t.dtype == inp.dtype,
+                "allgather: output tensors must match the input's size and dtype",
+            )
         calls = [self._call(1, 0, input=inp, output=list(out))]
         return self._run(calls, input_tensors, output_tensors, opts)
 
     def _ag_one(self, n, i, out, inp):
-        _check(out.numel() == inp.numel() * self._size,
-               f"output tensor size must be equal to world_size times input tensor size "
-               f"({out.numel()} != {self._size} x {inp.numel()})")
+        _check(
+            out.numel() == inp.numel() * self._size,
+            f"output tensor size must be equal to world_size times input tensor size "
+            f"({out.numel()} != {self._size} x {inp.numel()})",
+        )
         _check(out.dtype == inp.dtype, "output tensor must have the same type as input tensor")
         return self._call(n, i, input=inp, output=out)
 
@@ -442,9 +440,11 @@ class GeneratedBackend:
         return self._run(calls, input_tensors, output_tensors, opts)
 
     def _rs_one(self, n, i, out, inp):
-        _check(inp.numel() == out.numel() * self._size,
-               f"input tensor must be the same size as output size times world size "
-               f"({inp.numel()} != {self._size} x {out.numel()})")
+        _check(
+            inp.numel() == out.numel() * self._size,
+            f"input tensor must be the same size as output size times world size "
+            f"({inp.numel()} != {self._size} x {out.numel()})",
+        )
         _check(out.dtype == inp.dtype, "input tensor must be the same type as the output tensor")
         return self._call(n, i, input=inp, output=out)
 
@@ -462,8 +462,10 @@ class GeneratedBackend:
 
     # -- all-to-all --
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        _check(len(output_tensors) == self._size == len(input_tensors),
-               "alltoall: one input and one output tensor per group member")
+        _check(
+            len(output_tensors) == self._size == len(input_tensors),
+            "alltoall: one input and one output tensor per group member",
+        )
         calls = [self._call(1, 0, input=list(input_tensors), output=list(output_tensors))]
         return self._run(calls, input_tensors, output_tensors, opts)
 
@@ -473,11 +475,14 @@ class GeneratedBackend:
         _check(output.dtype == input.dtype, "all_to_all: input and output dtypes differ")
         for sp, t, what in ((osp, output, "output"), (isp, input, "input")):
             if sp:
-                _check(len(sp) == n and all(s >= 0 for s in sp),
-                       f"all_to_all: {what} split sizes must be {n} non-negative numbers")
-                _check(t.dim() > 0 and sum(sp) == t.shape[0],
-                       f"all_to_all: {what} split sizes sum to {sum(sp)}, tensor has "
-                       f"{t.shape[0] if t.dim() else 0} rows")
+                _check(
+                    len(sp) == n and all(s >= 0 for s in sp),
+                    f"all_to_all: {what} split sizes must be {n} non-negative numbers",
+                )
+                _check(
+                    t.dim() > 0 and sum(sp) == t.shape[0],
+                    f"all_to_all: {what} split sizes sum to {sum(sp)}, tensor has {t.shape[0] if t.dim() else 0} rows",
+                )
             else:
                 _check(t.numel() % n == 0, f"all_to_all: {what} size is not divisible by {n}")
         calls = [self._call(1, 0, input=input, output=output, in_splits=tuple(isp),
@@ -538,8 +543,10 @@ class GeneratedBackend:
 
     # -- point-to-point --
     def _peer(self, r: int) -> int:
-        _check(0 <= r < self._size and r != self._rank,
-               f"invalid peer rank {r} (group of {self._size}, this rank {self._rank})")
+        _check(
+            0 <= r < self._size and r != self._rank,
+            f"invalid peer rank {r} (group of {self._size}, this rank {self._rank})",
+        )
         return self.global_ranks[r]
 
     def send(self, tensors, dstRank, tag=0):
@@ -583,130 +590,8 @@ class GeneratedBackend:
     def abort(self):
         return None
 
-    def split_group(self, *a, **k):  # reached only through RecordingProcessGroup.split_group
+    def split_group(self, *a, **k):  # the RecordingProcessGroup splits (split_pg), never its inner
         raise RuntimeError("split_group: use RecordingProcessGroup.split_group")
-
-
-# ---- object collectives -------------------------------------------------------------------------
-def _obj_call(op: str, group, objects, *, root: int = -1, peer: int = -1) -> Call | None:
-    pg = group or c10d._get_default_group()
-    if pg is None or c10d._rank_not_in_group(pg) or not hasattr(pg, "_global_ranks"):
-        return None
-    try:
-        desc = pg.group_desc
-    except Exception:
-        desc = ""
-    return Call(
-        rank=pg._rec.rank, op=op, api=op, group_ranks=tuple(pg._global_ranks),
-        group_desc=desc or "", group_name=pg.group_name, group_rank=pg.rank(), index=pg._seq,
-        label=pg._rec.label_pending, root=root, peer=peer, objects=objects,
-        is_root=root >= 0 and root == pg._global_ranks[pg.rank()],
-    )  # fmt: skip
-
-
-def _global_src(group, src, group_src) -> int:
-    pg = group or c10d._get_default_group()
-    if group_src is not None:
-        return pg._global_ranks[group_src]
-    return 0 if src is None else int(src)
-
-
-def _check_list(call: Call, val, n: int, what: str) -> list:
-    if not isinstance(val, (list, tuple)) or len(val) != n:
-        raise GenerateError(f"{call.where()}: the rule must return a list of {n} objects "
-                            f"({what}), got {val!r:.80}")  # fmt: skip
-    return list(val)
-
-
-def _broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
-    orig = _ORIG["broadcast_object_list"]
-    g = _global_src(group, src, group_src)
-    call = _obj_call("broadcast_object_list", group, object_list, root=g)
-    if call is None or call.is_root:
-        return orig(object_list, src=src, group=group, device=device, group_src=group_src)
-    val = _GEN.objects(call)
-    objs = list(object_list) if val is DEFAULT else _check_list(call, val, len(object_list),
-                                                                "one per list entry")
-    _GEN.begin_payload(objs, per_slot=False)
-    try:
-        return orig(object_list, src=src, group=group, device=device, group_src=group_src)
-    finally:
-        _GEN.end_payload()
-
-
-def _all_gather_object(object_list, obj, group=None):
-    orig = _ORIG["all_gather_object"]
-    call = _obj_call("all_gather_object", group, obj)
-    if call is None:
-        return orig(object_list, obj, group=group)
-    val = _GEN.objects(call)
-    n = call.group_size
-    objs = [obj] * n if val is DEFAULT else _check_list(call, val, n, "one per group member")
-    objs[call.group_rank] = obj
-    _GEN.begin_payload(objs, per_slot=True)
-    try:
-        return orig(object_list, obj, group=group)
-    finally:
-        _GEN.end_payload()
-
-
-def _gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
-    orig = _ORIG["gather_object"]
-    call = _obj_call("gather_object", group, obj, root=_global_src(group, dst, group_dst))
-    if call is None or not call.is_root:
-        return orig(obj, object_gather_list, dst=dst, group=group, group_dst=group_dst)
-    val = _GEN.objects(call)
-    n = call.group_size
-    objs = [obj] * n if val is DEFAULT else _check_list(call, val, n, "one per group member")
-    objs[call.group_rank] = obj
-    _GEN.begin_payload(objs, per_slot=True)
-    try:
-        return orig(obj, object_gather_list, dst=dst, group=group, group_dst=group_dst)
-    finally:
-        _GEN.end_payload()
-
-
-def _scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=None,
-                         group=None, group_src=None):  # fmt: skip
-    orig = _ORIG["scatter_object_list"]
-    call = _obj_call("scatter_object_list", group, scatter_object_input_list,
-                     root=_global_src(group, src, group_src))  # fmt: skip
-    if call is None or call.is_root:
-        return orig(scatter_object_output_list, scatter_object_input_list, src=src, group=group,
-                    group_src=group_src)  # fmt: skip
-    val = _GEN.objects(call)
-    if val is DEFAULT:
-        raise GenerateError(
-            f"{call.where()}: no rule answers scatter_object_list (the object this rank "
-            f"receives cannot be generated); add a rule with op='scatter_object_list' "
-            f"returning [object]"
-        )
-    _GEN.begin_payload(_check_list(call, val, 1, "the received object"), per_slot=False)
-    try:
-        return orig(scatter_object_output_list, scatter_object_input_list, src=src, group=group,
-                    group_src=group_src)  # fmt: skip
-    finally:
-        _GEN.end_payload()
-
-
-def _recv_object_list(object_list, src=None, group=None, device=None, group_src=None):
-    orig = _ORIG["recv_object_list"]
-    call = _obj_call("recv_object_list", group, object_list,
-                     peer=_global_src(group, src, group_src))  # fmt: skip
-    if call is None:
-        return orig(object_list, src=src, group=group, device=device, group_src=group_src)
-    val = _GEN.objects(call)
-    if val is DEFAULT:
-        raise GenerateError(
-            f"{call.where()}: no rule answers recv_object_list (the objects this rank "
-            f"receives cannot be generated); add a rule with op='recv_object_list'"
-        )
-    _GEN.begin_payload(_check_list(call, val, len(object_list), "one per list entry"),
-                       per_slot=False)  # fmt: skip
-    try:
-        return orig(object_list, src=src, group=group, device=device, group_src=group_src)
-    finally:
-        _GEN.end_payload()
 
 
 __all__ = ["GeneratedBackend", "SoloTCPStore", "prepare", "create_pg", "split_pg", "generator"]

@@ -8,5 +8,16 @@ from prismllm.generate.generator import DEFAULT, Call, TensorGenerator, default_
 from prismllm.generate.rules import Rule, load_rules, rule
 from prismllm.generate.store import Selector, TensorStore, TensorStoreWriter
 
-__all__ = ["Call", "DEFAULT", "GenerateError", "Rule", "Selector", "TensorGenerator",
-           "TensorStore", "TensorStoreWriter", "default_fill", "load_rules", "rule"]
+__all__ = [
+    "Call",
+    "DEFAULT",
+    "GenerateError",
+    "Rule",
+    "Selector",
+    "TensorGenerator",
+    "TensorStore",
+    "TensorStoreWriter",
+    "default_fill",
+    "load_rules",
+    "rule",
+]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prismllm.errors import PrismError
 
-_LAST: list["GenerateError"] = []
+_LAST: list[GenerateError] = []
 
 
 class GenerateError(PrismError):

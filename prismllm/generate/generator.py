@@ -47,6 +47,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed.distributed_c10d as c10d
 
 from prismllm.generate.errors import GenerateError
 from prismllm.generate.rules import Rule, load_rules
@@ -133,7 +134,6 @@ class _Payload:
     """Sizes then bytes of pickled objects, answering torch's object-collective protocol."""
 
     def __init__(self, objects: list[Any], per_slot: bool):
-        import torch.distributed.distributed_c10d as c10d
 
         self.tensors = [c10d._object_to_tensor(o, "cpu", None)[0] for o in objects]
         self.sizes = [int(t.numel()) for t in self.tensors]
@@ -180,10 +180,9 @@ class TensorGenerator:
         self.answered = {"store": 0, "rule": 0, "default": 0}
 
     @classmethod
-    def from_env(cls, rank: int, env) -> "TensorGenerator":
-        rules = load_rules(env["PRISM_RULES"]) if env.get("PRISM_RULES") else []
-        store = TensorStore(env["PRISM_TENSOR_STORE"], rank) if env.get("PRISM_TENSOR_STORE") else None
-        return cls(rank, rules, store)
+    def for_rank(cls, rank: int, rules: str | None = None, tensors: str | None = None) -> TensorGenerator:
+        """The generator of ``rank`` with the user's rules file and recorded-tensor store, if given."""
+        return cls(rank, load_rules(rules) if rules else [], TensorStore(tensors, rank) if tensors else None)
 
     # ---- tensors ------------------------------------------------------------------------
     def fill(self, call: Call) -> None:
@@ -214,9 +213,7 @@ class TensorGenerator:
 
     def _copy_saved(self, call: Call, saved: list[torch.Tensor]) -> None:
         ts = call.targets
-        if len(saved) != len(ts) or any(
-            s.shape != t.shape or s.dtype != t.dtype for s, t in zip(saved, ts)
-        ):
+        if len(saved) != len(ts) or any(s.shape != t.shape or s.dtype != t.dtype for s, t in zip(saved, ts)):
             got = ", ".join(_desc(s) for s in saved)
             want = ", ".join(_desc(t) for t in ts)
             raise GenerateError(
@@ -336,9 +333,9 @@ def default_fill(call: Call, payload: _Payload | None = None) -> None:
             for j in range(n):
                 k = min(osp[j], isp[j])
                 if k:
-                    o[oo:oo + k].copy_(inp[ii:ii + k])
+                    o[oo : oo + k].copy_(inp[ii : ii + k])
                 if osp[j] > k:
-                    o[oo + k:oo + osp[j]].zero_()
+                    o[oo + k : oo + osp[j]].zero_()
                 oo += osp[j]
                 ii += isp[j]
         else:

@@ -1,4 +1,4 @@
-"""User rules: a Python file (``PRISM_RULES=<file>``) that declares, with ``@rule``, how to
+"""User rules: a Python file (``prism capture --rules FILE``) that declares, with ``@rule``, how to
 produce the outputs of chosen collectives in solo mode.
 
     # my_rules.py
@@ -46,11 +46,14 @@ from __future__ import annotations
 
 import os
 import runpy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-_REGISTRY: list["Rule"] | None = None
+from prismllm.errors import PrismError
+
+_REGISTRY: list[Rule] | None = None
 
 
 def _as_pred(v, name):
@@ -139,7 +142,6 @@ def load_rules(path: str | os.PathLike) -> list[Rule]:
     """Run the rules file and return the rules it declared, in order. A file may also define
     ``RULES = [...]`` (Rule objects or decorated functions)."""
     global _REGISTRY
-    from prismllm.errors import PrismError
 
     if not os.path.exists(path):
         raise PrismError(f"PRISM_RULES={path}: no such file")

@@ -38,15 +38,26 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import msgpack
 import torch
 
 Key = tuple[str, tuple[int, ...], str, int, int, str]
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "reduce", "gather",
-       "scatter", "recv", "send")  # ops a selector can name (send: inputs only)
+OPS = (
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "recv",
+    "send",
+)  # ops a selector can name (send: inputs only)
 
 
 def _paths(root: str | os.PathLike, rank: int) -> tuple[Path, Path]:
@@ -70,15 +81,13 @@ class Selector:
         if strict:
             if not items:
                 raise ValueError("empty selector: give 'all', op names or label:<label>")
-            bad = [s for s in items if s not in ("all", "inputs") and not s.startswith("label:")
-                   and s not in OPS]
+            bad = [s for s in items if s not in ("all", "inputs") and not s.startswith("label:") and s not in OPS]
             if bad:
-                raise ValueError(f"unknown op(s) {', '.join(bad)}; known: all, {', '.join(OPS)}, "
-                                 f"label:<label>, inputs")
+                raise ValueError(f"unknown op(s) {', '.join(bad)}; known: all, {', '.join(OPS)}, label:<label>, inputs")
         self.all = "all" in items
         self.inputs = "inputs" in items  # also save the selected calls' inputs
         self.ops = {s for s in items if not s.startswith("label:") and s not in ("all", "inputs")}
-        self.labels = {s[len("label:"):] for s in items if s.startswith("label:")}
+        self.labels = {s[len("label:") :] for s in items if s.startswith("label:")}
 
     def __call__(self, op: str, label: str) -> bool:
         return self.all or op in self.ops or (bool(label) and label in self.labels)
@@ -151,16 +160,14 @@ class TensorStore:
         if idx.exists():
             with open(idx, "rb") as f:
                 for e in msgpack.Unpacker(f, raw=False, strict_map_key=False):
-                    key = self.key(e["group_name"], e["group"], e["op"], e["index"], e["peer"],
-                                   e.get("io", "out"))
+                    key = self.key(e["group_name"], e["group"], e["op"], e["index"], e["peer"], e.get("io", "out"))
                     self.entries[key] = e
                     self._names.setdefault(key[1], set()).add(key[0])
         self._fd: int | None = None
         self._open_lock = threading.Lock()
 
     @staticmethod
-    def key(group_name: str, group: Iterable[int], op: str, index: int, peer: int = -1,
-            io: str = "out") -> Key:
+    def key(group_name: str, group: Iterable[int], op: str, index: int, peer: int = -1, io: str = "out") -> Key:
         return (str(group_name), tuple(int(r) for r in group), op, int(index), int(peer), io)
 
     def __len__(self) -> int:

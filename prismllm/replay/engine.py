@@ -41,336 +41,21 @@ step), so the cost is rounds x numpy calls, not nodes x Python statements.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable, Union
+from collections.abc import Callable
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 
-from prismllm.errors import PrismError
-from prismllm.trace.assemble import match_p2p
-from prismllm.trace.graph import PrismTrace, TraceError
-from prismllm.trace.schema import COLLECTIVE_OPS, KIND_COMM, P2P_OPS
+from prismllm.replay.graph import INST_P2P, ReplayError, ReplayGraph, ranges
+from prismllm.trace.graph import PrismTrace
 
 # A duration source: "graph" (recorded), "zero", an int64 array, or a function of the graph
 # returning one (vectorised: one call, never one call per node).
-Durations = Union[str, np.ndarray, Callable[["ReplayGraph"], np.ndarray]]
-
-# Instance kinds.
-INST_COLLECTIVE = 0
-INST_P2P = 1
+DurationSource = str | np.ndarray | Callable[["ReplayGraph"], np.ndarray]
 
 # Rank states.
 _RUN, _BLOCKED, _DONE = 0, 1, 2
 
 _I64 = np.int64
-
-
-class ReplayError(PrismError):
-    """The replay cannot go on (a member never arrives, an external answer is wrong). The
-    message names the rank, node index, op and group; the attributes carry them too."""
-
-    def __init__(self, message: str, *, rank: int = -1, index: int = -1, op: str = "", group: int = -1):
-        super().__init__(message)
-        self.rank, self.index, self.op, self.group = rank, index, op, group
-
-
-# ---------------------------------------------------------------------- helpers
-def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(s, s + c) for each (s, c): CSR gathers without a Python loop."""
-    counts = counts.astype(_I64)
-    total = int(counts.sum())
-    if not total:
-        return np.zeros(0, dtype=_I64)
-    shift = starts.astype(_I64) - (np.cumsum(counts) - counts)
-    return np.repeat(shift, counts) + np.arange(total, dtype=_I64)
-
-
-def _csr(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ptr, order) such that order[ptr[k]:ptr[k+1]] are the positions with keys == k."""
-    order = np.argsort(keys, kind="stable").astype(_I64)
-    ptr = np.zeros(n + 1, dtype=_I64)
-    np.cumsum(np.bincount(keys, minlength=n), out=ptr[1:])
-    return ptr, order
-
-
-def _encode(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
-    """A string column as (int codes, names): no Python string per row."""
-    enc = pc.dictionary_encode(col)
-    if isinstance(enc, pa.ChunkedArray):
-        enc = enc.combine_chunks()
-    codes = pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int32)
-    return codes, [str(x) for x in enc.dictionary.to_pylist()]
-
-
-# ---------------------------------------------------------------------- the graph
-class ReplayGraph:
-    """What the event loop needs from a PrismTrace, as flat numpy arrays.
-
-    Nodes of the *virtual* ranks (``ranks`` minus ``external``; default: every rank) are laid
-    out rank by rank in program order: position ``p`` of rank ``ranks[r]`` lies in
-    ``off[r]:off[r + 1]``, and its program index is ``p - off[r]``. Communication nodes are
-    grouped into *instances* (integer ids): a collective instance is the nodes of one
-    (group, seq); a P2P instance is a matched send and recv (the k-th send a->b on a group with
-    the k-th recv on b from a, as :func:`prismllm.trace.assemble.match_p2p` pairs them). An
-    instance with a member outside the virtual ranks is *external*: the replay does not
-    complete it by itself, a driver does (:meth:`Replay.external_done`).
-
-    Mismatches (a member that never issues its part) are not rejected here: they surface as a
-    :class:`ReplayError` when the loop gets stuck on them. Run
-    :func:`prismllm.trace.validate` first for a static check of the whole graph.
-    """
-
-    def __init__(self, trace: PrismTrace, ranks: Iterable[int] | None = None, external: Iterable[int] = ()) -> None:
-        self.trace = trace
-        self.world_size = trace.world_size
-        all_rank = trace.column("rank").astype(_I64)
-        want = np.unique(all_rank) if ranks is None else np.unique(np.fromiter((int(r) for r in ranks), dtype=_I64))
-        bad = want[(want < 0) | (want >= self.world_size)]
-        if len(bad):
-            raise ValueError(f"rank {bad[0]} is outside the world (0..{self.world_size - 1})")
-        ext = np.fromiter((int(r) for r in external), dtype=_I64)
-        self.ranks: np.ndarray = want[~np.isin(want, ext)]  # virtual ranks, ascending
-        self.external_ranks: np.ndarray = np.setdiff1d(np.arange(self.world_size, dtype=_I64), self.ranks)
-        self._is_virtual = np.zeros(self.world_size, dtype=bool)
-        self._is_virtual[self.ranks] = True
-        sub = self._select_nodes(all_rank)
-        self._kinds(sub)
-        self._groups()
-        self._instances(sub)
-        self._batches(sub)
-        self._waits(sub)
-        self._recorded_times(sub)
-        self._iterations()
-
-    # ------------------------------------------------------------------ building
-    def _select_nodes(self, all_rank: np.ndarray) -> pa.Table:
-        """The virtual ranks' node rows, in (rank, index) order, with the columns the loop
-        reads; sets ``row``, ``off``, ``rank_pos``, ``index``, ``iteration``."""
-        trace = self.trace
-        rows = trace.program_order()
-        sorted_ok = bool(np.all(rows[1:] > rows[:-1]))  # a permutation: increasing is the identity
-        if not self._is_virtual[all_rank].all():
-            rows = rows[self._is_virtual[all_rank[rows]]]
-        self.row: np.ndarray = rows  # position -> row in trace.nodes
-        sub = trace.nodes.select(["rank", "index", "iteration", "kind", "op", "group", "seq", "peer",
-                                  "coalesced", "async_op", "wait_index", "start_ns", "duration_ns"])
-        if not (sorted_ok and len(rows) == trace.num_nodes):
-            sub = sub.take(pa.array(rows))
-        n = self.num_nodes = sub.num_rows
-        rank = sub.column("rank").to_numpy().astype(_I64)
-        self.index: np.ndarray = sub.column("index").to_numpy().astype(_I64)
-        self.iteration: np.ndarray = sub.column("iteration").to_numpy().astype(_I64)
-        self.rank_pos: np.ndarray = np.searchsorted(self.ranks, rank).astype(_I64)
-        self.off: np.ndarray = np.r_[np.searchsorted(rank, self.ranks), n].astype(_I64)
-        expected = np.arange(n, dtype=_I64) - self.off[self.rank_pos]
-        bad = np.flatnonzero(self.index != expected)
-        if len(bad):
-            p = int(bad[0])
-            raise TraceError(f"rank {rank[p]} has no node with index {expected[p]} (indices must be 0..n-1); validate the graph")
-        back = np.flatnonzero((self.iteration[1:] < self.iteration[:-1]) & (rank[1:] == rank[:-1]))
-        if len(back):
-            p = int(back[0]) + 1
-            raise TraceError(f"rank {rank[p]} node {self.index[p]} belongs to iteration {self.iteration[p]}, after a node of iteration {self.iteration[p - 1]}; iterations never go back")
-        return sub
-
-    def _kinds(self, sub: pa.Table) -> None:
-        """Kinds and ops as integer codes (no Python string per node)."""
-        kind_codes, kind_names = _encode(sub.column("kind"))
-        self.is_comm: np.ndarray = kind_codes == (kind_names.index(KIND_COMM) if KIND_COMM in kind_names else -2)
-        self.op_code, self.op_names = _encode(sub.column("op"))
-        coll = [k for k, name in enumerate(self.op_names) if name in COLLECTIVE_OPS]
-        p2p = [k for k, name in enumerate(self.op_names) if name in P2P_OPS]
-        self._is_coll = self.is_comm & np.isin(self.op_code, coll)
-        self._is_p2p = self.is_comm & np.isin(self.op_code, p2p)
-        self.group: np.ndarray = sub.column("group").to_numpy().astype(_I64)
-        self.seq: np.ndarray = sub.column("seq").to_numpy().astype(_I64)
-        self.peer: np.ndarray = sub.column("peer").to_numpy().astype(_I64)
-        self.async_op: np.ndarray = sub.column("async_op").to_numpy(zero_copy_only=False).astype(bool) & self.is_comm
-        other = np.flatnonzero(self.is_comm & ~self._is_coll & ~self._is_p2p)
-        if len(other):
-            raise TraceError(f"{self.describe(int(other[0]))} has an unknown communication op; known: {', '.join(COLLECTIVE_OPS + P2P_OPS)}")
-
-    def _groups(self) -> None:
-        """Per group id: its size and how many of its members are virtual (a collective with
-        fewer virtual members than its size is external)."""
-        g = self.trace.groups
-        gids = g.column("group_id").to_numpy().astype(_I64)
-        ranks = g.column("ranks").combine_chunks()
-        glen = pc.list_value_length(ranks).to_numpy(zero_copy_only=False).astype(_I64)
-        gflat = pc.list_flatten(ranks).to_numpy(zero_copy_only=False).astype(_I64)
-        ng = int(max(gids.max() + 1 if len(gids) else 0, self.group.max() + 1 if self.num_nodes else 0))
-        self.group_size: np.ndarray = np.zeros(ng, dtype=_I64)
-        self.group_size[gids] = glen
-        self.group_virtual: np.ndarray = np.zeros(ng, dtype=_I64)
-        inside = (gflat >= 0) & (gflat < self.world_size)
-        np.add.at(self.group_virtual, np.repeat(gids, glen)[inside], self._is_virtual[gflat[inside]].astype(_I64))
-        unknown = np.flatnonzero(self._is_coll & ((self.group < 0) | (self.group_size[np.maximum(self.group, 0)] == 0)))
-        if len(unknown):
-            raise TraceError(f"{self.describe(int(unknown[0]))} names a group that is not in groups.parquet")
-
-    def _instances(self, sub: pa.Table) -> None:
-        """Number the instances (collectives first, by (group, seq); then matched P2P pairs;
-        then unmatched P2P ops alone), their member lists (CSR: ``inst_ptr``/``inst_nodes``),
-        how many virtual members each needs, and which are external."""
-        n = self.num_nodes
-        ci = np.flatnonzero(self._is_coll)
-        key = self.group[ci] * (int(self.seq[ci].max()) + 2 if len(ci) else 1) + (self.seq[ci] + 1)
-        ukey, cinst = np.unique(key, return_inverse=True)
-        n_coll = len(ukey)
-        p2p = pa.table({"node_id": pa.array(np.arange(n, dtype=_I64)), "rank": pa.array(self.ranks[self.rank_pos]),
-                        "index": pa.array(self.index), "group": pa.array(self.group), "peer": pa.array(self.peer),
-                        "op": sub.column("op"), "kind": sub.column("kind")})
-        s_rows, r_rows, lone_s, lone_r = match_p2p(p2p, unmatched=True)
-        lone = np.sort(np.r_[lone_s, lone_r]).astype(_I64)
-        n_pair = len(s_rows)
-        ni = self.num_instances = n_coll + n_pair + len(lone)
-        inst_of = np.full(n, -1, dtype=_I64)
-        inst_of[ci] = cinst.reshape(-1)
-        inst_of[s_rows] = inst_of[r_rows] = n_coll + np.arange(n_pair)
-        inst_of[lone] = n_coll + n_pair + np.arange(len(lone))
-        self.inst_of: np.ndarray = inst_of
-        self.inst_ptr, order = _csr(inst_of[self.is_comm], ni)
-        self.inst_nodes: np.ndarray = np.flatnonzero(self.is_comm)[order]
-        first = self.inst_nodes[self.inst_ptr[:-1]]
-        self.inst_kind: np.ndarray = np.r_[np.full(n_coll, INST_COLLECTIVE), np.full(ni - n_coll, INST_P2P)].astype(np.int8)
-        self.inst_group: np.ndarray = self.group[first]
-        self.inst_seq: np.ndarray = self.seq[first]
-        self.inst_op: np.ndarray = self.op_code[first]
-        # a collective needs its virtual members; a pair both sides; a lone op whose peer is
-        # outside the virtual ranks is the virtual half of an external pair, any other lone op
-        # waits for a peer that never comes (the deadlock error names it)
-        lpeer = self.peer[lone]
-        peer_ext = (lpeer >= 0) & (lpeer < self.world_size)
-        peer_ext[peer_ext] = ~self._is_virtual[lpeer[peer_ext]]
-        cg = self.inst_group[:n_coll]
-        self.inst_needed: np.ndarray = np.r_[self.group_virtual[cg], np.full(n_pair, 2), np.where(peer_ext, 1, 2)].astype(_I64)
-        self.inst_external: np.ndarray = np.r_[self.group_virtual[cg] < self.group_size[cg], np.zeros(n_pair, bool), peer_ext]
-        count = np.diff(self.inst_ptr)
-        over = np.flatnonzero(count > self.inst_needed)
-        if len(over):
-            p = int(self.inst_nodes[self.inst_ptr[over[0]]])
-            raise TraceError(f"{self.describe(p)}: {count[over[0]]} nodes for {self.inst_needed[over[0]]} virtual members (a rank issued it twice, or is no member); validate the graph")
-        op_bad = np.flatnonzero((self.op_code[self.inst_nodes] != np.repeat(self.inst_op, count))
-                                & (np.repeat(self.inst_kind, count) == INST_COLLECTIVE))
-        if len(op_bad):
-            b = int(self.inst_nodes[op_bad[0]])
-            a = int(self.inst_nodes[self.inst_ptr[inst_of[b]]])
-            raise TraceError(f"{self.describe(a)} and {self.describe(b)} are the same instance but different ops; every member of a group must issue the same collectives in the same order")
-
-    def _batches(self, sub: pa.Table) -> None:
-        """Coalesced batches, one per (rank, coalesced id): their ops complete together. A
-        batch waited on at once (its ops not async) blocks the rank once, at its last op; the
-        ops before it only issue (blocking on the first would wait for ops not yet issued)."""
-        n = self.num_nodes
-        coal = sub.column("coalesced").to_numpy().astype(_I64)
-        bi = np.flatnonzero(self.is_comm & (coal >= 0))
-        key = self.rank_pos[bi] * (int(coal.max()) + 1 if len(bi) else 1) + coal[bi]
-        _, binv = np.unique(key, return_inverse=True)
-        self.batch_of: np.ndarray = np.full(n, -1, dtype=_I64)
-        self.batch_of[bi] = binv.reshape(-1)
-        self.num_batches = int(binv.max()) + 1 if len(bi) else 0
-        self.batch_ptr, order = _csr(self.batch_of[bi], self.num_batches)
-        self.batch_nodes: np.ndarray = bi[order]
-        self.batch_size: np.ndarray = np.diff(self.batch_ptr)
-        blocking = self.is_comm & ~self.async_op
-        if self.num_batches:
-            blocks = np.zeros(self.num_batches, dtype=bool)
-            np.logical_or.at(blocks, self.batch_of[bi], blocking[bi])
-            blocking[bi] = False
-            blocking[self.batch_nodes[self.batch_ptr[1:] - 1][blocks]] = True
-        self.blocking: np.ndarray = blocking
-
-    def _waits(self, sub: pa.Table) -> None:
-        """Wait points as CSR: node p waits for ``wait_src[wait_ptr[p]:wait_ptr[p + 1]]``."""
-        wait_index = sub.column("wait_index").to_numpy().astype(_I64)
-        src = np.flatnonzero(self.is_comm & (wait_index > self.index))
-        dst = self.off[self.rank_pos[src]] + wait_index[src]
-        oob = np.flatnonzero(dst >= self.off[self.rank_pos[src] + 1])
-        if len(oob):
-            p = int(src[oob[0]])
-            raise TraceError(f"{self.describe(p)} has wait_index {wait_index[p]}, past the rank's last node; validate the graph")
-        self.wait_ptr, order = _csr(dst, self.num_nodes)
-        self.wait_src: np.ndarray = src[order]
-
-    def _recorded_times(self, sub: pa.Table) -> None:
-        """The durations a replay "from the graph" uses (unknown, -1, counts as 0):
-        compute = ``duration_ns``; transfer of an instance = ``duration_ns`` of its last
-        member to arrive (latest ``start_ns``), who waited for nobody; issue of a non-blocking
-        op = the gap to the next node's start (host time in the call), except before a wait
-        point, whose start also holds the wait."""
-        start = sub.column("start_ns").to_numpy().astype(_I64)
-        dur = np.maximum(sub.column("duration_ns").to_numpy().astype(_I64), 0)
-        self.recorded_compute_ns: np.ndarray = np.where(self.is_comm, 0, dur)
-        ni = self.num_instances
-        count = np.diff(self.inst_ptr)
-        o = np.lexsort((start[self.inst_nodes], np.repeat(np.arange(ni), count)))
-        last = self.inst_nodes[o][self.inst_ptr[1:] - 1] if ni else np.zeros(0, dtype=_I64)
-        self.recorded_transfer_ns: np.ndarray = dur[last]
-        nxt = np.r_[start[1:], -1]
-        same_rank = np.r_[self.rank_pos[1:] == self.rank_pos[:-1], False]
-        before_wait = np.r_[np.diff(self.wait_ptr)[1:] > 0, False]
-        ok = self.is_comm & ~self.blocking & same_rank & ~before_wait & (start >= 0) & (nxt >= 0)
-        self.recorded_issue_ns: np.ndarray = np.where(ok, np.maximum(nxt - start, 0), 0)
-
-    def _iterations(self) -> None:
-        """Iteration numbers (from the iterations table, else the nodes) and the recorded
-        per rank x iteration times, for comparison with a replay."""
-        it = self.trace.iterations
-        it_rank = it.column("rank").to_numpy().astype(_I64)
-        it_num = it.column("iteration").to_numpy().astype(_I64)
-        mine = (it_rank >= 0) & (it_rank < self.world_size)
-        mine[mine] = self._is_virtual[it_rank[mine]]
-        nums = np.unique(it_num[mine])
-        if not len(nums):
-            nums = np.unique(self.iteration[self.iteration >= 0])
-        self.iterations: np.ndarray = nums.astype(_I64)
-        self.recorded_iteration_ns: np.ndarray = np.full((len(self.ranks), len(nums)), -1, dtype=_I64)
-        if mine.any():
-            s = it.column("start_ns").to_numpy().astype(_I64)[mine]
-            e = it.column("end_ns").to_numpy().astype(_I64)[mine]
-            good = (s >= 0) & (e >= s)
-            r = np.searchsorted(self.ranks, it_rank[mine])
-            k = np.searchsorted(nums, it_num[mine])
-            self.recorded_iteration_ns[r[good], k[good]] = (e - s)[good]
-
-    # ------------------------------------------------------------------ lookups
-    def position(self, rank: np.ndarray | int, index: np.ndarray | int) -> np.ndarray:
-        """Node position(s) of (rank, program index); -1 where the rank is not virtual or the
-        index is out of range."""
-        rank = np.asarray(rank, dtype=_I64)
-        index = np.asarray(index, dtype=_I64)
-        r = np.clip(np.searchsorted(self.ranks, rank), 0, max(len(self.ranks) - 1, 0))
-        if not len(self.ranks):
-            return np.full(np.shape(rank), -1, dtype=_I64)
-        ok = (self.ranks[r] == rank) & (index >= 0) & (index < self.off[r + 1] - self.off[r])
-        return np.where(ok, self.off[r] + index, -1)
-
-    def rank_of(self, pos: int) -> int:
-        return int(self.ranks[self.rank_pos[pos]])
-
-    def op(self, pos: int) -> str:
-        return self.op_names[self.op_code[pos]]
-
-    def instance_ranks(self, inst: int) -> list[int]:
-        """Global ranks that take part in an instance (virtual and external)."""
-        if self.inst_kind[inst] == INST_COLLECTIVE:
-            return list(self.trace.group_info()[int(self.inst_group[inst])]["ranks"])
-        p = int(self.inst_nodes[self.inst_ptr[inst]])
-        peer = int(self.peer[p])
-        return sorted({self.rank_of(p)} | ({peer} if 0 <= peer < self.world_size else set()))
-
-    def describe(self, pos: int) -> str:
-        """'rank 3 node 17 (all_reduce #4, group 1 ('tp', ranks 2-3))'."""
-        pos = int(pos)
-        op = self.op(pos)
-        if not self.is_comm[pos]:
-            return f"rank {self.rank_of(pos)} node {self.index[pos]} (compute)"
-        parts = [f"{op} #{self.seq[pos]}"]
-        if op in P2P_OPS:
-            parts.append(("to" if op == "send" else "from") + f" rank {self.peer[pos]}")
-        parts.append(f"group {self.trace.group_label(int(self.group[pos]))}")
-        return f"rank {self.rank_of(pos)} node {self.index[pos]} ({', '.join(parts)})"
 
 
 # ---------------------------------------------------------------------- results
@@ -444,8 +129,14 @@ class Replay:
     :meth:`result`. :meth:`run_to_end` does it all for a graph without external ranks.
     """
 
-    def __init__(self, graph: ReplayGraph, *, compute: Durations = "graph", transfer: Durations = "graph",
-                 issue: Durations = "graph") -> None:
+    def __init__(
+        self,
+        graph: ReplayGraph,
+        *,
+        compute: DurationSource = "graph",
+        transfer: DurationSource = "graph",
+        issue: DurationSource = "graph",
+    ) -> None:
         self.graph = graph
         n, ni, nr = graph.num_nodes, graph.num_instances, len(graph.ranks)
         self.compute_ns = self._resolve(compute, graph.recorded_compute_ns, n, "compute")
@@ -465,8 +156,8 @@ class Replay:
         self._pending: dict[int, ExternalEvent] = {}
         self.rounds = 0
 
-    def _resolve(self, src: Durations, recorded: np.ndarray, n: int, what: str) -> np.ndarray:
-        """An int64 array of n durations (>= 0) from a Durations source."""
+    def _resolve(self, src: DurationSource, recorded: np.ndarray, n: int, what: str) -> np.ndarray:
+        """An int64 array of n durations (>= 0) from a DurationSource source."""
         if isinstance(src, str):
             if src == "graph":
                 return recorded.astype(_I64, copy=True)
@@ -492,7 +183,7 @@ class Replay:
             self.rounds += 1
         return self._status(until)
 
-    def run_to_end(self) -> "ReplayResult":
+    def run_to_end(self) -> ReplayResult:
         """Replay everything; for graphs without external instances (else ReplayError)."""
         st = self.advance()
         if st.pending:
@@ -500,7 +191,11 @@ class Replay:
             raise ReplayError(
                 f"the replay waits for external rank(s) {', '.join(map(str, ev.external_ranks))} in "
                 f"{self.graph.describe(ev.nodes[0])}: drive it with advance() / external_done()",
-                rank=self.graph.rank_of(ev.nodes[0]), index=int(self.graph.index[ev.nodes[0]]), op=ev.op, group=ev.group)
+                rank=self.graph.rank_of(ev.nodes[0]),
+                index=int(self.graph.index[ev.nodes[0]]),
+                op=ev.op,
+                group=ev.group,
+            )
         return self.result()
 
     def pending_external(self) -> list[ExternalEvent]:
@@ -515,13 +210,19 @@ class Replay:
             g = self.graph
             if not (0 <= instance < g.num_instances) or not g.inst_external[instance]:
                 raise ValueError(f"instance {instance} is not an external instance of this replay")
-            raise ValueError(f"instance {instance} is not pending: its virtual members have not all arrived, or it was completed already")
+            raise ValueError(
+                f"instance {instance} is not pending: its virtual members have not all arrived, or it was completed already"
+            )
         if int(end_ns) < ev.ready_ns:
             p = ev.nodes[0]
             raise ReplayError(
                 f"external completion of {self.graph.describe(p)} at {int(end_ns)} ns is before its "
                 f"last virtual member arrived ({ev.ready_ns} ns)",
-                rank=self.graph.rank_of(p), index=int(self.graph.index[p]), op=ev.op, group=ev.group)
+                rank=self.graph.rank_of(p),
+                index=int(self.graph.index[p]),
+                op=ev.op,
+                group=ev.group,
+            )
         del self._pending[int(instance)]
         self._complete(np.array([instance], dtype=_I64), np.array([end_ns], dtype=_I64))
 
@@ -592,7 +293,7 @@ class Replay:
         g = self.graph
         self.inst_end_ns[insts] = end
         cnt = g.inst_ptr[insts + 1] - g.inst_ptr[insts]
-        nodes = g.inst_nodes[_ranges(g.inst_ptr[insts], cnt)]
+        nodes = g.inst_nodes[ranges(g.inst_ptr[insts], cnt)]
         t = np.repeat(end, cnt)
         bat = g.batch_of[nodes]
         solo = bat < 0
@@ -605,18 +306,23 @@ class Replay:
             closed = ub[self._batch_left[ub] == 0]
             if len(closed):
                 bc = g.batch_ptr[closed + 1] - g.batch_ptr[closed]
-                members = g.batch_nodes[_ranges(g.batch_ptr[closed], bc)]
+                members = g.batch_nodes[ranges(g.batch_ptr[closed], bc)]
                 self.end_ns[members] = np.repeat(self._batch_end[closed], bc)
 
     def _event(self, i: int) -> ExternalEvent:
         g = self.graph
-        nodes = g.inst_nodes[g.inst_ptr[i]:g.inst_ptr[i + 1]]
+        nodes = g.inst_nodes[g.inst_ptr[i] : g.inst_ptr[i + 1]]
         members = g.instance_ranks(i)
         virt = tuple(r for r in members if g._is_virtual[r])
-        return ExternalEvent(instance=i, ready_ns=int(self.inst_start_ns[i]), op=g.op_names[g.inst_op[i]],
-                             group=int(g.inst_group[i]), virtual_ranks=virt,
-                             external_ranks=tuple(r for r in members if not g._is_virtual[r]),
-                             nodes=tuple(int(x) for x in nodes))
+        return ExternalEvent(
+            instance=i,
+            ready_ns=int(self.inst_start_ns[i]),
+            op=g.op_names[g.inst_op[i]],
+            group=int(g.inst_group[i]),
+            virtual_ranks=virt,
+            external_ranks=tuple(r for r in members if not g._is_virtual[r]),
+            nodes=tuple(int(x) for x in nodes),
+        )
 
     def _ready(self, rr: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For runnable ranks ``rr``: when their next node can start (their clock, or the
@@ -629,7 +335,7 @@ class Replay:
         wn = g.wait_ptr[p + 1] - w0
         hw = np.flatnonzero(wn)
         if len(hw):
-            t = self.end_ns[g.wait_src[_ranges(w0[hw], wn[hw])]]
+            t = self.end_ns[g.wait_src[ranges(w0[hw], wn[hw])]]
             seg = np.repeat(np.arange(len(hw)), wn[hw])
             tmax = np.full(len(hw), -1, dtype=_I64)
             np.maximum.at(tmax, seg, t)
@@ -660,15 +366,7 @@ class Replay:
         nr, nk = len(g.ranks), len(its)
         per = np.full((nr, nk), -1, dtype=_I64)
         if nk and g.num_nodes:
-            base = int(min(its.min(), g.iteration.min())) - 1
-            m = int(max(its.max(), g.iteration.max())) - base + 2
-            key = g.rank_pos * m + (g.iteration - base)  # sorted: ranks ascending, iterations monotone
-            r = np.repeat(np.arange(nr, dtype=_I64), nk)
-            k = np.tile(its, nr)
-            last = np.searchsorted(key, r * m + (k - base), side="right") - 1
-            prev = np.searchsorted(key, r * m + (k - 1 - base), side="right") - 1
-            lo = g.off[r]
-            has = (last >= lo) & (g.iteration[np.maximum(last, 0)] == k)
+            prev, last, has, lo = g.iteration_bounds()
             first_start = self.start_ns[np.minimum(lo, max(g.num_nodes - 1, 0))]
             begin = np.where(prev >= lo, ret[np.maximum(prev, 0)], first_start)
             finish = ret[np.maximum(last, 0)]
@@ -679,10 +377,18 @@ class Replay:
         vals = iteration_ns[steady]
         vals = vals[vals >= 0]
         pred = int(np.median(vals)) if len(vals) else None
-        return ReplayResult(graph=g, start_ns=self.start_ns.copy(), end_ns=self.end_ns.copy(), return_ns=ret,
-                            instance_start_ns=self.inst_start_ns.copy(), instance_end_ns=self.inst_end_ns.copy(),
-                            rank_iteration_ns=per, iteration_ns=iteration_ns, steady_iterations=its[steady],
-                            predicted_iteration_ns=pred)
+        return ReplayResult(
+            graph=g,
+            start_ns=self.start_ns.copy(),
+            end_ns=self.end_ns.copy(),
+            return_ns=ret,
+            instance_start_ns=self.inst_start_ns.copy(),
+            instance_end_ns=self.inst_end_ns.copy(),
+            rank_iteration_ns=per,
+            iteration_ns=iteration_ns,
+            steady_iterations=its[steady],
+            predicted_iteration_ns=pred,
+        )
 
     # ------------------------------------------------------------------ deadlock
     def _deadlock(self) -> ReplayError:
@@ -692,9 +398,11 @@ class Replay:
         if not len(partial):  # cannot happen with consistent state; say what is known
             r = int(np.flatnonzero(self._state != _DONE)[0])
             p = int(self._cur[r])
-            return ReplayError(f"replay stuck: {g.describe(min(p, g.off[r + 1] - 1))} cannot go on", rank=int(g.ranks[r]))
+            return ReplayError(
+                f"replay stuck: {g.describe(min(p, g.off[r + 1] - 1))} cannot go on", rank=int(g.ranks[r])
+            )
         i = int(partial[np.lexsort((partial, self.inst_start_ns[partial]))[0]])
-        nodes = g.inst_nodes[g.inst_ptr[i]:g.inst_ptr[i + 1]]
+        nodes = g.inst_nodes[g.inst_ptr[i] : g.inst_ptr[i + 1]]
         arrived = nodes[self.start_ns[nodes] >= 0]
         lead = int(arrived[0])
         here = {g.rank_of(int(x)) for x in arrived}
@@ -709,7 +417,11 @@ class Replay:
             f"{' ...' if len(missing) > 8 else ''} to join, which never happens: {why}. Every member "
             f"of a group must issue the same collectives in the same order, and every send needs "
             f"its recv (`prism show` validates the graph and names the first mismatch)",
-            rank=g.rank_of(lead), index=int(g.index[lead]), op=g.op(lead), group=int(g.group[lead]))
+            rank=g.rank_of(lead),
+            index=int(g.index[lead]),
+            op=g.op(lead),
+            group=int(g.group[lead]),
+        )
 
     def _where(self, rank: int, inst: int) -> str:
         """Where a missing member is: finished, blocked at a node, or waiting at a wait point."""
@@ -717,7 +429,7 @@ class Replay:
         r = int(np.searchsorted(g.ranks, rank))
         if r >= len(g.ranks) or g.ranks[r] != rank:
             return f"rank {rank} has no nodes in this replay"
-        nodes = g.inst_nodes[g.inst_ptr[inst]:g.inst_ptr[inst + 1]]
+        nodes = g.inst_nodes[g.inst_ptr[inst] : g.inst_ptr[inst + 1]]
         own = [int(x) for x in nodes if g.rank_pos[x] == r]
         its = f" (its part is node {g.index[own[0]]})" if own else " (it never issues it)"
         n = int(g.off[r + 1] - g.off[r])
@@ -726,13 +438,18 @@ class Replay:
         if self._state[r] == _BLOCKED:
             return f"rank {rank} is blocked in {g.describe(int(self._blk[r]))}{its}"
         p = int(self._cur[r])
-        w = g.wait_src[g.wait_ptr[p]:g.wait_ptr[p + 1]]
+        w = g.wait_src[g.wait_ptr[p] : g.wait_ptr[p + 1]]
         w = [int(x) for x in w if self.end_ns[x] < 0]
         on = f" for {g.describe(w[0])} to complete" if w else ""
         return f"rank {rank} waits at node {g.index[p]}{on}{its}"
 
 
-def replay(trace: PrismTrace, *, compute: Durations = "graph", transfer: Durations = "graph",
-           issue: Durations = "graph") -> ReplayResult:
+def replay(
+    trace: PrismTrace,
+    *,
+    compute: DurationSource = "graph",
+    transfer: DurationSource = "graph",
+    issue: DurationSource = "graph",
+) -> ReplayResult:
     """Replay every rank of a graph (no external ranks) and return the result."""
     return Replay(ReplayGraph(trace), compute=compute, transfer=transfer, issue=issue).run_to_end()

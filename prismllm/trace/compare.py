@@ -31,7 +31,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prismllm.trace.graph import PrismTrace
-from prismllm.trace.summary import compute_time_by_rank, iteration_times, rank_iteration_times, steady
+from prismllm.trace.summary import (
+    compute_time_by_rank,
+    iteration_times,
+    rank_iteration_times,
+    steady,
+)
 
 FIELDS = ("op", "group", "in_bytes", "out_bytes", "dtype", "reduce_op", "peer", "in_splits", "out_splits")
 
@@ -148,24 +153,31 @@ def _group_text(g: dict[str, Any]) -> str:
 def compare_structure(a: PrismTrace, b: PrismTrace) -> dict[str, Any] | None:
     """None if the structure is equal, else the first difference."""
     if a.world_size != b.world_size:
-        return {"field": "world_size", "a": a.world_size, "b": b.world_size,
-                "message": f"world size differs: A has {a.world_size} ranks, B has {b.world_size}"}
+        return {
+            "field": "world_size",
+            "a": a.world_size,
+            "b": b.world_size,
+            "message": f"world size differs: A has {a.world_size} ranks, B has {b.world_size}",
+        }
     ra, rb = a.ranks(), b.ranks()
     if not np.array_equal(ra, rb):
         only_a = np.setdiff1d(ra, rb)
         only_b = np.setdiff1d(rb, ra)
         r = int(min(list(only_a[:1]) + list(only_b[:1])))
         side = "A" if r in set(only_a.tolist()) else "B"
-        return {"field": "ranks", "a": ra.tolist() if len(ra) <= 64 else len(ra),
-                "b": rb.tolist() if len(rb) <= 64 else len(rb),
-                "message": f"rank {r} has nodes only in {side}"}
+        return {
+            "field": "ranks",
+            "a": ra.tolist() if len(ra) <= 64 else len(ra),
+            "b": rb.tolist() if len(rb) <= 64 else len(rb),
+            "message": f"rank {r} has nodes only in {side}",
+        }
     canon: dict[tuple[int, ...], int] = {}
     ca, cb = _Comm(a, canon), _Comm(b, canon)
     ws = a.world_size
     na = np.bincount(ca.rank, minlength=ws)
     nb = np.bincount(cb.rank, minlength=ws)
-    sa = (np.cumsum(na) - na)
-    sb = (np.cumsum(nb) - nb)
+    sa = np.cumsum(na) - na
+    sb = np.cumsum(nb) - nb
     m = np.minimum(na, nb)
     pair_rank = np.repeat(np.arange(ws), m)
     k = np.arange(int(m.sum())) - np.repeat((np.cumsum(m) - m), m)
@@ -188,7 +200,9 @@ def compare_structure(a: PrismTrace, b: PrismTrace) -> dict[str, Any] | None:
     if len(cnt):
         r = int(cnt[0])
         pos = int(m[r])
-        cand.append((r, pos, "count", int(sa[r] + pos) if na[r] > pos else None, int(sb[r] + pos) if nb[r] > pos else None))
+        cand.append(
+            (r, pos, "count", int(sa[r] + pos) if na[r] > pos else None, int(sb[r] + pos) if nb[r] > pos else None)
+        )
     if not cand:
         return None
     r, pos, field, pa_, pb_ = min(cand, key=lambda c: (c[0], c[1]))
@@ -198,8 +212,10 @@ def compare_structure(a: PrismTrace, b: PrismTrace) -> dict[str, Any] | None:
         va, vb = int(na[r]), int(nb[r])
         extra = node_a or node_b
         side = "A" if node_a else "B"
-        message = (f"rank {r}: A has {va} communication events, B has {vb}; the first extra one is "
-                   f"comm #{pos} in {side}: node {extra['index']} {extra['op']} on {_group_text(extra['group'])}")
+        message = (
+            f"rank {r}: A has {va} communication events, B has {vb}; the first extra one is "
+            f"comm #{pos} in {side}: node {extra['index']} {extra['op']} on {_group_text(extra['group'])}"
+        )
     else:
         if field == "group":
             va, vb = node_a["group"], node_b["group"]
@@ -207,11 +223,21 @@ def compare_structure(a: PrismTrace, b: PrismTrace) -> dict[str, Any] | None:
         else:
             va, vb = node_a[field], node_b[field]
             shown_a, shown_b = repr(va), repr(vb)
-        message = (f"rank {r} comm #{pos} (A node {node_a['index']}, B node {node_b['index']}: "
-                   f"{node_a['op']} on {_group_text(node_a['group'])}): {field} differs: "
-                   f"A {shown_a}, B {shown_b}")
-    return {"rank": r, "comm_index": pos, "field": field, "a": va, "b": vb,
-            "node_a": node_a, "node_b": node_b, "message": message}
+        message = (
+            f"rank {r} comm #{pos} (A node {node_a['index']}, B node {node_b['index']}: "
+            f"{node_a['op']} on {_group_text(node_a['group'])}): {field} differs: "
+            f"A {shown_a}, B {shown_b}"
+        )
+    return {
+        "rank": r,
+        "comm_index": pos,
+        "field": field,
+        "a": va,
+        "b": vb,
+        "node_a": node_a,
+        "node_b": node_b,
+        "message": message,
+    }
 
 
 # ---------------------------------------------------------------------- timing

@@ -93,8 +93,9 @@ class PrismTrace:
         if "order" not in self._cache:
             rank = self.column("rank").astype(np.int64)
             index = self.column("index").astype(np.int64)
-            if len(rank) < 2 or (bool(np.all(rank[1:] >= rank[:-1]))
-                                 and bool(np.all((index[1:] > index[:-1]) | (rank[1:] != rank[:-1])))):
+            if len(rank) < 2 or (
+                bool(np.all(rank[1:] >= rank[:-1])) and bool(np.all((index[1:] > index[:-1]) | (rank[1:] != rank[:-1])))
+            ):
                 order = np.arange(len(rank), dtype=np.int64)
             else:
                 order = np.lexsort((index, rank)).astype(np.int64)
@@ -156,7 +157,7 @@ class PrismTrace:
         return bool(len(self.column("end_ns"))) and bool(np.any(self.column("end_ns") >= 0))
 
     # ------------------------------------------------------------------ equality
-    def equals(self, other: "PrismTrace") -> bool:
+    def equals(self, other: PrismTrace) -> bool:
         return (
             self.manifest == other.manifest
             and self.nodes.equals(other.nodes)
@@ -171,6 +172,7 @@ class PrismTrace:
 
         An existing graph at ``path`` is replaced; any other non-empty directory is refused.
         """
+
         def fill(tmp: Path) -> None:
             for name, (fname, schema) in FILES.items():
                 table = _conform(getattr(self, name), schema, name)
@@ -185,33 +187,9 @@ class PrismTrace:
         return write_dir_atomically(path, MANIFEST_FILE, fill, TraceError, "graph")
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "PrismTrace":
+    def load(cls, path: str | os.PathLike) -> PrismTrace:
         path = Path(path)
-        if not path.exists():
-            raise TraceError(f"graph {path} does not exist")
-        if not path.is_dir():
-            raise TraceError(f"graph {path} is not a directory (a graph is a directory with {MANIFEST_FILE})")
-        mpath = path / MANIFEST_FILE
-        if not mpath.is_file():
-            raise TraceError(f"graph {path} has no {MANIFEST_FILE}: not a PrismTrace graph, or an incomplete one; re-record it")
-        try:
-            with open(mpath) as f:
-                manifest = json.load(f)
-        except (OSError, ValueError) as e:
-            raise TraceError(f"graph {path}: {MANIFEST_FILE} is unreadable ({_short(e)}); re-record the graph") from None
-        if not isinstance(manifest, dict):
-            raise TraceError(f"graph {path}: {MANIFEST_FILE} is not a JSON object; re-record the graph")
-        fmt = manifest.get("format")
-        if fmt != FORMAT_NAME:
-            raise TraceError(f"graph {path}: {MANIFEST_FILE} has format {fmt!r}, expected {FORMAT_NAME!r}")
-        version = manifest.get("format_version")
-        if not isinstance(version, int):
-            raise TraceError(f"graph {path}: {MANIFEST_FILE} has no integer format_version")
-        if version > FORMAT_VERSION:
-            raise TraceError(
-                f"graph {path} has format version {version}, newer than this prismllm reads "
-                f"({FORMAT_VERSION}): upgrade prismllm"
-            )
+        manifest = _checked_manifest(path)
         tables: dict[str, pa.Table] = {}
         for name, (fname, schema) in FILES.items():
             fpath = path / fname
@@ -221,11 +199,52 @@ class PrismTrace:
                 table = pq.read_table(fpath, memory_map=True)
             except (pa.ArrowException, OSError, ValueError) as e:
                 raise TraceError(
-                    f"graph {path}: {fname} is unreadable, truncated or corrupt ({_short(e)}); "
-                    f"re-record the graph"
+                    f"graph {path}: {fname} is unreadable, truncated or corrupt ({_short(e)}); re-record the graph"
                 ) from None
             tables[name] = _conform(table, schema, name, where=f"graph {path}: {fname}")
         return cls(manifest=manifest, **tables)
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """A graph's manifest without its tables (what a stage checks before it runs anything),
+    with a world size of at least 1; TraceError naming the problem otherwise."""
+    path = Path(path)
+    manifest = _checked_manifest(path)
+    ws = manifest.get("world_size")
+    if not isinstance(ws, int) or ws < 1:
+        raise TraceError(f"graph {path}: {MANIFEST_FILE} has no world_size; re-record the graph")
+    return manifest
+
+
+def _checked_manifest(path: Path) -> dict[str, Any]:
+    if not path.exists():
+        raise TraceError(f"graph {path} does not exist")
+    if not path.is_dir():
+        raise TraceError(f"graph {path} is not a directory (a graph is a directory with {MANIFEST_FILE})")
+    mpath = path / MANIFEST_FILE
+    if not mpath.is_file():
+        raise TraceError(
+            f"graph {path} has no {MANIFEST_FILE}: not a PrismTrace graph, or an incomplete one; re-record it"
+        )
+    try:
+        with open(mpath) as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise TraceError(f"graph {path}: {MANIFEST_FILE} is unreadable ({_short(e)}); re-record the graph") from None
+    if not isinstance(manifest, dict):
+        raise TraceError(f"graph {path}: {MANIFEST_FILE} is not a JSON object; re-record the graph")
+    fmt = manifest.get("format")
+    if fmt != FORMAT_NAME:
+        raise TraceError(f"graph {path}: {MANIFEST_FILE} has format {fmt!r}, expected {FORMAT_NAME!r}")
+    version = manifest.get("format_version")
+    if not isinstance(version, int):
+        raise TraceError(f"graph {path}: {MANIFEST_FILE} has no integer format_version")
+    if version > FORMAT_VERSION:
+        raise TraceError(
+            f"graph {path} has format version {version}, newer than this prismllm reads "
+            f"({FORMAT_VERSION}): upgrade prismllm"
+        )
+    return manifest
 
 
 # ---------------------------------------------------------------------- helpers
@@ -308,4 +327,14 @@ def _ranks_text(ranks: list[int]) -> str:
 
 ranks_text = _ranks_text
 
-__all__ = ["PrismTrace", "TraceError", "empty_table", "group_desc", "ranks_text", "NODE_SCHEMA", "EDGE_SCHEMA", "GROUP_SCHEMA", "ITERATION_SCHEMA"]
+__all__ = [
+    "PrismTrace",
+    "TraceError",
+    "empty_table",
+    "group_desc",
+    "ranks_text",
+    "NODE_SCHEMA",
+    "EDGE_SCHEMA",
+    "GROUP_SCHEMA",
+    "ITERATION_SCHEMA",
+]

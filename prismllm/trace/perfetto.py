@@ -27,8 +27,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prismllm import specs
 from prismllm.trace.graph import PrismTrace, TraceError, group_desc, ranks_text
 from prismllm.trace.schema import EDGE_SYNC
+from prismllm.trace.spans import node_spans, select_ranks
 
 TID_ITERATIONS = 0
 TID_COMPUTE = 1
@@ -37,13 +39,7 @@ BATCH = 65536
 
 def _span(trace: PrismTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray, bool]:
     """(start_ns, end_ns, known mask, synthetic). Synthetic spans are in ns of the layout."""
-    start = trace.column("start_ns").astype(np.int64)
-    end = trace.column("end_ns").astype(np.int64)
-    issue = trace.column("issue_ns").astype(np.int64)
-    dur = trace.column("duration_ns").astype(np.int64)
-    start = np.where((start < 0) & (issue >= 0) & (dur >= 0), issue, start)
-    end = np.where((end < 0) & (start >= 0) & (dur >= 0), start + dur, end)
-    known = (start >= 0) & (end >= start)
+    start, end, known = node_spans(trace)
     if known.any():
         return start, end, known, False
     index = trace.column("index").astype(np.int64)
@@ -66,37 +62,12 @@ def _us(ns: int) -> str:
     return f"{ns / 1000:.3f}"
 
 
-def select_ranks(trace: PrismTrace, ranks: list[int]) -> PrismTrace:
-    """The graph restricted to some ranks (nodes, their edges, their iterations)."""
-    keep = pa.array(sorted(set(int(r) for r in ranks)), type=pa.int32())
-    nodes = trace.nodes.filter(pc.is_in(trace.nodes.column("rank"), value_set=keep))
-    ids = nodes.column("node_id").combine_chunks()
-    e = trace.edges
-    edges = e.filter(pc.and_(pc.is_in(e.column("src"), value_set=ids), pc.is_in(e.column("dst"), value_set=ids)))
-    it = trace.iterations
-    iterations = it.filter(pc.is_in(it.column("rank"), value_set=keep))
-    return PrismTrace(manifest=trace.manifest, nodes=nodes, edges=edges, groups=trace.groups, iterations=iterations)
-
-
 def parse_ranks(spec: str, world_size: int) -> list[int]:
     """ "0-7,12,16-31" -> ranks; TraceError on a bad spec or a rank outside the world."""
-    out: list[int] = []
     try:
-        for part in spec.split(","):
-            part = part.strip()
-            if not part:
-                continue
-            if "-" in part:
-                a, b = part.split("-", 1)
-                out.extend(range(int(a), int(b) + 1))
-            else:
-                out.append(int(part))
-    except ValueError:
-        raise TraceError(f"bad rank list {spec!r}: expected e.g. 0-7,12") from None
-    bad = [r for r in out if r < 0 or r >= world_size]
-    if bad or not out:
-        raise TraceError(f"rank list {spec!r} names rank {bad[0] if bad else '(none)'}; the graph has ranks 0..{world_size - 1}")
-    return out
+        return list(specs.parse_ranks(spec, world_size))
+    except ValueError as e:
+        raise TraceError(str(e)) from None
 
 
 def export_perfetto(trace: PrismTrace, out: str | os.PathLike, ranks: list[int] | None = None) -> dict[str, Any]:
@@ -186,8 +157,10 @@ def _write(trace: PrismTrace, f: TextIO) -> dict[str, Any]:
             smin = np.minimum.reduceat(s_, brk)
             emax = np.maximum.reduceat(e_, brk)
             for r, i, s, e in zip(kr[brk].tolist(), ki[brk].tolist(), smin.tolist(), emax.tolist()):
-                emit(f'{{"ph":"X","name":"iteration {i}","cat":"iteration","pid":{r},"tid":{TID_ITERATIONS},'
-                     f'"ts":{_us(s - t0)},"dur":{_us(e - s)},"args":{{"iteration":{i}}}}}')
+                emit(
+                    f'{{"ph":"X","name":"iteration {i}","cat":"iteration","pid":{r},"tid":{TID_ITERATIONS},'
+                    f'"ts":{_us(s - t0)},"dur":{_us(e - s)},"args":{{"iteration":{i}}}}}'
+                )
                 n_iter_events += 1
     else:
         it = it_tab.to_pydict()
@@ -195,19 +168,39 @@ def _write(trace: PrismTrace, f: TextIO) -> dict[str, Any]:
             if s < 0 or e < s:
                 continue
             name = f"iteration {i}" + (f" ({lab})" if lab else "")
-            emit(f'{{"ph":"X","name":{esc[name]},"cat":"iteration","pid":{r},"tid":{TID_ITERATIONS},'
-                 f'"ts":{_us(s - t0)},"dur":{_us(e - s)},"args":{{"iteration":{i}}}}}')
+            emit(
+                f'{{"ph":"X","name":{esc[name]},"cat":"iteration","pid":{r},"tid":{TID_ITERATIONS},'
+                f'"ts":{_us(s - t0)},"dur":{_us(e - s)},"args":{{"iteration":{i}}}}}'
+            )
             n_iter_events += 1
 
     # nodes
     glabel = {gid: f"{gid} ({group_desc(g) or ranks_text(g['ranks'])})" for gid, g in info.items()}
-    cols = ["node_id", "index", "iteration", "kind", "op", "group", "seq", "peer", "dtype", "shape",
-            "in_bytes", "out_bytes", "in_splits", "out_splits", "async_op", "wait_index", "label", "reduce_op"]
+    cols = [
+        "node_id",
+        "index",
+        "iteration",
+        "kind",
+        "op",
+        "group",
+        "seq",
+        "peer",
+        "dtype",
+        "shape",
+        "in_bytes",
+        "out_bytes",
+        "in_splits",
+        "out_splits",
+        "async_op",
+        "wait_index",
+        "label",
+        "reduce_op",
+    ]
     n_nodes = 0
     for b0 in range(0, n, BATCH):
         b1 = min(n, b0 + BATCH)
         d = nodes.slice(b0, b1 - b0).select(cols).to_pydict()
-        ts_b = ((start[b0:b1] - t0)).tolist()
+        ts_b = (start[b0:b1] - t0).tolist()
         du_b = (end[b0:b1] - start[b0:b1]).tolist()
         kn = known[b0:b1].tolist()
         rk = rank[b0:b1].tolist()
@@ -219,8 +212,12 @@ def _write(trace: PrismTrace, f: TextIO) -> dict[str, Any]:
             label = d["label"][j]
             is_comm = d["kind"][j] == "comm"
             name = op if is_comm else (label or "compute")
-            args = [f'"op":{esc[op]}', f'"node_id":{d["node_id"][j]}', f'"index":{d["index"][j]}',
-                    f'"iteration":{d["iteration"][j]}']
+            args = [
+                f'"op":{esc[op]}',
+                f'"node_id":{d["node_id"][j]}',
+                f'"index":{d["index"][j]}',
+                f'"iteration":{d["iteration"][j]}',
+            ]
             if is_comm:
                 g = d["group"][j]
                 args.append(f'"group":{esc[glabel.get(g, str(g))]}')
@@ -242,8 +239,10 @@ def _write(trace: PrismTrace, f: TextIO) -> dict[str, Any]:
                 args.append(f'"shape":{json.dumps(d["shape"][j])}')
             if label:
                 args.append(f'"label":{esc[label]}')
-            emit(f'{{"ph":"X","name":{esc[name]},"cat":{esc[d["kind"][j]]},"pid":{rk[j]},"tid":{td[j]},'
-                 f'"ts":{_us(ts_b[j])},"dur":{_us(du_b[j])},"args":{{{",".join(args)}}}}}')
+            emit(
+                f'{{"ph":"X","name":{esc[name]},"cat":{esc[d["kind"][j]]},"pid":{rk[j]},"tid":{td[j]},'
+                f'"ts":{_us(ts_b[j])},"dur":{_us(du_b[j])},"args":{{{",".join(args)}}}}}'
+            )
             n_nodes += 1
 
     # flows: one per sync edge
@@ -270,8 +269,12 @@ def _write(trace: PrismTrace, f: TextIO) -> dict[str, Any]:
         s_pid, s_tid, s_ts = rank[rs].tolist(), tid[rs].tolist(), (start[rs] - t0).tolist()
         d_pid, d_tid, d_ts = rank[rd].tolist(), tid[rd].tolist(), (start[rd] - t0).tolist()
         for k in range(len(rs)):
-            emit(f'{{"ph":"s","name":"sync","cat":"sync","id":{k},"pid":{s_pid[k]},"tid":{s_tid[k]},"ts":{_us(s_ts[k])}}}')
-            emit(f'{{"ph":"f","bp":"e","name":"sync","cat":"sync","id":{k},"pid":{d_pid[k]},"tid":{d_tid[k]},"ts":{_us(d_ts[k])}}}')
+            emit(
+                f'{{"ph":"s","name":"sync","cat":"sync","id":{k},"pid":{s_pid[k]},"tid":{s_tid[k]},"ts":{_us(s_ts[k])}}}'
+            )
+            emit(
+                f'{{"ph":"f","bp":"e","name":"sync","cat":"sync","id":{k},"pid":{d_pid[k]},"tid":{d_tid[k]},"ts":{_us(d_ts[k])}}}'
+            )
             n_flows += 1
 
     m = trace.manifest
@@ -282,8 +285,11 @@ def _write(trace: PrismTrace, f: TextIO) -> dict[str, Any]:
             "mode": m.get("mode"),
             "device": m.get("device"),
             "command": m.get("command"),
-            "timeline": ("synthetic: laid out by program order, 1 µs per node (the graph has no times)"
-                         if synthetic else "recorded times (start_ns..end_ns)"),
+            "timeline": (
+                "synthetic: laid out by program order, 1 µs per node (the graph has no times)"
+                if synthetic
+                else "recorded times (start_ns..end_ns)"
+            ),
             "nodes_exported": n_nodes,
             "nodes_without_times": skipped,
             "flows": n_flows,
@@ -292,8 +298,14 @@ def _write(trace: PrismTrace, f: TextIO) -> dict[str, Any]:
     f.write('\n],\n"displayTimeUnit":"ns",\n"metadata":')
     f.write(json.dumps(meta, default=str))
     f.write("}\n")
-    return {"events": events, "nodes": n_nodes, "nodes_without_times": skipped, "flows": n_flows,
-            "iterations": n_iter_events, "synthetic": synthetic}
+    return {
+        "events": events,
+        "nodes": n_nodes,
+        "nodes_without_times": skipped,
+        "flows": n_flows,
+        "iterations": n_iter_events,
+        "synthetic": synthetic,
+    }
 
 
 def _stream_key(s: str) -> tuple[int, str]:

@@ -52,7 +52,7 @@ class RankLog:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "RankLog":
+    def from_dict(cls, d: dict[str, Any]) -> RankLog:
         version = d.get("version")
         if version != RANKLOG_VERSION:
             raise ValueError(f"rank log version {version!r}, expected {RANKLOG_VERSION}")

@@ -146,3 +146,5 @@ FILES = {
     "iterations": ("iterations.parquet", ITERATION_SCHEMA),
 }
 MANIFEST_FILE = "manifest.json"
+# A graph directory may also hold the collective tensors its recording saved (prismllm.generate.store).
+TENSORS_DIR = "tensors"

@@ -131,8 +131,17 @@ def summarize(trace: PrismTrace) -> dict[str, Any]:
         acc: dict[int, dict[str, Any]] = {}
         for g, op, b, n in zip(per["group"], per["op"], per["in_bytes_sum"], per["in_bytes_count"]):
             gi = info.get(int(g), {"name": "?", "desc": "?", "ranks": []})
-            e = acc.setdefault(int(g), {"group": int(g), "name": gi["name"], "desc": gi["desc"],
-                                        "size": len(gi["ranks"]), "ops": {}, "in_bytes": 0})
+            e = acc.setdefault(
+                int(g),
+                {
+                    "group": int(g),
+                    "name": gi["name"],
+                    "desc": gi["desc"],
+                    "size": len(gi["ranks"]),
+                    "ops": {},
+                    "in_bytes": 0,
+                },
+            )
             e["ops"][op] = int(n)
             e["in_bytes"] += int(b or 0)
         bytes_by_group = sorted(acc.values(), key=lambda e: (-e["in_bytes"], e["group"]))

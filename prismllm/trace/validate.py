@@ -41,7 +41,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prismllm.trace.assemble import _run_starts, group_rank_lookup, match_p2p
+from prismllm.trace.cycles import check_cycles
+from prismllm.trace.edges import group_rank_lookup, match_p2p, run_starts
 from prismllm.trace.graph import PrismTrace, TraceError
 from prismllm.trace.schema import (
     COLLECTIVE_OPS,
@@ -59,7 +60,7 @@ _REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 _SAME_ORDER_FIX = "every member of a group must issue the same collectives in the same order"
 
 
-class _Ctx:
+class Ctx:
     """Columns of the node table as numpy, and message helpers."""
 
     def __init__(self, trace: PrismTrace) -> None:
@@ -124,7 +125,7 @@ def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
 
 def validate(trace: PrismTrace) -> None:
     """Raise TraceError with one clear message for the first problem found; None if sound."""
-    c = _Ctx(trace)
+    c = Ctx(trace)
     if c.n == 0:
         return
     _check_structure(c)
@@ -132,11 +133,11 @@ def validate(trace: PrismTrace) -> None:
     _check_waits(c)
     _check_collectives(c)
     _check_p2p(c)
-    _check_cycles(c)
+    check_cycles(c)
 
 
 # ---------------------------------------------------------------------- 1. structure
-def _check_structure(c: _Ctx) -> None:
+def _check_structure(c: Ctx) -> None:
     if np.array_equal(c.node_id, np.arange(c.n)):  # as assembled: ids are row positions
         c.ids_are_rows = True
         o = ids = c.node_id
@@ -149,21 +150,22 @@ def _check_structure(c: _Ctx) -> None:
     if len(dup):
         i, j = o[dup[0]], o[dup[0] + 1]
         raise TraceError(
-            f"node id {ids[dup[0]]} is used twice ({c.node(i)} and {c.node(j)}); the graph is "
-            f"corrupt: re-assemble it"
+            f"node id {ids[dup[0]]} is used twice ({c.node(i)} and {c.node(j)}); the graph is corrupt: re-assemble it"
         )
     c.sorted_ids, c.id_order = ids, o
 
     bad = np.flatnonzero((c.rank < 0) | (c.rank >= c.world_size))
     if len(bad):
-        raise TraceError(f"{c.node(bad[0])} has a rank outside the world size {c.world_size}; the manifest and the nodes disagree")
+        raise TraceError(
+            f"{c.node(bad[0])} has a rank outside the world size {c.world_size}; the manifest and the nodes disagree"
+        )
 
     # program order: indices 0..n-1 per rank
     fast = bool(np.all(c.rank[1:] >= c.rank[:-1]))  # sorted by rank already (as assembled)
     while True:
         ro = np.arange(c.n) if fast else np.lexsort((c.index, c.rank))
         r, ix = c.rank[ro], c.index[ro]
-        starts = _run_starts([r])
+        starts = run_starts([r])
         first = np.flatnonzero(starts)
         run = np.cumsum(starts) - 1
         expected = np.arange(c.n) - first[run]
@@ -175,8 +177,12 @@ def _check_structure(c: _Ctx) -> None:
     if len(badp):
         p = badp[0]
         if p > 0 and not starts[p] and ix[p] == ix[p - 1]:
-            raise TraceError(f"rank {r[p]} has two nodes with index {ix[p]} ({c.node(ro[p - 1])} and {c.node(ro[p])}); the graph is corrupt: re-assemble it")
-        raise TraceError(f"rank {r[p]} has no node with index {expected[p]} (its indices must be 0..n-1); the graph is corrupt: re-assemble it")
+            raise TraceError(
+                f"rank {r[p]} has two nodes with index {ix[p]} ({c.node(ro[p - 1])} and {c.node(ro[p])}); the graph is corrupt: re-assemble it"
+            )
+        raise TraceError(
+            f"rank {r[p]} has no node with index {expected[p]} (its indices must be 0..n-1); the graph is corrupt: re-assemble it"
+        )
     c.prog_order = ro  # rows in (rank, index) order
     c.rank_first = first  # positions (in prog_order) where each rank starts
     c.rank_of_run = r[first]
@@ -192,11 +198,15 @@ def _check_structure(c: _Ctx) -> None:
     unknown = np.flatnonzero(c.is_comm & ~c.mask_ops(COMM_OPS))
     if len(unknown):
         i = unknown[0]
-        raise TraceError(f"{c.node(i)} is a communication node with unknown op {c.op(i)!r}; known ops: {', '.join(COMM_OPS)}")
+        raise TraceError(
+            f"{c.node(i)} is a communication node with unknown op {c.op(i)!r}; known ops: {', '.join(COMM_OPS)}"
+        )
     comp_code = c.op_names.index(KIND_COMPUTE) if KIND_COMPUTE in c.op_names else -2
     wrong = np.flatnonzero(~c.is_comm & (c.op_codes != comp_code))
     if len(wrong):
-        raise TraceError(f"{c.node(wrong[0])} is a compute node with op {c.op(wrong[0])!r}; a compute node's op is 'compute'")
+        raise TraceError(
+            f"{c.node(wrong[0])} is a compute node with op {c.op(wrong[0])!r}; a compute node's op is 'compute'"
+        )
 
     edges = c.trace.edges
     if edges.num_rows:
@@ -206,7 +216,9 @@ def _check_structure(c: _Ctx) -> None:
         badk = [k for k in ekind_names if k not in EDGE_KINDS]
         if badk:
             e = int(np.flatnonzero(ekind_codes == ekind_names.index(badk[0]))[0])
-            raise TraceError(f"edge {e} ({src[e]} -> {dst[e]}) has unknown kind {badk[0]!r}; known: {', '.join(EDGE_KINDS)}")
+            raise TraceError(
+                f"edge {e} ({src[e]} -> {dst[e]}) has unknown kind {badk[0]!r}; known: {', '.join(EDGE_KINDS)}"
+            )
         srow, sok = _rows_of(c, src)
         drow, dok = _rows_of(c, dst)
         missing = np.flatnonzero(~(sok & dok))
@@ -223,21 +235,25 @@ def _check_structure(c: _Ctx) -> None:
         badsync = np.flatnonzero(is_sync & ~(c.is_comm[srow] & c.is_comm[drow]))
         if len(badsync):
             e = int(badsync[0])
-            raise TraceError(f"sync edge {src[e]} -> {dst[e]} joins a compute node ({c.node(srow[e])} and {c.node(drow[e])}); only communication nodes meet")
+            raise TraceError(
+                f"sync edge {src[e]} -> {dst[e]} joins a compute node ({c.node(srow[e])} and {c.node(drow[e])}); only communication nodes meet"
+            )
         c.sync_rows = (srow[is_sync], drow[is_sync])
         is_wait = ekind_codes == wait_code
         c.wait_rows = (srow[is_wait], drow[is_wait])
         cross = np.flatnonzero(is_wait & (c.rank[srow] != c.rank[drow]))
         if len(cross):
             e = int(cross[0])
-            raise TraceError(f"wait edge {src[e]} -> {dst[e]} joins two ranks ({c.node(srow[e])} and {c.node(drow[e])}); a wait is on one rank")
+            raise TraceError(
+                f"wait edge {src[e]} -> {dst[e]} joins two ranks ({c.node(srow[e])} and {c.node(drow[e])}); a wait is on one rank"
+            )
     else:
         z = np.zeros(0, dtype=np.int64)
         c.sync_rows = (z, z)
         c.wait_rows = (z, z)
 
 
-def _rows_of(c: _Ctx, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _rows_of(c: Ctx, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Row positions of node ids; ok=False where an id does not exist."""
     if c.ids_are_rows:
         ok = (ids >= 0) & (ids < c.n)
@@ -249,7 +265,7 @@ def _rows_of(c: _Ctx, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---------------------------------------------------------------------- 2. groups
-def _check_groups(c: _Ctx) -> None:
+def _check_groups(c: Ctx) -> None:
     nogroup = np.flatnonzero(c.is_comm & (c.group < 0))
     if len(nogroup):
         raise TraceError(f"{c.node(nogroup[0])} has no group; every communication node belongs to a process group")
@@ -257,7 +273,9 @@ def _check_groups(c: _Ctx) -> None:
     unknown = np.flatnonzero(c.is_comm & ~np.isin(c.group, known))
     if len(unknown):
         i = unknown[0]
-        raise TraceError(f"rank {c.rank[i]} node {c.index[i]} ({c.op(i)}) names group {c.group[i]}, which is not in groups.parquet; the graph is corrupt: re-assemble it")
+        raise TraceError(
+            f"rank {c.rank[i]} node {c.index[i]} ({c.op(i)}) names group {c.group[i]}, which is not in groups.parquet; the graph is corrupt: re-assemble it"
+        )
     lookup = group_rank_lookup(c.trace.groups, c.world_size)
     c.grank = np.full(c.n, -1, dtype=np.int64)
     ci = np.flatnonzero(c.is_comm)
@@ -278,7 +296,9 @@ def _check_groups(c: _Ctx) -> None:
             )
         if len(bad):
             i = p2p[bad[0]]
-            raise TraceError(f"{c.node(i)} has peer {c.peer[i]}: a send/recv peer must be another rank inside the world (0..{c.world_size - 1})")
+            raise TraceError(
+                f"{c.node(i)} has peer {c.peer[i]}: a send/recv peer must be another rank inside the world (0..{c.world_size - 1})"
+            )
         pg = lookup(c.group[p2p], pr)
         bad = np.flatnonzero(pg < 0)
         if len(bad):
@@ -287,13 +307,15 @@ def _check_groups(c: _Ctx) -> None:
 
 
 # ---------------------------------------------------------------------- 3. waits
-def _check_waits(c: _Ctx) -> None:
+def _check_waits(c: Ctx) -> None:
     w = c.wait_index
     bad = np.flatnonzero((w != -1) & ((w <= c.index) | (w >= c.rank_len_by_row)))
     if len(bad):
         i = bad[0]
         n = c.rank_len_by_row[i]
-        why = "not after the node" if w[i] <= c.index[i] else f"out of range (rank {c.rank[i]} has {n} nodes, 0..{n - 1})"
+        why = (
+            "not after the node" if w[i] <= c.index[i] else f"out of range (rank {c.rank[i]} has {n} nodes, 0..{n - 1})"
+        )
         raise TraceError(
             f"{c.node(i)} has wait_index {w[i]}, {why}: the wait point of an async operation "
             f"must be a later node of the same rank; the recorder lost it, re-record"
@@ -301,7 +323,7 @@ def _check_waits(c: _Ctx) -> None:
 
 
 # ---------------------------------------------------------------------- 4. collectives
-def _check_collectives(c: _Ctx) -> None:
+def _check_collectives(c: Ctx) -> None:
     ci = np.flatnonzero(c.mask_ops(COLLECTIVE_OPS))
     if not len(ci):
         return
@@ -319,7 +341,7 @@ def _check_collectives(c: _Ctx) -> None:
             f"group; a rank's collectives on a group must be numbered 0, 1, 2, ...: re-record"
         )
 
-    starts = _run_starts([g, s])
+    starts = run_starts([g, s])
     first = np.flatnonzero(starts)
     run = np.cumsum(starts) - 1
     count = np.diff(np.r_[first, len(rows)])
@@ -466,7 +488,9 @@ def _check_all_to_all(c, rows, run, first, count, size_row) -> None:
         bad = np.flatnonzero((lens != 0) & (lens != sz))
         if len(bad):
             i = a_rows[bad[0]]
-            raise TraceError(f"{c.node(i)} has {what} of length {lens[bad[0]]}, but the group has {sz[bad[0]]} members; one split per member")
+            raise TraceError(
+                f"{c.node(i)} has {what} of length {lens[bad[0]]}, but the group has {sz[bad[0]]} members; one split per member"
+            )
     # instances where every member recorded both splits
     arun = run[is_a2a]
     have = (lin == sz) & (lout == sz)
@@ -504,7 +528,7 @@ def _check_all_to_all(c, rows, run, first, count, size_row) -> None:
 
 
 # ---------------------------------------------------------------------- 5. send / recv
-def _check_p2p(c: _Ctx) -> None:
+def _check_p2p(c: Ctx) -> None:
     send_rows, recv_rows, lone_send, lone_recv = match_p2p(c.trace.nodes, unmatched=True)
     if len(lone_send) or len(lone_recv):
         cand = np.r_[lone_send, lone_recv]
@@ -534,165 +558,6 @@ def _check_p2p(c: _Ctx) -> None:
                 f"node {c.index[r]}, receives {pr[bad[0]]}; a send and its recv must move "
                 f"tensors of the same size"
             )
-
-
-# ---------------------------------------------------------------------- 6. cycles
-def _components(n: int, u: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """Connected components (label = smallest member) by hooking + pointer jumping."""
-    parent = np.arange(n, dtype=np.int64)
-    while len(u):
-        ru, rv = parent[u], parent[v]
-        diff = ru != rv
-        if not diff.any():
-            break
-        u, v, ru, rv = u[diff], v[diff], ru[diff], rv[diff]
-        np.minimum.at(parent, np.maximum(ru, rv), np.minimum(ru, rv))
-        while True:
-            pp = parent[parent]
-            if np.array_equal(pp, parent):
-                break
-            parent = pp
-    return parent
-
-
-def _check_cycles(c: _Ctx) -> None:
-    ro = c.prog_order  # rows in (rank, index) order
-    n = c.n
-    r = c.rank[ro]
-    co = c.coalesced[ro]
-    new_rank = _run_starts([r])
-    slot_start = new_rank.copy()
-    slot_start[1:] |= (co[1:] < 0) | (co[1:] != co[:-1])
-    slot_start[0] = True
-    slot_pos = np.cumsum(slot_start) - 1  # slot id of each position
-    n_slots = int(slot_pos[-1]) + 1
-    rank_first_slot = slot_pos[np.flatnonzero(new_rank)][np.cumsum(new_rank) - 1]
-    slot = np.empty(n, dtype=np.int64)
-    slot[ro] = slot_pos
-    first_slot = np.empty(n, dtype=np.int64)
-    first_slot[ro] = rank_first_slot
-    slot_rank = np.empty(n_slots, dtype=np.int64)
-    slot_rank[slot_pos] = r
-    slot_last_row = np.empty(n_slots, dtype=np.int64)
-    slot_last_row[slot_pos] = ro  # the last row of each slot wins
-
-    # vertices: gates 0..n_slots-1, then one per sync component of comm nodes
-    comm_rows = np.flatnonzero(c.is_comm)
-    su, sv = c.sync_rows
-    label = _components(n, su, sv)
-    comp_label = label[comm_rows]
-    uniq, comp_idx = np.unique(comp_label, return_inverse=True)
-    vert_of_row = np.full(n, -1, dtype=np.int64)
-    vert_of_row[comm_rows] = n_slots + comp_idx
-    n_vert = n_slots + len(uniq)
-
-    # edges, with the comm node each one leaves (src_node) or enters (dst_node)
-    e_src, e_dst, e_snode, e_dnode = [], [], [], []
-    chain = np.flatnonzero(~new_rank[1:] & slot_start[1:]) + 1  # positions starting a slot, not first in rank
-    gs = slot_pos[chain]
-    e_src.append(gs - 1); e_dst.append(gs); e_snode.append(np.full(len(gs), -1)); e_dnode.append(np.full(len(gs), -1))
-    notfirst = comm_rows[slot[comm_rows] != first_slot[comm_rows]]
-    e_src.append(slot[notfirst] - 1); e_dst.append(vert_of_row[notfirst])
-    e_snode.append(np.full(len(notfirst), -1)); e_dnode.append(notfirst)
-    blocking = comm_rows[~c.async_op[comm_rows]]
-    e_src.append(vert_of_row[blocking]); e_dst.append(slot[blocking])
-    e_snode.append(blocking); e_dnode.append(np.full(len(blocking), -1))
-    wu, wv = c.wait_rows
-    wsel = c.is_comm[wu]
-    wu, wv = wu[wsel], wv[wsel]
-    e_src.append(vert_of_row[wu]); e_dst.append(np.maximum(slot[wv] - 1, slot[wu]))
-    e_snode.append(wu); e_dnode.append(np.full(len(wu), -1))
-    src = np.concatenate(e_src).astype(np.int64)
-    dst = np.concatenate(e_dst).astype(np.int64)
-
-    remaining = _kahn(n_vert, src, dst)
-    if remaining is None:
-        return
-    snode = np.concatenate(e_snode).astype(np.int64)
-    dnode = np.concatenate(e_dnode).astype(np.int64)
-    cyc = _find_cycle(remaining, src, dst)
-    raise TraceError(_cycle_message(c, cyc, src, dst, snode, dnode, n_slots, slot_rank, slot_last_row))
-
-
-def _kahn(n_vert: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray | None:
-    """Topological sort frontier by frontier; None if acyclic, else a bool mask of the
-    vertices left over (those on a cycle or behind one)."""
-    indeg = np.bincount(dst, minlength=n_vert).astype(np.int64)
-    o = np.argsort(src, kind="stable")
-    col = dst[o]
-    indptr = np.r_[0, np.cumsum(np.bincount(src, minlength=n_vert))]
-    frontier = np.flatnonzero(indeg == 0)
-    done = 0
-    while len(frontier):
-        done += len(frontier)
-        s = indptr[frontier]
-        cnt = indptr[frontier + 1] - s
-        total = int(cnt.sum())
-        if not total:
-            break
-        idx = np.repeat(s - (np.cumsum(cnt) - cnt), cnt) + np.arange(total)
-        u, k = np.unique(col[idx], return_counts=True)
-        indeg[u] -= k
-        frontier = u[indeg[u] == 0]
-    if done == n_vert:
-        return None
-    return indeg > 0
-
-
-def _find_cycle(remaining: np.ndarray, src: np.ndarray, dst: np.ndarray) -> list[int]:
-    """Edge indices of one cycle among the remaining vertices (each has a remaining predecessor)."""
-    live = np.flatnonzero(remaining[src] & remaining[dst])
-    pred_edge = np.full(len(remaining), -1, dtype=np.int64)
-    pred_edge[dst[live]] = live
-    v = int(np.flatnonzero(remaining)[0])
-    seen: dict[int, int] = {}
-    path: list[int] = []
-    while v not in seen:
-        seen[v] = len(path)
-        e = int(pred_edge[v])
-        path.append(e)
-        v = int(src[e])
-    cycle = path[seen[v]:]
-    return cycle[::-1]  # forward order
-
-
-def _cycle_message(c, cyc, src, dst, snode, dnode, n_slots, slot_rank, slot_last_row) -> str:
-    # walk forward: for each sync vertex, the node the cycle enters it by and the node it leaves by
-    k = len(cyc)
-    steps = []
-    for j in range(k):
-        e_in, e_out = cyc[j], cyc[(j + 1) % k]
-        v = dst[e_in]
-        if v >= n_slots:  # a sync instance
-            steps.append((int(dnode[e_in]), int(snode[e_out])))
-    if not steps:  # a cycle through gates only cannot happen; be safe
-        g = int(dst[cyc[0]])
-        i = int(slot_last_row[g]) if g < n_slots else 0
-        return f"dependency cycle at {c.node(i)}; the graph is corrupt: re-assemble it"
-    # dependency order: leave_k waits for enter_k, which its rank issues only after leave_{k-1}
-    chain = [(e, l) for e, l in reversed(steps)]
-    first_leave = chain[0][1]
-    ring = ""
-    for j, (enter, leave) in enumerate(chain[:6]):
-        if j:
-            prev = chain[j - 1][0]
-            ring += f", which rank {c.rank[prev]} issues only after {c.node(leave)} completes"
-        else:
-            ring += c.node(leave)
-        if enter < 0 or enter == leave:
-            ring += ", which never completes"
-            break
-        ring += f", which waits for rank {c.rank[enter]} node {c.index[enter]} ({c.op(enter)})"
-    tail = ("" if len(chain) <= 6 else f" ... ({len(chain)} steps)")
-    last_enter = chain[min(len(chain), 6) - 1][0]
-    close = ""
-    if len(chain) <= 6 and last_enter >= 0 and first_leave >= 0 and last_enter != first_leave:
-        close = f", which rank {c.rank[last_enter]} issues only after the first"
-    return (
-        f"deadlock: {ring}{tail}{close}. The ranks wait on each other; issue matching send/recv "
-        f"and collectives in the same order on every rank (e.g. send first on one side, or "
-        f"batch_isend_irecv / async ops waited on later)"
-    )
 
 
 def _ranks(rs: list[int]) -> str:

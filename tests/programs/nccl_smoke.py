@@ -66,9 +66,7 @@ close(t, full((5,), n - 1))
 
 nxt, prv = (rank + 1) % n, (rank - 1) % n
 rbuf = torch.empty(3, device=dev)
-reqs = dist.batch_isend_irecv(
-    [dist.P2POp(dist.isend, full((3,), rank), nxt), dist.P2POp(dist.irecv, rbuf, prv)]
-)
+reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, full((3,), rank), nxt), dist.P2POp(dist.irecv, rbuf, prv)])
 for q in reqs:
     q.wait()
 close(rbuf, full((3,), prv))

@@ -2,7 +2,10 @@
 
 ``load()`` compiles the extension with ``torch.utils.cpp_extension`` (a C++ compiler is
 needed; ~20-40 s once per torch version and source, cached under ``$PRISM_NATIVE_CACHE`` or
-``~/.cache/prismllm/native``) and returns the module.
+``~/.cache/prismllm/native``) and returns the module. The build directory is named after the
+torch version and the source's digest, and the build reads a copy of the source kept there:
+installations of prismllm that share the cache (two virtual environments, two checkouts) share
+a build of the same source and never rebuild each other's, and a changed source builds anew.
 
 Concurrent ranks build it once: each takes ``build.lock`` in the build directory, a file
 holding its host and pid, before handing over to torch. Torch's own lock there is an empty
@@ -15,13 +18,18 @@ ends the wait with a message naming the file and its holder.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import socket
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+
+import torch
+import torch.distributed  # noqa: F401  (the Backend and Work types the module uses)
 
 _MOD: ModuleType | None = None
 _SRC = Path(__file__).with_name("recording_backend.cpp")
@@ -36,9 +44,9 @@ def build_directory(tag: str) -> Path:
 
 
 def _tag() -> str:
-    import torch
 
-    return "prism_native_" + torch.__version__.replace(".", "_").replace("+", "_")
+    digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
+    return "prism_native_" + torch.__version__.replace(".", "_").replace("+", "_") + "_" + digest
 
 
 class BuildLockTimeout(RuntimeError):
@@ -46,10 +54,9 @@ class BuildLockTimeout(RuntimeError):
 
 
 def needs_build() -> bool:
-    """Whether ``load()`` will compile (no library yet, or one older than the source)."""
+    """Whether ``load()`` will compile (no library of this torch version and source yet)."""
     tag = _tag()
-    lib = build_directory(tag) / f"{tag}.so"
-    return not lib.exists() or lib.stat().st_mtime < _SRC.stat().st_mtime
+    return not (build_directory(tag) / f"{tag}.so").exists()
 
 
 def _holder(lock: Path) -> tuple[str, int] | None:
@@ -95,8 +102,7 @@ def _build_lock(directory: Path):
         except FileExistsError:
             holder = _holder(lock)
             if _gone(holder, lock, timeout):
-                print(f"prism: removing {lock}, left by {holder or 'a process that died'}",
-                      file=sys.stderr)
+                print(f"prism: removing {lock}, left by {holder or 'a process that died'}", file=sys.stderr)
                 lock.unlink(missing_ok=True)
                 continue
             if time.monotonic() - start > timeout:
@@ -125,7 +131,7 @@ def _build_lock(directory: Path):
 def load() -> ModuleType:
     global _MOD
     if _MOD is None:
-        import torch.distributed  # noqa: F401  (the Backend and Work types the module uses)
+        # torch's extension builder (setuptools, ninja): only when the module is loaded
         from torch.utils.cpp_extension import load as build
 
         tag = _tag()
@@ -133,9 +139,12 @@ def load() -> ModuleType:
         try:
             directory.mkdir(parents=True, exist_ok=True)
             with _build_lock(directory):
+                src = directory / _SRC.name  # the digest names the directory: same content, same path
+                if not src.exists():
+                    shutil.copyfile(_SRC, src)
                 _MOD = build(
                     name=tag,
-                    sources=[str(_SRC)],
+                    sources=[str(src)],
                     extra_cflags=["-O2"],
                     build_directory=str(directory),
                     verbose=False,

@@ -25,7 +25,7 @@ F_SYNC, F_FIRST_BWD = 1, 2
 _RED_NAMES = {int(v.value): k.lower() for k, v in dist.ReduceOp.RedOpType.__members__.items()}
 
 
-class ReplayError(RuntimeError):
+class NativeLogError(RuntimeError):
     """The log and the Recorder's rules disagree (a defect of prism, not of the program)."""
 
 
@@ -91,12 +91,12 @@ class ReplayRecorder(Recorder):
 
     def point(self) -> int:
         if not self._pts:
-            raise ReplayError(f"rank {self.rank}: the Recorder takes a point the log lacks")
+            raise NativeLogError(f"rank {self.rank}: the Recorder takes a point the log lacks")
         return self._materialize(self._pts.popleft())
 
     def _ret_point(self) -> int:
         if not self._rets:
-            raise ReplayError(f"rank {self.rank}: a call's return point is missing from the log")
+            raise NativeLogError(f"rank {self.rank}: a call's return point is missing from the log")
         return self._materialize(self._rets.popleft())
 
     def _check_backward(self) -> None:
@@ -125,9 +125,29 @@ def group_table(groups: list[Any]) -> dict[int, tuple[str, list[int]]]:
     return table
 
 
+class NativeSession:
+    """The native backend as the live Recorder drives it (``Recorder.native``): the module's
+    calls (start, mark, boundary, status, self_time, ...), the groups it records, and at exit
+    the replay of its log."""
+
+    def __init__(self, module: Any):
+        self.module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.module, name)
+
+    def group_table(self, groups: list[Any]) -> dict[int, tuple[str, list[int]]]:
+        return group_table(groups)
+
+    def replay_into(self, live: Recorder) -> ReplayRecorder:
+        """End the log and replay it through a Recorder (returned, finished)."""
+        self.module.finish()
+        return replay(live, self.module.export())
+
+
 def replay(live: Recorder, log: dict[str, Any]) -> ReplayRecorder:
     """Replay ``log`` (``native.export()``) through a Recorder; returns it (finished)."""
-    mod = live.native
+    mod = live.native.module
     ops, apis = list(mod.OPS), list(mod.APIS)
     rec = ReplayRecorder(live, log)
     groups = group_table(live.groups)
@@ -185,14 +205,14 @@ def replay(live: Recorder, log: dict[str, Any]) -> ReplayRecorder:
         elif et == E_WAIT:
             w = works.get(c)
             if w is None:
-                raise ReplayError(f"rank {rec.rank}: a wait on Work {c} that no call returned")
+                raise NativeLogError(f"rank {rec.rank}: a wait on Work {c} that no call returned")
             if w._state == ST_WAITED:
                 continue
             if rec.pending_sync is w:
                 rec._feed((p1,))
             else:
                 if p0 < 0:
-                    raise ReplayError(f"rank {rec.rank}: Work {c}'s wait has no point before it")
+                    raise NativeLogError(f"rank {rec.rank}: Work {c}'s wait has no point before it")
                 rec._feed((p0, p1))
             rec.wait(w, _nothing, ())
             if b >= 0:  # the source of an any-source recv, known once it completed
@@ -234,7 +254,7 @@ def replay(live: Recorder, log: dict[str, Any]) -> ReplayRecorder:
             rec._feed((p0,))
             rec.finish()
     if not rec.finished:
-        raise ReplayError(f"rank {rec.rank}: the log has no end")
+        raise NativeLogError(f"rank {rec.rank}: the log has no end")
     return rec
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from prismllm.errors import PrismError
+from prismllm.specs import parse_layout
 
 DIMS = ("tp", "cp", "ep", "dp", "pp")
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"
@@ -64,31 +65,25 @@ class Layout:
 
     # ------------------------------------------------------------------ parsing
     @classmethod
-    def parse(cls, spec: str | dict | None, world: int) -> "Layout | None":
+    def parse(cls, spec: str | dict | None, world: int) -> Layout | None:
         """``"tp=2,pp=2,ep=2,order=tp-cp-ep-dp-pp"`` (or a dict) -> Layout; None -> None.
 
         A layout that does not fit the world raises PrismError with one clear message."""
         if spec is None:
             return None
         if isinstance(spec, str):
-            items: dict[str, Any] = {}
-            for item in spec.split(","):
-                item = item.strip()
-                if not item:
-                    continue
-                key, sep, value = item.partition("=")
-                key, value = key.strip().lower(), value.strip()
-                if not sep or not key or not value:
-                    raise PrismError(f"bad --layout {spec!r}: expected key=value[,key=value...], e.g. tp=2,pp=2")
-                if key in items:
-                    raise PrismError(f"bad --layout {spec!r}: {key} given twice")
-                items[key] = value
+            try:
+                items: dict[str, Any] = dict(parse_layout(spec))
+            except ValueError as e:
+                raise PrismError(str(e)) from None
             text = spec
         else:
             items = dict(spec)
             text = ",".join(f"{k}={v}" for k, v in items.items())
         if not items:
             raise PrismError(f"bad --layout {text!r}: expected key=value[,key=value...], e.g. tp=2,pp=2")
+        # edp: what ``to_dict`` adds (a manifest's layout reads back); derived, checked below
+        edp = items.pop("edp", None)
         known = set(DIMS) | {"order"} | set(INFO_KEYS)
         unknown = sorted(set(items) - known)
         if unknown:
@@ -127,6 +122,10 @@ class Layout:
                 f"layout {text!r} does not divide the world: ep={ep} does not divide dp = "
                 f"{world} / (tp*cp*pp = {model}) = {dp} (EP is carved out of DP)"
             )
+        if edp is not None and int(edp) != dp // ep:
+            raise PrismError(
+                f"layout {text!r} does not fit the world: edp={edp} but dp / ep = {dp} / {ep} = {dp // ep}"
+            )
         info = tuple((k, _scalar(items[k])) for k in INFO_KEYS if k in items)
         return cls(world=world, tp=tp, cp=cp, ep=ep, pp=pp, order=order, info=info)
 
@@ -146,8 +145,15 @@ class Layout:
         return tuple(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp, "edp": self.edp,
-                             "pp": self.pp, "order": "-".join(self.order)}
+        d: dict[str, Any] = {
+            "tp": self.tp,
+            "cp": self.cp,
+            "ep": self.ep,
+            "dp": self.dp,
+            "edp": self.edp,
+            "pp": self.pp,
+            "order": "-".join(self.order),
+        }
         d.update(dict(self.info))
         return d
 
@@ -237,8 +243,10 @@ class ReplicaPlan:
             return f"all {self.world} ranks run ({self.why_all or 'no --layout: no replica deduplication'})"
         lay = self.layout
         if lay.ep == 1:
-            return (f"{len(self.representatives)} of {self.world} ranks run (one per (tp, cp, pp) "
-                    f"coordinate); each stands for {lay.edp} DP replicas")
+            return (
+                f"{len(self.representatives)} of {self.world} ranks run (one per (tp, cp, pp) "
+                f"coordinate); each stands for {lay.edp} DP replicas"
+            )
         return (
             f"{len(self.representatives)} of {self.world} ranks run (one per (tp, cp, ep, pp) "
             f"coordinate); each stands for {lay.edp} expert-data-parallel replicas, which copy "

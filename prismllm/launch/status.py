@@ -1,7 +1,7 @@
 """Where each process of a run stands: how the launcher diagnoses a run that makes no progress.
 
-Every process the launcher starts (ranks and helpers such as an emulation assistant) gets
-``PRISM_STATUS_DIR`` and ``PRISM_STATUS_NAME``. In it, the process's :class:`StatusReporter`
+Every process the launcher starts (ranks and helpers such as an emulation assistant) is told
+a status directory and its name in it (``ChildEnv.status_dir`` / ``status_name``). In it, the process's :class:`StatusReporter`
 thread keeps ``<name>.progress`` current (a count of the communication calls it made, written
 when it moved) and answers requests: when the file ``request`` holds a number it has not
 answered, it writes ``<name>.status``: the lines its describers give (the recorder: its last
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import importlib.util
 import os
 import re
 import sysconfig
@@ -31,8 +32,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-ENV_DIR = "PRISM_STATUS_DIR"
-ENV_NAME = "PRISM_STATUS_NAME"
+from prismllm.childenv import ChildEnv
+
 REQUEST = "request"
 POLL_S = 0.5
 _STACKS = "--- stacks ---"
@@ -126,9 +127,9 @@ def reporter() -> StatusReporter | None:
     (``PRISM_STATUS_DIR`` set); None otherwise."""
     global _reporter
     with _reporter_lock:
-        if _reporter is None and os.environ.get(ENV_DIR):
-            name = os.environ.get(ENV_NAME) or f"pid-{os.getpid()}"
-            _reporter = StatusReporter(os.environ[ENV_DIR], name)
+        child = ChildEnv.current()
+        if _reporter is None and child.status_dir:
+            _reporter = StatusReporter(child.status_dir, child.status_name or f"pid-{os.getpid()}")
             _reporter.start()
         return _reporter
 
@@ -182,8 +183,6 @@ def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(prismllm's and torch's directories, the standard library's)."""
     ours = [os.path.dirname(os.path.abspath(__file__))]
     try:
-        import importlib.util
-
         spec = importlib.util.find_spec("torch")
         if spec is not None and spec.origin:
             ours.append(os.path.dirname(spec.origin))
@@ -214,8 +213,11 @@ def _is_library(path: str) -> bool:
     path = os.path.abspath(path)
     if path.startswith(ours):
         return True
-    return path.startswith(std) and f"{os.sep}site-packages{os.sep}" not in path \
+    return (
+        path.startswith(std)
+        and f"{os.sep}site-packages{os.sep}" not in path
         and f"{os.sep}dist-packages{os.sep}" not in path
+    )
 
 
 _THREAD = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-fA-F]+)")
@@ -261,7 +263,7 @@ class StatusBoard:
         self.last_progress = time.monotonic()
 
     def env(self, child: int) -> dict[str, str]:
-        return {ENV_DIR: str(self.dir), ENV_NAME: self.names[child]}
+        return ChildEnv(status_dir=str(self.dir), status_name=self.names[child]).to_env()
 
     def poll_progress(self) -> float:
         """Read the progress files; returns the seconds since any of them last moved."""
@@ -298,8 +300,9 @@ class StatusBoard:
                 return out
             time.sleep(0.05)
 
-    def report(self, children: Sequence[int], who: Callable[[Sequence[int]], str], wait_s: float = 3.0,
-               detail_up_to: int = 8) -> list[str]:
+    def report(
+        self, children: Sequence[int], who: Callable[[Sequence[int]], str], wait_s: float = 3.0, detail_up_to: int = 8
+    ) -> list[str]:
         """Where ``children`` stand: one line per distinct place (``who(ids)`` names the
         processes there), and what each process said about itself, for every process when at
         most ``detail_up_to`` answered, else for the first of each place. Empty when none of
@@ -325,4 +328,4 @@ class StatusBoard:
         return lines
 
 
-__all__ = ["ENV_DIR", "ENV_NAME", "ProcessStatus", "StatusBoard", "StatusReporter", "parse_status", "reporter"]
+__all__ = ["ProcessStatus", "StatusBoard", "StatusReporter", "parse_status", "reporter"]

@@ -1,4 +1,5 @@
-"""Calibration: solve a timed graph into globally consistent start/end times.
+"""The durations a replay is fed from a graph's measurements (what calibration solves with, and
+what an assistant replays virtual ranks with in real time).
 
 The discrete-event pass is the replay engine's (:class:`prismllm.replay.Replay`): it walks the
 directional edges (program order per rank, issue -> wait of asynchronous ops) and the
@@ -29,13 +30,13 @@ same node count per rank, same op at every position): "re-time without re-captur
 from __future__ import annotations
 
 import dataclasses
-import time
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from prismllm.errors import PrismError
-from prismllm.replay.engine import Replay, ReplayGraph, ReplayResult, _ranges
+from prismllm.replay.graph import ReplayGraph, ranges
 from prismllm.trace.graph import PrismTrace
 
 _I64 = np.int64
@@ -78,11 +79,13 @@ def check_has_durations(trace: PrismTrace, m: Measured, is_comm: np.ndarray, nam
         raise CalibrationError(
             f"graph {name} carries no measured durations (mode {mode!r}: every duration_ns, start_ns "
             f"and end_ns is unknown); calibrate a graph recorded with `prism record` or a timed one, "
-            f"or give the durations with --durations OTHER")
+            f"or give the durations with --durations OTHER"
+        )
 
 
-def check_same_structure(graph: ReplayGraph, other: PrismTrace, rows: np.ndarray,
-                         names: tuple[str, str] = ("GRAPH", "OTHER")) -> None:
+def check_same_structure(
+    graph: ReplayGraph, other: PrismTrace, rows: np.ndarray, names: tuple[str, str] = ("GRAPH", "OTHER")
+) -> None:
     """OTHER has the same ranks, node count per rank and op at every position as the graph;
     else a CalibrationError naming the rank and its first differing node."""
     a_name, b_name = (f"graph {x}" for x in names)
@@ -99,15 +102,16 @@ def check_same_structure(graph: ReplayGraph, other: PrismTrace, rows: np.ndarray
         raise CalibrationError(
             f"--durations: {b_name} has another structure than {a_name}: rank {r} has nodes in {where} but none "
             f"in {missing} ({len(ranks_a)} ranks in one, {len(ranks_b)} in the other); --durations needs a graph of "
-            f"the same program and layout")
+            f"the same program and layout"
+        )
     counts_a = np.diff(graph.off)
     ops_a = graph.trace.nodes.column("op").take(pa.array(graph.row))
     ops_b = other.nodes.column("op").take(pa.array(rows))
     # first differing op per rank, over the common prefix of each rank
     off_b = np.r_[0, np.cumsum(counts_b)]
     common = np.minimum(counts_a, counts_b)
-    pos_a = _ranges(graph.off[:-1], common)
-    pos_b = _ranges(off_b[:-1], common)
+    pos_a = ranges(graph.off[:-1], common)
+    pos_b = ranges(off_b[:-1], common)
     diff = np.zeros(len(pos_a), dtype=bool)
     if len(pos_a):
         eq = pc.equal(ops_a.take(pa.array(pos_a)), ops_b.take(pa.array(pos_b)))
@@ -132,14 +136,14 @@ def check_same_structure(graph: ReplayGraph, other: PrismTrace, rows: np.ndarray
         ob = ops_b[int(off_b[r] + i)].as_py()
         raise CalibrationError(
             f"--durations: {b_name} has another structure than {a_name}: rank {rank} node {i} is {oa} in "
-            f"{a_name} but {ob} in {b_name}; --durations needs a graph of the same program and layout")
+            f"{a_name} but {ob} in {b_name}; --durations needs a graph of the same program and layout"
+        )
     i = int(common[r])
     raise CalibrationError(
         f"--durations: {b_name} has another structure than {a_name}: rank {rank} has {int(counts_a[r])} nodes "
         f"in {a_name} but {int(counts_b[r])} in {b_name} (first differing node {i}: the shorter one ends there); "
-        f"--durations needs a graph of the same program and layout")
-
-
+        f"--durations needs a graph of the same program and layout"
+    )
 
 
 # ---------------------------------------------------------------------- durations fed to the replay
@@ -168,13 +172,16 @@ def resolve_rule(rule: str, measured_in: PrismTrace) -> str:
     if rule == "auto":
         return "slice" if slice_of_rank(measured_in) is not None else "min"
     if rule == "slice" and slice_of_rank(measured_in) is None:
-        raise CalibrationError("transfer rule 'slice' needs a timed graph (`prism time`) that names the slice of "
-                               "each rank; use --transfer min for a recording")
+        raise CalibrationError(
+            "transfer rule 'slice' needs a timed graph (`prism time`) that names the slice of "
+            "each rank; use --transfer min for a recording"
+        )
     return rule
 
 
-def instance_transfer(graph: ReplayGraph, m: Measured, rule: str = "min",
-                      slice_of: list[int] | None = None) -> tuple[np.ndarray, int]:
+def instance_transfer(
+    graph: ReplayGraph, m: Measured, rule: str = "min", slice_of: list[int] | None = None
+) -> tuple[np.ndarray, int]:
     """Transfer time of every instance from its members' measurements: ``min`` (the member that
     waited least), ``slice`` (the mean over the slices that measured the instance of each
     slice's minimum; ``slice_of``: the slice of every rank) or ``last`` (the member whose
@@ -227,63 +234,26 @@ def issue_gaps(graph: ReplayGraph, start: np.ndarray) -> np.ndarray:
 def durations_for(graph: ReplayGraph, m: Measured, rule: str = "min", slice_of: list[int] | None = None) -> Durations:
     compute = np.where(graph.is_comm, 0, np.maximum(m.duration_ns, 0)).astype(_I64)
     transfer, unknown_t = instance_transfer(graph, m, rule, slice_of)
-    return Durations(compute_ns=compute, transfer_ns=transfer, issue_ns=issue_gaps(graph, m.start_ns),
-                     unknown_compute=int((~graph.is_comm & ~m.known).sum()), unknown_transfer=unknown_t)
+    return Durations(
+        compute_ns=compute,
+        transfer_ns=transfer,
+        issue_ns=issue_gaps(graph, m.start_ns),
+        unknown_compute=int((~graph.is_comm & ~m.known).sum()),
+        unknown_transfer=unknown_t,
+    )
 
 
-# ---------------------------------------------------------------------- solve
-@dataclasses.dataclass
-class Solution:
-    """A solved graph: the replay's result (per node position: start, end, return; per
-    instance: start, end; iteration times) and the durations it was fed."""
-
-    trace: PrismTrace
-    graph: ReplayGraph
-    result: ReplayResult
-    durations: Durations
-    rule: str
-    rounds: int
-    timings_s: dict[str, float]
-    durations_from: str | None = None
-
-
-def solve(trace: PrismTrace, *, durations: PrismTrace | None = None, rule: str = "auto",
-          names: tuple[str, str] = ("GRAPH", "OTHER"), validate_graph: bool = True) -> Solution:
-    """Solve ``trace`` with its own measured durations, or with those of ``durations`` (a graph
-    of the same structure). ``rule``: see :func:`instance_transfer`; ``auto`` picks it from the
-    graph the durations come from (:func:`resolve_rule`)."""
-    source = durations if durations is not None else trace
-    rule = resolve_rule(rule, source)
-    t = {}
-    t0 = time.perf_counter()
-    if validate_graph:
-        from prismllm.trace.validate import validate
-
-        validate(trace)
-        t["validate"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-    if not trace.num_nodes:
-        raise CalibrationError(f"graph {names[0]} has no nodes")
-    graph = ReplayGraph(trace)
-    t["build"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    if durations is None:
-        m = measured(trace, graph.row)
-        check_has_durations(trace, m, graph.is_comm, names[0])
-    else:
-        rows = durations.program_order()  # what ReplayGraph.row holds for a replay of every rank
-        check_same_structure(graph, durations, rows, names)
-        m = measured(durations, rows)
-        check_has_durations(durations, m, graph.is_comm, names[1])
-    d = durations_for(graph, m, rule, slice_of_rank(source))
-    t["durations"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    rep = Replay(graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)
-    res = rep.run_to_end()
-    t["replay"] = time.perf_counter() - t0
-    return Solution(trace=trace, graph=graph, result=res, durations=d, rule=rule, rounds=rep.rounds, timings_s=t)
-
-
-__all__ = ["CalibrationError", "Durations", "Measured", "Solution", "TRANSFER_RULES", "check_same_structure",
-           "durations_for", "instance_transfer", "issue_gaps", "measured", "resolve_rule",
-           "slice_of_rank", "solve"]
+__all__ = [
+    "CalibrationError",
+    "Durations",
+    "Measured",
+    "TRANSFER_RULES",
+    "check_has_durations",
+    "check_same_structure",
+    "durations_for",
+    "instance_transfer",
+    "issue_gaps",
+    "measured",
+    "resolve_rule",
+    "slice_of_rank",
+]

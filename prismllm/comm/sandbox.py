@@ -41,26 +41,32 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from prismllm import pruning as C
+from prismllm.childenv import ChildEnv, variable
 from prismllm.comm import scratch, solo
+from prismllm.comm.graphcheck import GraphExpectation
+from prismllm.comm.recording import RecordingProcessGroup
 from prismllm.errors import PrismError
 from prismllm.generate.generator import Call
-from prismllm.replay import compensate as C
+from prismllm.generate.store import TensorStore
+from prismllm.pruning import small_group
+from prismllm.specs import format_ranks
 
 _C = torch._C._distributed_c10d
 
-PRUNED_PREFIX = "prism/pruned/"  # + group name + "/": where both sides make the small group
 _ORIG: dict[str, Any] = {}
 _SANDBOX: tuple[int, ...] = ()
 _STORE: Any = None  # the launcher's TCPStore, as a client
-_CHECK: "OutputCheck | None" = None
-_BACKENDS: list["PrunedBackend"] = []  # every pruned group's backend, closed at exit
+_CHECK: OutputCheck | None = None
+_BACKENDS: list[PrunedBackend] = []  # every pruned group's backend, closed at exit
 _EXPECT: Any = None  # this rank's calls in the graph (GraphExpectation): a deviation is one error
 
 
@@ -77,54 +83,27 @@ class EmulateError(PrismError):
     """The sandbox cannot run a call of the program in emulation (unsupported op or layout)."""
 
 
-def parse_ranks(spec: str) -> tuple[int, ...]:
-    """``"0,2-3"`` -> (0, 2, 3): the ``PRISM_SANDBOX`` / ``--sandbox`` syntax."""
-    out: set[int] = set()
-    for part in (p.strip() for p in spec.split(",")):
-        if not part:
-            continue
-        lo, sep, hi = part.partition("-")
-        try:
-            a, b = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ValueError(f"bad rank list {spec!r}: expected e.g. 0,2-3") from None
-        if a < 0 or b < a:
-            raise ValueError(f"bad rank range {part!r} in {spec!r}")
-        out.update(range(a, b + 1))
-    if not out:
-        raise ValueError(f"empty rank list {spec!r}")
-    return tuple(sorted(out))
-
-
 def sandbox() -> tuple[int, ...]:
     return _SANDBOX
 
 
-def prepare(rank: int) -> None:
+def prepare(rank: int, child: ChildEnv) -> None:
     """Read the sandbox set; skip store-based barriers (they wait for absent ranks); set up
     the output check when asked."""
-    global _SANDBOX, _CHECK
-    spec = os.environ.get("PRISM_SANDBOX", "")
-    if not spec:
-        raise PrismError("PRISM_MODE=emulate needs PRISM_SANDBOX (the ranks that run for real)")
-    try:
-        _SANDBOX = parse_ranks(spec)
-    except ValueError as e:
-        raise PrismError(f"PRISM_SANDBOX: {e}") from None
+    global _SANDBOX, _CHECK, _EXPECT
+    if not child.sandbox:
+        raise PrismError(f"{variable('mode')}=emulate needs {variable('sandbox')} (the ranks that run for real)")
+    _SANDBOX = child.sandbox
     if rank not in _SANDBOX:
-        raise PrismError(f"rank {rank} runs the program but is not in PRISM_SANDBOX={spec}")
+        raise PrismError(f"rank {rank} runs the program but is not in {variable('sandbox')}={format_ranks(_SANDBOX)}")
     if not _ORIG:
         _ORIG["barrier"] = c10d._store_based_barrier
         c10d._store_based_barrier = lambda *a, **k: None
         atexit.register(_close_small_groups)
-    global _EXPECT
-    if os.environ.get("PRISM_GRAPH"):
-        from prismllm.comm.graphcheck import GraphExpectation
-
-        _EXPECT = GraphExpectation(os.environ["PRISM_GRAPH"], rank)
-    check = os.environ.get("PRISM_CHECK_TENSORS")
-    if check:
-        _CHECK = OutputCheck(check, rank, os.environ.get("PRISM_CHECK_OUT"))
+    if child.graph:
+        _EXPECT = GraphExpectation(child.graph, rank)
+    if child.check_tensors:
+        _CHECK = OutputCheck(child.check_tensors, rank, child.check_out)
         atexit.register(_CHECK.write)
 
 
@@ -132,7 +111,6 @@ class OutputCheck:
     """Compares pruned calls' outputs with the recorded run's (``PRISM_CHECK_TENSORS``)."""
 
     def __init__(self, root: str, rank: int, out_dir: str | None):
-        from prismllm.generate.store import TensorStore
 
         self.store = TensorStore(root, rank)
         self.rank = rank
@@ -188,11 +166,19 @@ class OutputCheck:
     def summary(self) -> dict:
         with self._lock:
             unfinished = list(self._open.values())
-        return {"rank": self.rank, "compared": self.compared, "missing": self.missing,
-                "max_abs_diff": self.max_abs, "max_rel_diff": self.max_rel, "worst": self.worst,
-                # issued but never finished by exit (the program never waited on the Work)
-                "unfinished": len(unfinished), "unfinished_calls": unfinished[:8],
-                "errors": len(self.errors), "error_calls": self.errors[:8]}
+        return {
+            "rank": self.rank,
+            "compared": self.compared,
+            "missing": self.missing,
+            "max_abs_diff": self.max_abs,
+            "max_rel_diff": self.max_rel,
+            "worst": self.worst,
+            # issued but never finished by exit (the program never waited on the Work)
+            "unfinished": len(unfinished),
+            "unfinished_calls": unfinished[:8],
+            "errors": len(self.errors),
+            "error_calls": self.errors[:8],
+        }
 
     def write(self) -> None:
         if self.out_dir:
@@ -215,26 +201,10 @@ def _store() -> Any:
     return _STORE
 
 
-def small_group(store: Any, group_name: str, small_rank: int, size: int,
-                timeout: timedelta, backend: str = "gloo") -> Any:
-    """The small group of a pruned group: real members then the proxy, made by both sides
-    under ``prism/pruned/<group name>/``. ``backend``: "gloo" (blocks until every member
-    joined) or "nccl" (the communicator is made at its first call; the caller's current CUDA
-    device is its device)."""
-    st = _C.PrefixStore(f"{PRUNED_PREFIX}{group_name}/", store)
-    if backend == "nccl":
-        opts = _C.ProcessGroupNCCL.Options()
-        opts._timeout = timeout
-        return _C.ProcessGroupNCCL(st, small_rank, size, opts)
-    return _C.ProcessGroupGloo(st, small_rank, size, timeout=timeout)
-
-
 # ---- group creation -------------------------------------------------------------------------
 def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
     """The "prism" creator's emulate branch. None: every member is real (the caller builds the
     real backend as in record mode); else a RecordingProcessGroup over a PrunedBackend."""
-    from prismllm.comm.recording import RecordingProcessGroup
-
     devmap: dict[str, str] = ctx["devmap"]
     kinds = set(devmap.values())
     if not kinds <= {"gloo", "nccl"}:
@@ -253,8 +223,9 @@ def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
     small = small_group(_store(), group_name, pruned.small(rank), pruned.size, dist_opts.timeout, backend)
     inner = PrunedBackend(rank, size, granks, devmap, group_name, pruned, small, backend)
     _BACKENDS.append(inner)
-    pg = RecordingProcessGroup(dist_opts.store.underlying_store, rank, size, inner, group_name,
-                               granks, ctx["backend"], rec)
+    pg = RecordingProcessGroup(
+        dist_opts.store.underlying_store, rank, size, inner, group_name, granks, ctx["backend"], rec, split=_no_split
+    )
     solo._attach(pg, inner, devmap, btypes, ctx["device_id"])
     rec.add_group(pg)
     return pg
@@ -266,8 +237,14 @@ class PrunedWork(dist.Work):
     (``SmallCall.finish``), run once -- by ``wait``, by ``is_completed`` once the small Works
     are done, or by the Future's callback (which the recorder uses for async timing)."""
 
-    def __init__(self, works: Sequence[Any], calls: Sequence[C.SmallCall], outputs: list,
-                 checks: Sequence[tuple[Call, list]] = (), leave_out: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        works: Sequence[Any],
+        calls: Sequence[C.SmallCall],
+        outputs: list,
+        checks: Sequence[tuple[Call, list]] = (),
+        leave_out: Callable[[int], None] | None = None,
+    ):
         super().__init__()
         self._leave_out = leave_out  # the backend's _leave_out on CPU: the post step is ours
         self._works = list(works)
@@ -357,8 +334,10 @@ def _one(x: Any, what: str) -> torch.Tensor:
         return x
     if isinstance(x, (list, tuple)) and len(x) == 1 and isinstance(x[0], torch.Tensor):
         return x[0]
-    raise EmulateError(f"{what}: a list of {len(x) if x is not None else 0} tensors per member "
-                       f"is not supported in emulation (one tensor)")
+    raise EmulateError(
+        f"{what}: a list of {len(x) if x is not None else 0} tensors per member "
+        f"is not supported in emulation (one tensor)"
+    )
 
 
 class PrunedBackend(solo.GeneratedBackend):
@@ -366,7 +345,6 @@ class PrunedBackend(solo.GeneratedBackend):
     GeneratedBackend (same methods, same checks), with ``_run`` issuing each call on the small
     group through the compensation plan instead of filling outputs from a generator."""
 
-    solo = False  # split_group must not build a solo split
     pruned = True
 
     def __init__(self, rank: int, size: int, global_ranks: list[int], devmap: dict[str, str],
@@ -392,8 +370,9 @@ class PrunedBackend(solo.GeneratedBackend):
         if _EXPECT is not None:
             rec = self.owner._rec
             j = len(rec.m_op) - op_rows + k
-            _EXPECT.check(c.group_name, c.op, c.index, rec.m_in[j], rec.m_out[j],
-                          c.peer if c.op in ("send", "recv") else c.root)
+            _EXPECT.check(
+                c.group_name, c.op, c.index, rec.m_in[j], rec.m_out[j], c.peer if c.op in ("send", "recv") else c.root
+            )
         self._leave_out(t0)
         return c
 
@@ -421,8 +400,10 @@ class PrunedBackend(solo.GeneratedBackend):
         if c.reduce_op == "premul_sum":  # the recorder's name of ReduceOp.PREMUL_SUM
             # the proxy would have to multiply the virtual members' inputs by the factor, which
             # the ReduceOp object does not expose to Python
-            raise EmulateError(f"{c.where()}: {op} with premul_sum is not supported in emulation (its factor "
-                               f"is not visible from Python); use SUM or AVG in the program")
+            raise EmulateError(
+                f"{c.where()}: {op} with premul_sum is not supported in emulation (its factor "
+                f"is not visible from Python); use SUM or AVG in the program"
+            )
         if op == "all_reduce":
             t = _one(c.output, "all_reduce")
             p = C.plan_once(C.plan_all_reduce, n, G, t.shape, c.reduce_op, dtype=t.dtype)
@@ -452,8 +433,10 @@ class PrunedBackend(solo.GeneratedBackend):
                 rows = [t.shape[0] if t.dim() else 1 for t in ins]
                 cols = [t.shape[0] if t.dim() else 1 for t in outs]
                 if any(t.numel() != r * row_numel for t, r in zip([*ins, *outs], [*rows, *cols])):
-                    raise EmulateError(f"{c.where()}: all_to_all tensors whose trailing dimensions differ "
-                                       f"are not supported in emulation")
+                    raise EmulateError(
+                        f"{c.where()}: all_to_all tensors whose trailing dimensions differ "
+                        f"are not supported in emulation"
+                    )
                 sp = C.splits_matrix(n, rows={g: rows}, cols={g: cols})
                 p = C.plan_once(C.plan_all_to_all, n, G, sp, row_numel=row_numel, dtype=ins[0].dtype)
                 return p, self._sandbox_call(p, output=outs, input=ins)
@@ -495,8 +478,10 @@ class PrunedBackend(solo.GeneratedBackend):
         tensors = solo._flat(ins) + solo._flat(outs)
         cuda = any(t.is_cuda for t in tensors)
         if cuda != (self.backend == "nccl") and tensors:
-            raise EmulateError(f"{calls[0].where()}: {'CUDA' if cuda else 'CPU'} tensors on a group whose "
-                               f"small group is {self.backend} (one device type per pruned group)")
+            raise EmulateError(
+                f"{calls[0].where()}: {'CUDA' if cuda else 'CPU'} tensors on a group whose "
+                f"small group is {self.backend} (one device type per pruned group)"
+            )
         smalls, checks = [], []
         for c in calls:
             try:
@@ -574,9 +559,13 @@ class PrunedBackend(solo.GeneratedBackend):
             except Exception:
                 pass
 
-    def split_group(self, *a, **k):
+    def split_group(self, *a, **k):  # the RecordingProcessGroup splits (_no_split), never its inner
         raise EmulateError("split_group is not supported in emulation yet")
 
 
-__all__ = ["OutputCheck", "PrunedBackend", "PrunedWork", "EmulateError", "create_pg", "prepare",
-           "parse_ranks", "small_group", "PRUNED_PREFIX"]
+def _no_split(*a, **k):
+    """``split_group`` of a group with virtual members."""
+    raise EmulateError("split_group is not supported in emulation yet")
+
+
+__all__ = ["OutputCheck", "PrunedBackend", "PrunedWork", "EmulateError", "create_pg", "prepare"]

@@ -1,21 +1,20 @@
 """The assistant: one process that plays every virtual rank for the sandbox's real ranks.
 
-    python -m prismllm.replay.assistant          (started by ``prism emulate``)
+    python -m prismllm.assistant          (started by ``prismllm.launch.sandbox``)
 
-Environment: ``MASTER_ADDR``/``MASTER_PORT`` (the launcher's TCPStore), ``PRISM_SANDBOX``
-(comma list of the real ranks), ``PRISM_GRAPH`` (the bare graph), ``PRISM_TENSOR_STORE``
-(recorded tensors with inputs: ``prism record --save-tensors all,inputs``) or
-``PRISM_INPUTS=generated`` (zeros for the virtual members' inputs), optional
-``PRISM_TIMEOUT`` (seconds for a small group's creation and ops; default 1800),
-``PRISM_EMULATE_BACKEND`` (``gloo``, the default, or ``nccl``: the small groups are NCCL and
-the proxy's buffers live on this process's GPU), ``PRISM_REPLAY_TIMING`` (``fast``, the
-default, or ``real``), ``PRISM_STAGE_AHEAD`` (calls staged ahead per group, default 1).
+Settings: ``MASTER_ADDR``/``MASTER_PORT`` (the launcher's TCPStore) and its ``ChildEnv``
+(``prismllm.childenv``): ``sandbox`` (the real ranks), ``graph``, ``tensor_store`` (recorded
+tensors with inputs: ``prism record --save-tensors all,inputs``) or ``inputs=generated`` (zeros
+for the virtual members' inputs), ``timeout_s`` (a small group's creation and ops; default
+1800), ``emulate_backend`` (``gloo``, the default, or ``nccl``: the small groups are NCCL and the
+proxy's buffers live on this process's GPU), ``replay_timing`` (``fast``, the default, or
+``real``); the user settings ``PRISM_STAGE_AHEAD`` and ``PRISM_IN_FLIGHT``.
 
 What it does (docs/emulate.md):
 
 1. For every group of the graph with both sandbox and virtual members it makes its side of
    the group's small ``ProcessGroupGloo`` -- the proxy, last small rank -- under
-   ``prism/pruned/<group name>/``, as the sandbox does (``prismllm.comm.emulate``). A gloo
+   ``prism/pruned/<group name>/``, as the sandbox does (``prismllm.comm.sandbox``). A gloo
    constructor blocks until every member joined, and the sandbox makes its groups in program
    order, so each group has its own worker thread (the constructor releases the GIL): no
    order has to be agreed. Each worker has its own store connection: a TCPStore client
@@ -26,7 +25,7 @@ What it does (docs/emulate.md):
    ranks external, and never waits there for a real call: an instance with the sandbox is
    completed in the replay as soon as its virtual members have all arrived, at a planned
    end, so the whole schedule of calls with the sandbox is known at once. Each call is handed
-   to its group's worker, which enters the proxy's part (``compensate.proxy_call`` from the
+   to its group's worker, which enters the proxy's part (``pruning.proxy_call`` from the
    virtual members' recorded or generated inputs); a completer thread per group waits for
    the calls in order and runs the proxy's post steps. Two timings:
 
@@ -36,7 +35,7 @@ What it does (docs/emulate.md):
      sandbox and the sandbox measures its calls as the last member to arrive would.
    - ``real`` (emulation with a calibrated graph): the virtual ranks keep the graph's
      durations (the calibration's: compute spans, each instance's transfer as the member
-     that waited least measured it, issue gaps; ``prismllm.calibrate.solve.durations_for``);
+     that waited least measured it, issue gaps; ``prismllm.replay.solve.durations_for``);
      planned end = where the solve of the whole graph (the sandbox ranks with their calibrated
      times too) ends the instance. The worker enters each
      call when the wall clock reaches its ready time (logical time 0 is pinned by the first
@@ -58,33 +57,33 @@ concurrently (one worker each), so a sandbox rank that waits on group A while an
 group B is outstanding does not deadlock the assistant.
 
 It ends when every call with the sandbox completed for real;
-exit status 0, or 1 with one line ``prism assistant: error: ...``.
+exit status 0, or 1 with one line ``prism assistant: error: ...`` (also reported to the launcher
+through ``prismllm.childenv.report_error``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import queue
-import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from prismllm import pruning as C, replay as R
+from prismllm.childenv import user_setting
 from prismllm.errors import PrismError
 from prismllm.generate.store import TensorStore, dtype_from_name
-from prismllm.replay import compensate as C
-from prismllm.replay.engine import ExternalEvent, Replay, ReplayGraph
-from prismllm.status import reporter
+from prismllm.replay import ExternalEvent, Replay, ReplayGraph
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import P2P_OPS
-
 
 TIMINGS = ("fast", "real")
 IN_FLIGHT = 16  # calls a proxy may have entered on a group and not seen complete (PRISM_IN_FLIGHT)
@@ -102,7 +101,7 @@ class _Group:
     name: str
     ranks: list[int]  # global ranks in group-rank order
     pruned: C.Pruned
-    jobs: "queue.Queue[list[_Job] | None]"
+    jobs: queue.Queue[list[_Job] | None]
     upcoming: list[int] = dataclasses.field(default_factory=list)  # external instances, call order
     staged: dict[int, C.SmallCall] = dataclasses.field(default_factory=dict)  # instance -> prepared
     stream: Any = None  # CUDA stream the staged buffers are written on
@@ -141,16 +140,26 @@ class Assistant:
     docstring). ``connect()``: a new client of the launcher's TCPStore (one per group worker);
     ``tensors``: the directory of the recorded-tensor store."""
 
-    def __init__(self, trace: PrismTrace, sandbox: tuple[int, ...], tensors: str | None, connect: Callable[[], Any],
-                 timeout: timedelta = timedelta(minutes=30), backend: str = "gloo", timing: str = "fast",
-                 stage_ahead: int = 1, index: int = 0, count: int = 1) -> None:
+    def __init__(
+        self,
+        trace: PrismTrace,
+        sandbox: tuple[int, ...],
+        tensors: str | None,
+        connect: Callable[[], Any],
+        timeout: timedelta = timedelta(minutes=30),
+        backend: str = "gloo",
+        timing: str = "fast",
+        stage_ahead: int = 1,
+        index: int = 0,
+        count: int = 1,
+    ) -> None:
         if timing not in TIMINGS:
             raise AssistantError(f"replay timing {timing!r}: expected one of {', '.join(TIMINGS)}")
         if stage_ahead < 0:
             raise AssistantError(f"stage ahead {stage_ahead}: expected 0 or more calls")
         self.trace = trace
         self.timing, self.stage_ahead = timing, stage_ahead
-        self.in_flight = max(1, int(os.environ.get("PRISM_IN_FLIGHT", IN_FLIGHT)))
+        self.in_flight = max(1, int(user_setting("PRISM_IN_FLIGHT", str(IN_FLIGHT))))
         # "nccl": small groups are NCCL, the proxy's buffers on this process's GPU
         self.backend = backend
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else None
@@ -160,14 +169,13 @@ class Assistant:
         self.timeout = timeout
         self.graph = ReplayGraph(trace, external=list(self.sandbox))
         if timing == "real":  # the calibration's durations (it solved this graph with the same rules)
-            from prismllm.calibrate.solve import durations_for, measured, resolve_rule, slice_of_rank, solve
-
-            d = durations_for(self.graph, measured(trace, self.graph.row), resolve_rule("auto", trace),
-                              slice_of_rank(trace))
+            d = R.durations_for(
+                self.graph, R.measured(trace, self.graph.row), R.resolve_rule("auto", trace), R.slice_of_rank(trace)
+            )
             self.replay = Replay(self.graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)
             # the planned end of each instance with the sandbox: where the solve of the whole
             # graph (sandbox ranks with their calibrated times) ends it
-            sol = solve(trace, validate_graph=False)
+            sol = R.solve(trace, validate_graph=False)
             full = sol.graph
             pos = np.empty(trace.num_nodes, dtype=np.int64)
             pos[full.row] = np.arange(full.num_nodes)
@@ -184,7 +192,7 @@ class Assistant:
         self._issue_ns = 0  # how long entering a call on a small group takes (running mean)
         self._stores: dict[int, TensorStore] = {}
         self._zeros: dict[tuple, torch.Tensor] = {}
-        self._done: "queue.Queue[tuple[_Group, BaseException | None]]" = queue.Queue()  # workers' ends
+        self._done: queue.Queue[tuple[_Group, BaseException | None]] = queue.Queue()  # workers' ends
         self.groups: dict[int, _Group] = {}
         self.answered = 0
         self.staged_hits = 0  # calls whose buffers were ready when they came due
@@ -207,16 +215,24 @@ class Assistant:
         ext = np.flatnonzero(g.inst_external)
         first = g.inst_nodes[g.inst_ptr[ext]]
         # each group's external instances in the order its worker serves them (see _order)
-        order = np.lexsort((g.index[first], g.rank_pos[first], np.where(g.inst_kind[ext] == 0, g.inst_seq[ext], 0),
-                            g.inst_kind[ext], g.inst_group[ext]))
+        order = np.lexsort(
+            (
+                g.index[first],
+                g.rank_pos[first],
+                np.where(g.inst_kind[ext] == 0, g.inst_seq[ext], 0),
+                g.inst_kind[ext],
+                g.inst_group[ext],
+            )
+        )
         for i in ext[order]:
             grp = self.groups.get(int(g.inst_group[i]))
             if grp is not None:
                 grp.upcoming.append(int(i))
         self._place = {i: k for grp in self.groups.values() for k, i in enumerate(grp.upcoming)}
         # node columns the proxy's plans read (by trace row, via graph.row)
-        cols = trace.nodes.select(["shape", "dtype", "reduce_op", "tag", "in_splits", "out_splits",
-                                   "out_bytes"]).to_pydict()
+        cols = trace.nodes.select(
+            ["shape", "dtype", "reduce_op", "tag", "in_splits", "out_splits", "out_bytes"]
+        ).to_pydict()
         self._shape, self._dtype, self._red = cols["shape"], cols["dtype"], cols["reduce_op"]
         self._tag, self._in_splits, self._out_splits = cols["tag"], cols["in_splits"], cols["out_splits"]
         self._out_bytes = cols["out_bytes"]
@@ -233,9 +249,7 @@ class Assistant:
         """A group's worker: enter each job (a call, or the calls of one coalesced batch) on the
         small group in order, without waiting for the one before (a completer thread waits, at
         most ``IN_FLIGHT`` calls behind); ``real`` timing: not before its wall-clock time."""
-        from prismllm.comm.emulate import small_group
-
-        inflight: "queue.Queue[tuple[list[_Job], list[C.SmallCall], list] | None]" = queue.Queue(self.in_flight)
+        inflight: queue.Queue[tuple[list[_Job], list[C.SmallCall], list] | None] = queue.Queue(self.in_flight)
         completer = None
         try:
             if self.device is not None:  # the worker thread's current device
@@ -246,13 +260,16 @@ class Assistant:
                 # on the device (a deadlock when the sandbox needs this call first)
                 torch.cuda.set_stream(torch.cuda.Stream(self.device))
             try:
-                grp.pg = small_group(self.connect(), grp.name, grp.pruned.proxy, grp.pruned.size, self.timeout,
-                                     self.backend)
+                grp.pg = C.small_group(
+                    self.connect(), grp.name, grp.pruned.proxy, grp.pruned.size, self.timeout, self.backend
+                )
             except BaseException as e:  # noqa: BLE001
-                raise AssistantError(f"group {grp.name} {grp.ranks}: could not make the small group with the "
-                                     f"sandbox: {e}") from e
-            completer = threading.Thread(target=self._complete, args=(grp, inflight), daemon=True,
-                                         name=f"prism-done-{grp.name}")
+                raise AssistantError(
+                    f"group {grp.name} {grp.ranks}: could not make the small group with the sandbox: {e}"
+                ) from e
+            completer = threading.Thread(
+                target=self._complete, args=(grp, inflight), daemon=True, name=f"prism-done-{grp.name}"
+            )
             completer.start()
             self._stage(grp, -1)  # the first call, before it is due
             while True:
@@ -281,7 +298,7 @@ class Assistant:
         completer.join()
         self._done.put((grp, None))
 
-    def _complete(self, grp: _Group, inflight: "queue.Queue") -> None:
+    def _complete(self, grp: _Group, inflight: queue.Queue) -> None:
         """Wait for a group's calls in order; run their post steps; with ``real`` timing, move
         the replay's clock by how late (or early) the call really completed."""
         if self.device is not None:  # its own stream to wait on (see _work)
@@ -297,8 +314,12 @@ class Assistant:
                 self._finish(grp, jobs, calls, works)
                 grp.waiting = None
             except BaseException as e:  # noqa: BLE001
-                self._done.put((grp, AssistantError(f"{self.graph.describe(jobs[0].event.nodes[0])}: the proxy's "
-                                                    f"call failed: {e}")))
+                self._done.put(
+                    (
+                        grp,
+                        AssistantError(f"{self.graph.describe(jobs[0].event.nodes[0])}: the proxy's call failed: {e}"),
+                    )
+                )
                 return
             finally:
                 inflight.task_done()
@@ -352,11 +373,13 @@ class Assistant:
         return sum(grp.issued + grp.finished for grp in self.groups.values())
 
     def status_lines(self, limit: int = 12) -> list[str]:
-        """Where each proxy stands with the sandbox (prismllm.status): the groups whose calls
+        """Where each proxy stands with the sandbox (prismllm.launch.status): the groups whose calls
         are not all done, the longest-waiting first."""
         now = time.monotonic()
-        lines = [f"{self.answered} call(s) with the sandbox planned, {self.completed} completed "
-                 f"({self.timing} timing, {len(self.groups)} group(s))"]
+        lines = [
+            f"{self.answered} call(s) with the sandbox planned, {self.completed} completed "
+            f"({self.timing} timing, {len(self.groups)} group(s))"
+        ]
         open_groups = []
         for grp in self.groups.values():
             label = f"group {self.trace.group_label(grp.gid)}"
@@ -371,8 +394,13 @@ class Assistant:
                 open_groups.append((0.0, state))
                 continue
             age = now - waiting[1]
-            open_groups.append((age, f"{state}; waiting {age:.1f} s for "
-                                     f"{self.graph.describe(waiting[0][0].event.nodes[0])} with the sandbox"))
+            open_groups.append(
+                (
+                    age,
+                    f"{state}; waiting {age:.1f} s for "
+                    f"{self.graph.describe(waiting[0][0].event.nodes[0])} with the sandbox",
+                )
+            )
         open_groups.sort(key=lambda t: -t[0])
         lines += [t[1] for t in open_groups[:limit]]
         if len(open_groups) > limit:
@@ -408,7 +436,8 @@ class Assistant:
         if not ts:
             raise AssistantError(
                 f"no recorded input for {g.describe(pos)} in {self.tensors} (record the graph with "
-                f"`prism record --save-tensors all,inputs`, or emulate with generated inputs)")
+                f"`prism record --save-tensors all,inputs`, or emulate with generated inputs)"
+            )
         # a list form (reduce_scatter's n input chunks, scatter's root list) stays a list:
         # the plans take a list of n tensors where they take a buffer of n chunks
         return ts[0] if len(ts) == 1 else ts
@@ -453,6 +482,7 @@ class Assistant:
             def root_list(v: int) -> Any:
                 x = self._input(grp, members[v], op)
                 return [x] * n if isinstance(x, torch.Tensor) else x  # generated: zeros of one chunk
+
             return C.plan_once(C.plan_scatter, n, G, shape, root, dtype=dtype), _Inputs(root_list, members)
         if op == "all_to_all":
             numel = math.prod(int(x) for x in shape)
@@ -468,17 +498,24 @@ class Assistant:
                 out_rows = self._out_bytes[r] // max(1, dtype.itemsize * row_numel)
                 rows[v] = list(self._in_splits[r]) or [rs // n] * n
                 cols[v] = list(self._out_splits[r]) or [out_rows // n] * n
-            return C.plan_once(C.plan_all_to_all, n, G, C.splits_matrix(n, rows, cols), row_numel=row_numel,
-                                     dtype=dtype), ins
+            return C.plan_once(
+                C.plan_all_to_all, n, G, C.splits_matrix(n, rows, cols), row_numel=row_numel, dtype=dtype
+            ), ins
         raise AssistantError(f"{g.describe(p0)}: {op} is not supported in emulation yet")
 
     def _event(self, inst: int) -> ExternalEvent:
         """An external instance as the plan needs it (its virtual members' nodes and op), before
         the replay made it pending (for staging)."""
         g = self.graph
-        return ExternalEvent(instance=inst, ready_ns=-1, op=g.op_names[g.inst_op[inst]], group=int(g.inst_group[inst]),
-                             virtual_ranks=(), external_ranks=(),
-                             nodes=tuple(int(x) for x in g.inst_nodes[g.inst_ptr[inst]:g.inst_ptr[inst + 1]]))
+        return ExternalEvent(
+            instance=inst,
+            ready_ns=-1,
+            op=g.op_names[g.inst_op[inst]],
+            group=int(g.inst_group[inst]),
+            virtual_ranks=(),
+            external_ranks=(),
+            nodes=tuple(int(x) for x in g.inst_nodes[g.inst_ptr[inst] : g.inst_ptr[inst + 1]]),
+        )
 
     def _prepare(self, grp: _Group, ev: ExternalEvent) -> C.SmallCall:
         try:
@@ -490,8 +527,9 @@ class Assistant:
         except AssistantError:
             raise
         except Exception as e:  # noqa: BLE001 - named with the call it failed on
-            raise AssistantError(f"{self.graph.describe(ev.nodes[0])}: the proxy could not prepare its part: "
-                                 f"{e}") from e
+            raise AssistantError(
+                f"{self.graph.describe(ev.nodes[0])}: the proxy could not prepare its part: {e}"
+            ) from e
 
     def _stage(self, grp: _Group, after: int | None) -> None:
         """Prepare the proxy's buffers of the group's next ``stage_ahead`` calls after the
@@ -501,7 +539,7 @@ class Assistant:
         k = self._place[after] if after >= 0 else -1
         for i in [i for i in grp.staged if self._place[i] <= k]:
             del grp.staged[i]
-        for i in grp.upcoming[k + 1:k + 1 + self.stage_ahead]:
+        for i in grp.upcoming[k + 1 : k + 1 + self.stage_ahead]:
             if i not in grp.staged:
                 grp.staged[i] = self._prepare(grp, self._event(i))
 
@@ -570,88 +608,21 @@ class Assistant:
     def write_result(self, path: str) -> None:
         """The virtual ranks' iteration times as the replay ran them (``real`` timing: with
         the sandbox's real completions fed back), as JSON."""
-        import json
 
         res = self.replay.result()
         its = self.graph.iterations
-        doc = {"timing": self.timing, "virtual_ranks": len(self.graph.ranks),
-               "iterations": [int(k) for k in its], "iteration_ns": [int(x) for x in res.iteration_ns],
-               "steady_iterations": [int(k) for k in res.steady_iterations],
-               "median_steady_iteration_ns": res.predicted_iteration_ns, "answered": self.answered,
-               "staged_ahead": self.staged_hits, "completed": self.completed}
+        doc = {
+            "timing": self.timing,
+            "virtual_ranks": len(self.graph.ranks),
+            "iterations": [int(k) for k in its],
+            "iteration_ns": [int(x) for x in res.iteration_ns],
+            "steady_iterations": [int(k) for k in res.steady_iterations],
+            "median_steady_iteration_ns": res.predicted_iteration_ns,
+            "answered": self.answered,
+            "staged_ahead": self.staged_hits,
+            "completed": self.completed,
+        }
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
         os.replace(tmp, path)
-
-
-def main() -> int:
-    t0 = time.monotonic()
-    status = reporter()  # the launcher's hang diagnosis: its stacks from the start, its proxies once made
-    try:
-        from prismllm.comm.emulate import parse_ranks
-
-        inputs = os.environ.get("PRISM_INPUTS", "recorded")
-        if inputs not in ("recorded", "generated"):
-            raise AssistantError(f"PRISM_INPUTS={inputs!r}: expected recorded or generated")
-        need = [k for k in ("MASTER_PORT", "PRISM_SANDBOX", "PRISM_GRAPH") if not os.environ.get(k)]
-        if inputs == "recorded" and not os.environ.get("PRISM_TENSOR_STORE"):
-            need.append("PRISM_TENSOR_STORE (or PRISM_INPUTS=generated)")
-        if need:
-            raise AssistantError(f"missing environment: {', '.join(need)}")
-        sandbox = parse_ranks(os.environ["PRISM_SANDBOX"])
-        trace = PrismTrace.load(os.environ["PRISM_GRAPH"])
-        bad = [r for r in sandbox if not 0 <= r < trace.world_size]
-        if bad:
-            raise AssistantError(f"sandbox rank(s) {bad} outside the graph's world of {trace.world_size}")
-        timeout = timedelta(seconds=float(os.environ.get("PRISM_TIMEOUT", "1800")))
-        addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])
-
-        def connect() -> Any:
-            return dist.TCPStore(addr, port, is_master=False, timeout=timeout)
-
-        connect()  # fail here, with one message, if the store cannot be reached
-        backend = os.environ.get("PRISM_EMULATE_BACKEND", "gloo")
-        if backend not in ("gloo", "nccl"):
-            raise AssistantError(f"PRISM_EMULATE_BACKEND={backend!r}: expected gloo or nccl")
-        if backend == "nccl" and not torch.cuda.is_available():
-            raise AssistantError("PRISM_EMULATE_BACKEND=nccl but this assistant sees no GPU")
-        store = os.environ["PRISM_TENSOR_STORE"] if inputs == "recorded" else None
-        timing = os.environ.get("PRISM_REPLAY_TIMING", "fast")
-        try:
-            ahead = int(os.environ.get("PRISM_STAGE_AHEAD", "1"))
-        except ValueError:
-            raise AssistantError(f"PRISM_STAGE_AHEAD={os.environ['PRISM_STAGE_AHEAD']!r}: expected a number of calls") from None
-        try:
-            index, count = int(os.environ.get("PRISM_ASSISTANT_INDEX", "0")), int(os.environ.get("PRISM_ASSISTANTS", "1"))
-        except ValueError:
-            raise AssistantError("PRISM_ASSISTANT_INDEX / PRISM_ASSISTANTS: expected numbers") from None
-        a = Assistant(trace, sandbox, store, connect, timeout, backend, timing, ahead, index, count)
-        if status is not None:
-            status.add(a.status_lines, a.progress)
-        a.run()
-        if os.environ.get("PRISM_REPLAY_OUT"):
-            a.write_result(os.environ["PRISM_REPLAY_OUT"])
-    except (PrismError, ValueError, OSError, RuntimeError) as e:
-        print(f"prism assistant: error: {e}", file=sys.stderr, flush=True)
-        return 1
-    virt = a.graph.ranks
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    gpu = ""
-    if a.device is not None:  # the whole device as this process uses it: context, NCCL, tensors
-        free, total = torch.cuda.mem_get_info(a.device)
-        gpu = f", GPU memory in use {(total - free) / 2**20:.0f} MiB"
-    who = "prism assistant" if a.count == 1 else f"prism assistant {a.index} of {a.count}"
-    print(f"{who}: replayed {len(virt)} virtual rank(s) ({a.graph.num_nodes} nodes, {a.timing} timing), answered "
-          f"{a.answered} collective(s) with the sandbox ({a.staged_hits} staged ahead) on {len(a.groups)} group(s) in "
-          f"{time.monotonic() - t0:.1f} s; peak RSS {rss / 2**20:.0f} MiB{gpu}", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown: gloo worker threads of daemon groups

@@ -41,7 +41,8 @@ from __future__ import annotations
 import os
 import re
 import shlex
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from prismllm.errors import PrismError
 from prismllm.fsutil import sha256_file
@@ -104,8 +105,11 @@ def program_fingerprint(script: str | os.PathLike, args: Sequence[str]) -> dict[
 
 
 def _pathlike(value: str) -> bool:
-    return (bool(value) and not _NUMBER.fullmatch(value)
-            and ("/" in value or os.sep in value or bool(_PATHLIKE.fullmatch(value))))
+    return (
+        bool(value)
+        and not _NUMBER.fullmatch(value)
+        and ("/" in value or os.sep in value or bool(_PATHLIKE.fullmatch(value)))
+    )
 
 
 def _describe(args: Sequence[str], i: int) -> str | None:
@@ -183,8 +187,9 @@ def _first_difference(ga: Sequence[str], la: Sequence[str], files: dict[str, Any
     outputs = _output_flags(ga, files)
     graph_flags = {f for f, _ in map(_value, ga) if f is not None}
     a_kept = _without_outputs(ga, lambda f, v: f in outputs)
-    b_kept = _without_outputs(la, lambda f, v: f in outputs or (f not in graph_flags and _pathlike(v)
-                                                                   and not os.path.exists(v)))
+    b_kept = _without_outputs(
+        la, lambda f, v: f in outputs or (f not in graph_flags and _pathlike(v) and not os.path.exists(v))
+    )
     for k in range(max(len(a_kept), len(b_kept))):
         ia, a = a_kept[k] if k < len(a_kept) else (len(ga), None)
         ib, b = b_kept[k] if k < len(b_kept) else (len(la), None)
@@ -224,11 +229,13 @@ def check_program(manifest: dict, script: str, args: Sequence[str], world_size: 
     verb = "recorded" if manifest.get("mode") == "record" else "captured"
     made = "record" if manifest.get("mode") == "record" else "capture"
     graph_cmd = shlex.join([g_script, *g_args])
-    what = (f"launch the graph's own command (`-- {graph_cmd}`), or {made} a new graph of this one "
-            f"(`prism {made}{' --mode solo' if made == 'capture' else ''} "
-            f"{'--world' if made == 'capture' else '--nproc'} {world_size} ... -- {shlex.join([script, *args])}`)"
-            + (", then `prism time` and `prism calibrate` it" if manifest.get("mode") in ("timed", "calibrated") else "")
-            + f"; {ENV_SWITCH}=off runs a deliberate variant anyway")
+    what = (
+        f"launch the graph's own command (`-- {graph_cmd}`), or {made} a new graph of this one "
+        f"(`prism {made}{' --mode solo' if made == 'capture' else ''} "
+        f"{'--world' if made == 'capture' else '--nproc'} {world_size} ... -- {shlex.join([script, *args])}`)"
+        + (", then `prism time` and `prism calibrate` it" if manifest.get("mode") in ("timed", "calibrated") else "")
+        + f"; {ENV_SWITCH}=off runs a deliberate variant anyway"
+    )
 
     if isinstance(g_sha, str) and os.path.isfile(script):
         sha = sha256_file(script)

@@ -1,0 +1,217 @@
+"""The process contract: every setting a prism parent hands a child process, and how a child
+reports its error back. Written and read here and nowhere else.
+
+A parent builds a :class:`ChildEnv` and passes ``child.to_env()`` to the launcher (on top of
+torchrun's variables, which are torch's contract: ``prismllm.launch.environment``); a child reads
+``ChildEnv.current()``. Every variable is ``PRISM_<FIELD>`` in upper case; unset fields are not
+written, so a child sees only what its parent set.
+
+A child that stops with an error of prism's own (a bad rule, a call the emulation cannot
+serve, an assistant that cannot play its part) writes a :class:`ChildError` as JSON to
+``PRISM_ERROR_FILE`` (:func:`report_error`) before it exits; the launcher reads it back
+(:func:`read_error`) and names it in its failure, so no parent searches a child's output for
+a text prefix.
+
+Settings a *user* may give (tuning knobs, switches) are listed in :data:`USER_SETTINGS` and
+read with :func:`user_setting`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from prismllm.errors import PrismError
+from prismllm.specs import format_ranks, parse_ranks
+
+MODES = ("record", "solo", "emulate")
+INPUTS = ("recorded", "generated")
+TIMINGS = ("fast", "real")
+BACKENDS = ("gloo", "nccl")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildEnv:
+    """What a child process is told, by field (variable ``PRISM_<FIELD>``)."""
+
+    # ---- every rank process (``python -m prismllm.comm.bootstrap``)
+    mode: str | None = None  # record | solo | emulate; None: the program runs with nothing installed
+    spool: str | None = None  # directory the rank writes its RankLog to at exit
+    error_file: str | None = None  # where the child writes its ChildError (set by the launcher)
+    memory_history: str | None = None  # directory for the CUDA allocator history (comm.memhistory)
+    # ---- status reports (launch.status; set by the launcher)
+    status_dir: str | None = None
+    status_name: str | None = None
+    # ---- record mode
+    native: bool | None = None  # record through the native backend (None: the Python path)
+    save_tensors: str | None = None  # selector of the collectives whose outputs are saved
+    # ---- tensors: record writes them here; solo mode and the assistant read them
+    tensor_store: str | None = None
+    # ---- solo mode
+    rules: str | None = None  # a Python file of generator rules
+    # ---- sandbox ranks (mode emulate) and assistants
+    sandbox: tuple[int, ...] | None = None  # the ranks that run for real
+    graph: str | None = None  # the graph the virtual ranks are replayed from
+    check_tensors: str | None = None  # recorded outputs the sandbox's pruned calls are compared with
+    check_out: str | None = None  # where the comparison is written
+    # ---- assistants (``python -m prismllm.assistant``)
+    inputs: str | None = None  # virtual ranks' inputs: recorded | generated
+    replay_timing: str | None = None  # fast | real
+    emulate_backend: str | None = None  # the small groups' backend: gloo | nccl
+    assistants: int | None = None  # how many assistants share the pruned groups
+    assistant_index: int | None = None  # which one this is
+    replay_out: str | None = None  # where this assistant writes its replay of the virtual ranks
+    timeout_s: float | None = None  # a small group's creation and calls
+
+    # -----------------------------------------------------------------------------------------
+    def to_env(self) -> dict[str, str]:
+        """The variables of the fields that are set."""
+        out: dict[str, str] = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None:
+                continue
+            if isinstance(v, bool):
+                v = int(v)
+            elif f.name == "sandbox":
+                v = format_ranks(v)
+            out[variable(f.name)] = str(v)
+        return out
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ChildEnv:
+        """Read the contract from ``environ`` (default: this process's); a value that does not
+        parse raises PrismError naming the variable."""
+        env = os.environ if environ is None else environ
+        kw: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(variable(f.name))
+            if raw is None or raw == "":
+                continue
+            kw[f.name] = _parse(f.name, raw)
+        child = cls(**kw)
+        child._check()
+        return child
+
+    @classmethod
+    def current(cls) -> ChildEnv:
+        """This process's contract (read once)."""
+        global _CURRENT
+        if _CURRENT is None:
+            _CURRENT = cls.from_env()
+        return _CURRENT
+
+    def _check(self) -> None:
+        for name, allowed in (
+            ("mode", MODES),
+            ("inputs", INPUTS),
+            ("replay_timing", TIMINGS),
+            ("emulate_backend", BACKENDS),
+        ):
+            v = getattr(self, name)
+            if v is not None and v not in allowed:
+                raise PrismError(f"{variable(name)}={v!r}: expected one of {', '.join(allowed)}")
+
+
+_CURRENT: ChildEnv | None = None
+_BOOLS = ("native",)
+_INTS = ("assistants", "assistant_index")
+
+
+def variable(field: str) -> str:
+    """The environment variable of a ChildEnv field."""
+    return f"PRISM_{field.upper()}"
+
+
+def _parse(name: str, raw: str) -> Any:
+    try:
+        if name in _BOOLS:
+            v = raw.strip().lower()
+            if v not in ("0", "1", "true", "false", "yes", "no", "on", "off"):
+                raise ValueError("expected 0 or 1")
+            return v in ("1", "true", "yes", "on")
+        if name in _INTS:
+            return int(raw)
+        if name == "timeout_s":
+            return float(raw)
+        if name == "sandbox":
+            return parse_ranks(raw)
+    except ValueError as e:
+        raise PrismError(f"{variable(name)}={raw!r}: {e}") from None
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------
+# A child's error, reported to its parent
+
+
+@dataclasses.dataclass(frozen=True)
+class ChildError:
+    """Why a child stopped. ``kind``: ``prism`` (prism stopped the program: a message that
+    names the rank, the call and the fix) or ``assistant`` (an assistant cannot play its part)."""
+
+    kind: str
+    message: str
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+
+def report_error(kind: str, message: str, path: str | None = None) -> None:
+    """Write the child's error where its parent reads it (``PRISM_ERROR_FILE``); nothing
+    without one. Never raises: the child is on its way out."""
+    path = path if path is not None else os.environ.get(variable("error_file"))
+    if not path:
+        return
+    try:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(ChildError(kind, message).to_json())
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def read_error(path: str | os.PathLike | None) -> ChildError | None:
+    """The error a child reported at ``path``, or None."""
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        return ChildError(str(d["kind"]), str(d["message"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# What a user may set
+
+USER_SETTINGS: dict[str, str] = {
+    "PRISM_STATUS_AFTER": "seconds without progress before the launcher says where each process stands "
+    "(default 300; 'off' never)",
+    "PRISM_NATIVE": "record through the native backend (1) or the Python path (0) when `prism record` "
+    "is not given --recorder",
+    "PRISM_NATIVE_CACHE": "where the native recorder is built (default ~/.cache/prismllm/native)",
+    "PRISM_NATIVE_BUILD_TIMEOUT": "seconds to wait for another process's build of the native recorder (default 600)",
+    "PRISM_PROGRAM_CHECK": "'off' skips the check that a launch runs the graph's program",
+    "PRISM_STAGE_AHEAD": "calls an assistant prepares ahead per pruned group (default 1)",
+    "PRISM_IN_FLIGHT": "calls an assistant may have entered on a pruned group and not seen complete (default 16)",
+    "PRISM_HOST_COMPLETION": "'wait' makes the Python recorder read a CPU call's completion at its "
+    "wait instead of from a callback",
+}
+
+
+def user_setting(name: str, default: str = "") -> str:
+    """A user setting's value (``default`` when unset or empty); ``name`` must be listed in
+    :data:`USER_SETTINGS`."""
+    if name not in USER_SETTINGS:
+        raise KeyError(f"{name} is not a prism user setting")
+    v = os.environ.get(name, "")
+    return v if v.strip() else default
+
+
+__all__ = ["ChildEnv", "ChildError", "USER_SETTINGS", "read_error", "report_error", "user_setting", "variable"]

@@ -1,0 +1,192 @@
+"""The flags that several commands take, defined once: a flag means the same in every command
+that has it (``tests/test_cli.py`` walks the parsers). A command adds the ones it takes with
+:func:`add`; what is particular to a command goes in its description, never in a shared
+flag's help."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from typing import Any
+
+from prismllm.trace.graph import PrismTrace
+from prismllm.trace.validate import validate
+
+
+def _positive(value: str) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a number of seconds") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be positive")
+    return v
+
+
+def _count(value: str) -> int:
+    try:
+        v = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be at least 1")
+    return v
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    flags: tuple[str, ...]
+    kwargs: dict[str, Any]
+
+
+DEVICES_HELP = (
+    "where processes run: cpu (processes stand in for devices; gloo), cuda (a GPU per process, in index order), "
+    "cuda:G,G,... (these GPUs, in order; a GPU listed twice is shared: right values and memory, not the timing of "
+    "linked GPUs), or auto (the default): a GPU per process where there are enough, else one GPU shared by a "
+    "sandbox run's processes, else cpu"
+)
+
+SHARED: dict[str, Option] = {
+    "out": Option(("--out",), {"metavar": "DIR", "help": "the directory this command writes"}),
+    "force": Option(
+        ("--force",),
+        {
+            "action": "store_true",
+            "help": "replace DIR if it holds an earlier output of prism (never another directory)",
+        },
+    ),
+    "devices": Option(("--devices",), {"default": "auto", "metavar": "DEVICES", "help": DEVICES_HELP}),
+    "parallel": Option(
+        ("--parallel",),
+        {
+            "type": _count,
+            "default": None,
+            "metavar": "K",
+            "help": "how many run at a time: ranks (capture) or slices (time); default: one per listed GPU, else 1",
+        },
+    ),
+    "timeout": Option(
+        ("--timeout",),
+        {
+            "type": _positive,
+            "default": None,
+            "metavar": "S",
+            "help": "end a launch that still runs after S seconds (capture: each batch of "
+            "ranks; time: each slice), saying where each process stood",
+        },
+    ),
+    "layout": Option(
+        ("--layout",),
+        {
+            "default": None,
+            "metavar": "K=V,...",
+            "help": "the job's parallel layout, e.g. tp=2,pp=4,ep=2 (sizes tp, cp, ep, pp, "
+            "dp; order=tp-cp-ep-dp-pp, fastest first; vpp, sp, schedule are "
+            "recorded only)",
+        },
+    ),
+    "world": Option(
+        ("--world", "--world-size"),
+        {"dest": "world", "type": _count, "metavar": "N", "help": "the logical world size: how many ranks the job has"},
+    ),
+    "graph": Option(
+        ("--graph",),
+        {
+            "metavar": "GRAPH",
+            "help": "the input graph (a directory written by prism record, capture, time, or calibrate --write-graph)",
+        },
+    ),
+    "sandbox": Option(
+        ("--sandbox",), {"metavar": "RANKS", "help": "ranks that run the program for real, e.g. 1 or 0,2-3"}
+    ),
+    "inputs": Option(
+        ("--inputs",),
+        {
+            "choices": ["auto", "recorded", "generated"],
+            "default": "auto",
+            "help": "the virtual ranks' inputs: recorded (a tensor store), generated (zeros: "
+            "the real ranks' numbers then lack the virtual ranks' contributions), "
+            "or auto (the default): recorded where the graph has a store",
+        },
+    ),
+    "tensors": Option(
+        ("--tensors",),
+        {
+            "default": None,
+            "metavar": "STORE",
+            "help": "a tensor store written by `prism record --save-tensors`: the values "
+            "collectives return in solo capture, the virtual ranks' inputs in a "
+            "sandbox run (default: the input graph's own store)",
+        },
+    ),
+    "rules": Option(
+        ("--rules",),
+        {
+            "default": None,
+            "metavar": "FILE",
+            "help": "tensor-generator rules for solo capture (a Python file, docs/capture.md)",
+        },
+    ),
+    "tee": Option(
+        ("--tee",), {"action": "store_true", "help": "also write every process's stdout and stderr to DIR/logs"}
+    ),
+    "json": Option(("--json",), {"action": "store_true", "help": "print the result as JSON instead of tables"}),
+    "ranks": Option(("--ranks",), {"default": None, "metavar": "RANKS", "help": "only these ranks, e.g. 0-7,12"}),
+    "no_validate": Option(
+        ("--no-validate",),
+        {"action": "store_true", "help": "skip the static check of the input graph (faster at scale)"},
+    ),
+}
+
+
+def command(
+    subparsers: argparse._SubParsersAction, name: str, summary: str, description: str, raw: bool = False
+) -> argparse.ArgumentParser:
+    """A command's parser: ``summary`` in ``prism --help``, ``description`` in its own ``--help``
+    (``raw``: kept as written, for descriptions laid out by hand)."""
+    kw = {"formatter_class": argparse.RawDescriptionHelpFormatter} if raw else {}
+    return subparsers.add_parser(name, help=summary, description=description, **kw)
+
+
+def add(p: argparse.ArgumentParser, *names: str, required: tuple[str, ...] = ()) -> None:
+    """Add the shared flags ``names`` to ``p``; those in ``required`` must be given."""
+    for name in names:
+        opt = SHARED[name]
+        p.add_argument(*opt.flags, **opt.kwargs, **({"required": True} if name in required else {}))
+
+
+def canonical_argv(p: argparse.ArgumentParser, args: argparse.Namespace, command: str) -> list[str]:
+    """``prism COMMAND`` with every flag that differs from its default, then ``-- SCRIPT ARGS``:
+    the command line a graph's manifest keeps."""
+    argv = ["prism", command]
+    for a in p._actions:
+        if not a.option_strings or a.dest in ("help", "script", "script_args"):
+            continue
+        v = getattr(args, a.dest, None)
+        if v is None or v == a.default:
+            continue
+        flag = next((f for f in a.option_strings if f.startswith("--")), a.option_strings[0])
+        if isinstance(a, argparse._StoreTrueAction):
+            argv.append(flag)
+        else:
+            argv += [flag, f"{v:g}" if isinstance(v, float) else str(v)]
+    return argv + ["--", args.script, *args.script_args]
+
+
+def print_json(obj: Any) -> None:
+    """``--json``: one JSON object on stdout."""
+    json.dump(obj, sys.stdout)
+    sys.stdout.write("\n")
+
+
+def load_graph(path: str, check: bool = True) -> PrismTrace:
+    """A graph given on the command line, validated unless ``check`` is False (TraceError: one line)."""
+    trace = PrismTrace.load(path)
+    if check:
+        validate(trace)
+    return trace
+
+
+__all__ = ["DEVICES_HELP", "SHARED", "add", "canonical_argv", "command", "load_graph", "print_json"]

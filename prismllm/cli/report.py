@@ -1,0 +1,38 @@
+"""`prism report DIR [--html FILE] [--reference REAL] [--ranks RANKS]`: the report of a `prism run`
+directory, a self-contained HTML page (prismllm.report)."""
+
+from __future__ import annotations
+
+import argparse
+
+from prismllm.cli import options
+from prismllm.errors import PrismError
+from prismllm.report import write_report
+from prismllm.specs import parse_ranks
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = options.command(subparsers, "report", "write the HTML report of a `prism run` directory", __doc__)
+    p.add_argument("run_dir", metavar="DIR", help="a `prism run` directory (calibrated at least)")
+    p.add_argument("--html", default=None, metavar="FILE", help="where to write the page (default DIR/report.html)")
+    p.add_argument(
+        "--reference",
+        default=None,
+        metavar="REAL",
+        help="a real run of the same job (a `prism record` graph): shown beside the prediction, rank by rank",
+    )
+    options.add(p, "ranks")
+    p.set_defaults(run=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    ranks = None
+    if args.ranks:
+        try:
+            ranks = list(parse_ranks(args.ranks))
+        except ValueError as e:
+            raise PrismError(f"--ranks: {e}") from None
+    path = write_report(args.run_dir, args.html, reference=args.reference, ranks=ranks)
+    print(f"prism report: wrote {path} (open it in a browser: file://{path.resolve()})")
+    return 0

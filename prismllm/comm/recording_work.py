@@ -1,0 +1,80 @@
+"""RecordingWork: the Work a RecordingProcessGroup returns. It forwards everything to the real
+Work and tells the recorder when the program waits on it (see ``recording.py`` on how Python
+and C++ callers reach it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from prismllm.comm.recorder import ST_PENDING
+
+if TYPE_CHECKING:
+    from prismllm.comm.recording import RecordingProcessGroup
+
+
+class RecordingWork(dist.Work):
+    """Forwards to the real Work; reports the program's wait to the recorder."""
+
+    # Defaults at class level: an instance sets them only where they differ (one Work a call).
+    _state = ST_PENDING
+    _anysource = False
+    _on_wait = None
+
+    def __init__(self, inner: Any, pg: RecordingProcessGroup, rows: tuple):
+        super().__init__()
+        self._inner = inner
+        self._pg = pg
+        self._rows = rows
+        if pg._on_wait_hook is not None:
+            self._on_wait = pg._on_wait_hook(inner)
+
+    # -- waits (points of program order) --
+    def wait(self, timeout=None):
+        inner = self._inner
+        if timeout is None:
+            return self._pg._rec.wait(self, inner.wait, ())
+        return self._pg._rec.wait(self, inner.wait, (timeout,))
+
+    def synchronize(self):
+        return self._pg._rec.wait(self, self._inner.synchronize, ())
+
+    def block_current_stream(self):
+        return self._pg._rec.wait(self, self._inner.block_current_stream, ())
+
+    def __getattr__(self, name):  # attributes of newer torch versions
+        return getattr(self.__dict__["_inner"], name)
+
+    def __repr__(self):
+        return f"RecordingWork({self._inner!r})"
+
+
+def _forward(name: str) -> Callable[..., Any]:
+    def method(self: RecordingWork, *args: Any) -> Any:
+        return getattr(self._inner, name)(*args)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+# Everything else is the real Work's. Defined on the class (not left to ``__getattr__``): these
+# are methods of ``dist.Work`` itself, which would answer for the Work wrapper, not the real one.
+for _name in (
+    "get_future",
+    "get_future_result",
+    "is_completed",
+    "is_success",
+    "exception",
+    "source_rank",
+    "_source_rank",
+    "result",
+    "_get_duration",
+    "_get_op_type",
+    "boxed",
+):
+    setattr(RecordingWork, _name, _forward(_name))
+del _name
+
+__all__ = ["RecordingWork"]

@@ -1,0 +1,1 @@
+"""Pipelines: the stages chained into one answer (``prism run``), above the stages, below the CLI."""

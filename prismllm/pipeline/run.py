@@ -1,0 +1,312 @@
+"""``prism run``: from a program to an answer in one command -- capture, time, calibrate, and with
+``sandbox`` emulate, then the report -- each stage reading the files the one before wrote.
+
+    OUT/run.json      the job (command, world, layout, ...) and each stage's wall time
+    OUT/bare/         the bare graph (prism capture, solo)
+    OUT/time/         slice timing; OUT/time/graph the timed graph (prism time)
+    OUT/cal/          the calibration; OUT/cal/graph the calibrated graph (prism calibrate)
+    OUT/emulate/      the emulation with the sandbox ranks real (prism emulate)
+    OUT/logs/         the program's output in each stage (time: OUT/time/slices/*.log)
+    OUT/report.html   the report (prism report)
+
+Resume: a run that stopped (Ctrl-C, a failure, a lost machine) goes on where it stopped when the
+same command is run again: a stage whose output is complete is not run again, capture and time
+resume inside their own stage. Another command on the same OUT is refused unless ``force``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from prismllm import __version__
+from prismllm.calibrate import calibrate
+from prismllm.capture.solo import CaptureOptions, CapturePlan, capture
+from prismllm.emulate import EmulateOptions, emulate
+from prismllm.errors import PrismError
+from prismllm.fsutil import read_json
+from prismllm.launch import LineSink
+from prismllm.layout import Layout
+from prismllm.report import write_report
+from prismllm.report.data import BARE_DIR, CAL_DIR, EMULATE_DIR, RUN_FILE, TIME_DIR, coords_text
+from prismllm.time import TimeOptions, time_slices
+from prismllm.trace.schema import MANIFEST_FILE
+
+LOGS_DIR = "logs"
+REPORT_FILE = "report.html"
+STAGES = ("capture", "time", "calibrate", "emulate", "report")
+
+
+@dataclasses.dataclass
+class RunOptions:
+    world: int
+    out: str | os.PathLike
+    script: str
+    args: Sequence[str] = ()
+    layout: str | None = None
+    devices: str = "auto"
+    parallel: int | None = None  # capture: ranks at a time; time: slices at a time
+    sandbox: str | None = None  # emulate with these ranks real; None: stop after calibrate
+    inputs: str = "auto"
+    tensors: str | None = None
+    rules: str | None = None
+    timeout: float | None = None
+    force: bool = False
+
+
+class RunUI:
+    """What the run tells its user: a new stage (``total`` units, ``done`` of them already), a
+    stage's progress, prism's own lines, and where the program's output goes (a LineSink or None:
+    the stage's log). The CLI's display implements it; the default says nothing."""
+
+    def stage(self, name: str, total: int | None = None, unit: str = "", done: int = 0) -> None: ...
+
+    def update(self, done: int, total: int | None = None, note: str = "") -> None: ...
+
+    def say(self, text: str) -> None: ...
+
+
+def _job(opts: RunOptions) -> dict[str, Any]:
+    """What makes two invocations the same run (a resume) or not."""
+    return {
+        "command": [str(Path(opts.script).resolve()), *map(str, opts.args)],
+        "world": opts.world,
+        "layout": opts.layout,
+        "devices": opts.devices,
+        "parallel": opts.parallel,
+        "sandbox": opts.sandbox,
+        "inputs": opts.inputs,
+        "tensors": opts.tensors,
+        "rules": opts.rules,
+        "prismllm": __version__,
+    }
+
+
+def _prepare(opts: RunOptions, out: Path) -> dict[str, Any]:
+    """OUT for this run: new, resumed (the same job), or started over (``force``, only a run's)."""
+    job = _job(opts)
+    state_file = out / RUN_FILE
+    if out.exists() and not out.is_dir():
+        raise PrismError(f"output path {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        old = None
+        try:
+            old = json.loads(state_file.read_text())
+        except (OSError, ValueError):
+            pass
+        if not isinstance(old, dict) or "job" not in old:
+            raise PrismError(
+                f"output directory {out} is not empty and holds no `prism run`; choose another --out "
+                f"(it is never deleted, even with --force)"
+            )
+        if old["job"] == job and not opts.force:
+            return old  # resume
+        if not opts.force:
+            diff = sorted(k for k in set(job) | set(old["job"]) if job.get(k) != old["job"].get(k))
+            raise PrismError(
+                f"{out} holds a `prism run` of another job (differs in: {', '.join(diff)}); run that "
+                f"command to resume it, or use --force to start over"
+            )
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {"job": job, "stages": []}
+    _write_state(out, state)
+    return state
+
+
+def _write_state(out: Path, state: dict[str, Any]) -> None:
+    tmp = out / f".{RUN_FILE}.tmp"
+    tmp.write_text(json.dumps(state, indent=1) + "\n")
+    os.replace(tmp, out / RUN_FILE)
+
+
+def _log_sink(path: Path) -> tuple[LineSink, Callable[[], None]]:
+    f = open(path, "a")
+
+    def sink(rank: int, stream: str, line: str) -> None:
+        f.write(line)
+        f.flush()
+
+    return sink, f.close
+
+
+def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
+    """Run every stage not done yet; returns the summary (also in OUT/run.json)."""
+    ui = ui or RunUI()
+    if not os.path.isfile(opts.script):
+        raise PrismError(f"script not found: {opts.script}")
+    Layout.parse(opts.layout, opts.world)  # a layout that does not fit the world: refused before anything runs
+    out = Path(opts.out)
+    state = _prepare(opts, out)
+    (out / LOGS_DIR).mkdir(exist_ok=True)
+    walls = {s["name"]: s for s in state.get("stages", [])}
+
+    def done_stage(name: str, t0: float, what: str) -> None:
+        walls[name] = {"name": name, "wall_s": round(time.monotonic() - t0, 2), "what": what}
+        state["stages"] = [walls[n] for n in STAGES if n in walls]
+        _write_state(out, state)
+
+    # ---- capture
+    bare = out / BARE_DIR
+    if not (bare / MANIFEST_FILE).is_file():
+        t0 = time.monotonic()
+        sink, close = _log_sink(out / LOGS_DIR / "capture.log")
+        plan: list[CapturePlan] = []
+
+        def on_plan(p: CapturePlan) -> None:
+            plan.append(p)
+            ui.say(f"capture: {p.replicas.describe()}; {p.parallel} at a time on {p.device}")
+            ui.stage("capture", total=len(p.replicas.representatives), unit="ranks", done=len(p.resumed))
+
+        try:
+            res = capture(
+                CaptureOptions(
+                    world=opts.world,
+                    out=bare,
+                    script=opts.script,
+                    args=list(opts.args),
+                    devices=opts.devices,
+                    parallel=opts.parallel,
+                    layout=opts.layout,
+                    rules=opts.rules,
+                    tensors=opts.tensors,
+                    timeout=opts.timeout,
+                    sink=sink,
+                    argv=None,
+                ),
+                on_plan=on_plan,
+                on_progress=lambda d, t, r, e: ui.update(d, t),
+            )
+        finally:
+            close()
+        done_stage("capture", t0, f"{len(res.representatives)} of {res.world_size} ranks run alone on {res.device}")
+
+    # ---- time
+    timed = out / TIME_DIR / "graph"
+    if not (timed / MANIFEST_FILE).is_file() or "time" not in walls:
+        t0 = time.monotonic()
+        ui.stage("time", unit="slices")
+        res_t = time_slices(
+            TimeOptions(
+                graph=bare,
+                out=out / TIME_DIR,
+                script=opts.script,
+                args=list(opts.args),
+                devices=opts.devices,
+                parallel=opts.parallel or 1,
+                tensors=opts.tensors,
+                inputs=opts.inputs,
+                timeout=opts.timeout,
+            ),
+            lambda d, t, ranks, s: ui.update(d, t),
+            say=lambda line: ui.say(f"time: {line}"),
+        )
+        done_stage(
+            "time",
+            t0,
+            f"{len(res_t.timed_ranks)} ranks timed in {len(res_t.slices)} slice(s) on {_devices_of(out / TIME_DIR)}",
+        )
+
+    # ---- calibrate
+    cal = out / CAL_DIR
+    if not (cal / "graph" / MANIFEST_FILE).is_file() or "calibrate" not in walls:
+        t0 = time.monotonic()
+        ui.stage("calibrate")
+        summary = calibrate(timed, cal, write_graph=True)
+        done_stage("calibrate", t0, f"{summary['nodes']:,} nodes solved")
+    summary = json.loads((cal / "summary.json").read_text())
+
+    # ---- emulate
+    emu = None
+    if opts.sandbox is not None:
+        ef = out / EMULATE_DIR / "emulate.json"
+        prev = read_json(ef)
+        if not (prev and prev.get("ok")) or "emulate" not in walls:
+            t0 = time.monotonic()
+            ui.stage("emulate")
+            sink, close = _log_sink(out / LOGS_DIR / "emulate.log")
+            try:
+                emulate(
+                    EmulateOptions(
+                        graph=cal / "graph",
+                        sandbox=opts.sandbox,
+                        out=out / EMULATE_DIR,
+                        script=opts.script,
+                        args=list(opts.args),
+                        devices=opts.devices,
+                        inputs=opts.inputs,
+                        tensors=opts.tensors,
+                        timeout=opts.timeout,
+                        force=True,
+                        sink=sink,
+                    )
+                )
+            finally:
+                close()
+            sb = read_json(ef) or {}
+            done_stage(
+                "emulate",
+                t0,
+                f"rank(s) {','.join(map(str, sb.get('sandbox', [])))} real on "
+                f"{sb.get('devices')}, {opts.world - len(sb.get('sandbox', []))} virtual",
+            )
+        emu = read_json(ef)
+
+    # ---- report
+    t0 = time.monotonic()
+    ui.stage("report")
+    report = write_report(out, out / REPORT_FILE)
+    done_stage("report", t0, str(report))
+    result = _summary(out, state, summary, emu)
+    state["summary"] = result
+    _write_state(out, state)
+    return result
+
+
+def _devices_of(time_dir: Path) -> str:
+    s = read_json(time_dir / "slices" / "slice-00000" / "slice.json") or {}
+    return str(s.get("devices", "?"))
+
+
+def _summary(out: Path, state: dict[str, Any], s: dict[str, Any], emu: dict[str, Any] | None) -> dict[str, Any]:
+    """The figures a user reads first (``prism run``'s closing lines)."""
+    bare = read_json(out / BARE_DIR / MANIFEST_FILE) or {}
+    world = int(s["world_size"])
+    layout = Layout.parse(bare.get("layout"), world) if bare.get("layout") else None
+    peaks = {int(r): int(b) for r, b in (bare.get("peak_memory_bytes") or {}).items() if int(b) >= 0}
+    peak = None
+    if peaks:
+        r = max(peaks, key=lambda k: peaks[k])
+        peak = {"rank": r, "bytes": peaks[r], "where": coords_text(layout, r), "min_bytes": min(peaks.values())}
+    cp = s.get("critical_path") or {}
+    total = max(int(cp.get("total_ns") or 0), 1)
+    shares = {k: v / total for k, v in (cp.get("by_kind") or {}).items()}
+    emulated = None
+    if emu:
+        emulated = {
+            r: {"iteration_ns": m.get("median_steady_iteration_ns"), "peak_memory_bytes": m.get("peak_memory_bytes")}
+            for r, m in (emu.get("sandbox_results") or {}).items()
+        }
+    return {
+        "world_size": world,
+        "command": bare.get("command"),
+        "device": bare.get("device"),
+        "predicted_iteration_ns": s.get("predicted_iteration_ns"),
+        "pipeline_bubble": (s.get("pipeline_bubble") or {}).get("fraction"),
+        "critical_path_shares": shares,
+        "peak_memory": peak,
+        "emulated": emulated,
+        "emulated_devices": (emu or {}).get("devices"),
+        "shared_gpu": (emu or {}).get("shared_gpu"),
+        "stages": state.get("stages", []),
+        "report": str(out / REPORT_FILE),
+    }
+
+
+__all__ = ["LOGS_DIR", "REPORT_FILE", "RunOptions", "RunUI", "run_pipeline"]

@@ -1,0 +1,405 @@
+"""Pure tensor work, no communication: the buffers of a pruned call on the small communicator
+(:class:`SmallCall`) built from the program's tensors (:func:`sandbox_call`) or from the
+virtual members' inputs (:func:`proxy_call`); ``SmallCall.finish()`` is the sandbox's post step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from prismllm.pruning.plans import CompensationError, Plan
+from prismllm.pruning.tensors import (
+    Reducer,
+    chunks,
+    contig_flat,
+    flat,
+    post_reduce,
+    pre_reduce,
+    reduce,
+    virtual_inputs,
+)
+
+
+# ---------------------------------------------------------------------- small calls
+@dataclasses.dataclass
+class SmallCall:
+    """One member's call on the small communicator: buffers ready to issue, and the local
+    post step (``finish``), to run once the call completed (for async work: on wait, after
+    the communication on its stream)."""
+
+    op: str
+    small_rank: int
+    reduce_op: str = ""
+    root: int = -1
+    input: torch.Tensor | None = None
+    output: torch.Tensor | None = None
+    in_splits: list | None = None
+    out_splits: list | None = None
+    ops: list = dataclasses.field(default_factory=list)  # p2p: (kind, peer, tensor, tag)
+    post: Callable[[], None] | None = None
+    result: Any = None  # proxy: what it received, when useful (reduce to a virtual root)
+    release: Callable[[], None] | None = None  # sandbox: gives its scratch back, after ``post``
+
+    def finish(self) -> None:
+        if self.post is not None:
+            self.post()
+        if self.release is not None:
+            self.release()
+            self.release = None
+
+
+class _Buffers:
+    """Where a sandbox call's own buffers come from: PyTorch's allocator, or on a GPU a
+    scratch arena outside it (``scratch(device)``, e.g. ``prismllm.comm.scratch.arena``: an
+    object with ``take(numel, dtype, zero)`` and ``give_back(buffers)``, or None for a device
+    it does not serve), so that the program's memory figures stay its own."""
+
+    def __init__(self, scratch: Callable[[torch.device], Any] | None, device: torch.device):
+        self.scratch = scratch(device) if scratch is not None else None  # None: PyTorch's allocator
+        self.device = device
+        self.taken: list[torch.Tensor] = []
+
+    def new(self, numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
+        if self.scratch is None:
+            return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=self.device)
+        t = self.scratch.take(numel, dtype, zero)
+        self.taken.append(t)
+        return t
+
+    def bind(self, call: SmallCall) -> SmallCall:
+        if self.taken:
+            taken, scratch = self.taken, self.scratch
+            call.release = lambda: scratch.give_back(taken)
+        return call
+
+
+def sandbox_call(
+    p: Plan,
+    g: int,
+    *,
+    tensor: torch.Tensor | None = None,
+    input: Any = None,
+    output: Any = None,
+    tensors: Mapping[int, torch.Tensor] | None = None,
+    scratch: Callable[[torch.device], Any] | None = None,
+) -> SmallCall:
+    """The small-communicator call of real member ``g`` (logical group rank) for the
+    program's tensors, as the program passed them:
+
+    - all_reduce, broadcast, reduce: ``tensor`` (in place);
+    - reduce_scatter: ``output`` (c elements), ``input`` ([n*c]-shaped tensor or list of n);
+    - all_gather: ``output`` ([n*c]-shaped tensor or list of n), ``input``;
+    - gather: ``input``, ``output`` (list of n, at the root); scatter: ``output``, ``input``
+      (list of n, at the root);
+    - all_to_all: ``output``, ``input`` (tensors split as the plan's splits, or lists of n);
+    - send/recv/p2p: ``tensors``: message index -> the tensor sent or received (``tensor``
+      alone for a one-message plan);
+    - barrier: nothing.
+
+    ``scratch``: on a GPU, the arena of a device where the call's own buffers come from (see
+    :class:`_Buffers`; default: PyTorch's allocator); ``SmallCall.finish`` gives them back.
+    """
+    G = p.group
+    if not G.is_real(g):
+        raise CompensationError(f"{p.op}: member {g} is virtual; the proxy plays it")
+    i = G.small(g)
+    op = p.op
+    if op in ("all_reduce", "reduce_scatter", "all_gather", "reduce", "all_to_all"):
+        first = next((t for t in (tensor, input, output) if t is not None), None)
+        ref = first if isinstance(first, torch.Tensor) else (first[0] if first else None)
+        bufs = _Buffers(scratch, ref.device if isinstance(ref, torch.Tensor) else torch.device("cpu"))
+        if op == "all_reduce":
+            return bufs.bind(_sb_all_reduce(p, i, tensor, bufs))
+        if op == "reduce_scatter":
+            return bufs.bind(_sb_reduce_scatter(p, i, output, input, bufs))
+        if op == "all_gather":
+            return bufs.bind(_sb_all_gather(p, i, output, input, bufs))
+        if op == "reduce":
+            return bufs.bind(_sb_reduce(p, g, i, tensor, bufs))
+        return bufs.bind(_sb_all_to_all(p, g, i, output, input, bufs))
+    if op == "broadcast":
+        return SmallCall("broadcast", i, root=p.small_root, input=tensor, output=tensor)
+    if op == "gather":
+        return _sb_gather(p, g, i, input, output)
+    if op == "scatter":
+        return _sb_scatter(p, g, i, input, output)
+    if op in ("send", "recv", "p2p"):
+        if tensors is None:
+            if tensor is None or len(p.messages) != 1:
+                raise CompensationError(f"{op}: pass tensors={{message index: tensor}}")
+            tensors = {0: tensor}
+        return _p2p_call(p, i, lambda m, kind: tensors[m])
+    if op == "barrier":
+        return SmallCall("barrier", i)
+    raise CompensationError(f"no sandbox call for op {op!r}")
+
+
+def proxy_call(p: Plan, inputs: Any = None, device: Any = None) -> SmallCall:
+    """The proxy's small-communicator call. ``inputs``: what each virtual member would
+    contribute, indexed by logical group rank (a list of n with None for real members, or a
+    dict): its tensor (all_reduce, reduce, broadcast root), its input (reduce_scatter,
+    all_gather, gather, all_to_all), the root's list of n chunks (scatter). For p2p: message
+    index -> tensor of each message a virtual member sends. ``device``: where the small call's
+    buffers live (the proxy's GPU for an NCCL small group; inputs may be on the host)."""
+    G = p.group
+    i = G.proxy
+    op = p.op
+    dt = p.dtype
+    if op == "all_reduce":
+        vin = virtual_inputs(p, inputs)
+        buf = torch.zeros(p.slot, dtype=dt, device=device)
+        buf[: p.numel] = reduce((flat(vin[v]) for v in G.virtual), p.reduce_op, p.factor)
+        return SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf)
+    if op == "reduce_scatter":
+        vin = virtual_inputs(p, inputs)
+        acc = [Reducer(p.reduce_op, p.factor) for _ in G.real]
+        for v in G.virtual:  # one virtual member's input in memory at a time
+            ch = chunks(vin[v], G.n)
+            for j, r in enumerate(G.real):
+                acc[j].add(ch[r])
+        buf = torch.zeros(G.size, p.slot, dtype=dt, device=device)
+        for j in range(len(G.real)):
+            buf[j, : p.numel] = acc[j].result()
+        return SmallCall(
+            "reduce_scatter",
+            i,
+            reduce_op=p.small_reduce_op,
+            input=buf.view(-1),
+            output=torch.empty(p.slot, dtype=dt, device=device),
+        )
+    if op == "all_gather":
+        vin = virtual_inputs(p, inputs)
+        buf = (
+            torch.cat([flat(vin[v]) for v in G.virtual]).to(device)
+            if p.numel
+            else torch.empty(0, dtype=dt, device=device)
+        )
+        return SmallCall("all_gather", i, input=buf, output=torch.empty(G.size * p.slot, dtype=dt, device=device))
+    if op == "broadcast":
+        if G.is_real(p.root):
+            buf = torch.empty(p.numel, dtype=dt, device=device)
+        else:
+            buf = flat(virtual_inputs(p, inputs)[p.root]).to(device, copy=True)
+        return SmallCall("broadcast", i, root=p.small_root, input=buf, output=buf, result=buf)
+    if op == "reduce":
+        vin = virtual_inputs(p, inputs)
+        buf = reduce((flat(vin[v]) for v in G.virtual), p.reduce_op, p.factor).to(device)
+        post = None
+        if not G.is_real(p.root) and p.reduce_op == "avg":
+            post = lambda: post_reduce(buf, "avg", G.n)  # noqa: E731 - the proxy's copy of the result
+        return SmallCall(
+            "reduce", i, reduce_op=p.small_reduce_op, root=p.small_root, input=buf, output=buf, post=post, result=buf
+        )
+    if op == "all_to_all":
+        vin = virtual_inputs(p, inputs)
+        pieces = []
+        ch = {v: a2a_in_chunks(p, v, vin[v]) for v in G.virtual}
+        for r in G.real:
+            pieces.extend(ch[v][r] for v in G.virtual)
+        buf = torch.cat(pieces).to(device) if pieces else torch.empty(0, dtype=dt, device=device)
+        out = torch.empty(sum(p.small_recv[i]), dtype=dt, device=device)
+        return SmallCall(
+            "all_to_all",
+            i,
+            input=buf,
+            output=out,
+            in_splits=list(p.small_send[i]),
+            out_splits=list(p.small_recv[i]),
+            result=out,
+        )
+    if op in ("gather", "scatter", "send", "recv", "p2p"):
+        return _p2p_call(p, i, _proxy_payload(p, inputs, device))
+    if op == "barrier":
+        return SmallCall("barrier", i)
+    raise CompensationError(f"no proxy call for op {op!r}")
+
+
+# ---- sandbox helpers
+def _sb_all_reduce(p: Plan, i: int, t: torch.Tensor, bufs: _Buffers) -> SmallCall:
+    S = p.numel
+    if t.numel() != S:
+        raise CompensationError(f"all_reduce: tensor of {t.numel()} elements, plan says {S}")
+    view = contig_flat(t)
+    if p.pad == 0 and view is not None:
+        buf = view
+        pre_reduce(buf, p.reduce_op, p.factor)
+
+        def post() -> None:
+            post_reduce(t, p.reduce_op, p.group.n)
+    else:
+        buf = bufs.new(p.slot, t.dtype, zero=True)
+        buf[:S].copy_(flat(t))
+        pre_reduce(buf[:S], p.reduce_op, p.factor)
+
+        def post() -> None:
+            t.copy_(buf[:S].view(t.shape))
+            post_reduce(t, p.reduce_op, p.group.n)
+
+    return SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf, post=post)
+
+
+def _sb_reduce_scatter(p: Plan, i: int, output: Any, input: Any, bufs: _Buffers) -> SmallCall:
+    G, c = p.group, p.numel
+    ch = chunks(input, G.n)
+    if ch[0].numel() != c:
+        raise CompensationError(f"reduce_scatter: input chunks of {ch[0].numel()} elements, plan says {c}")
+    ref = ch[0]
+    buf = bufs.new(G.size * p.slot, ref.dtype, zero=True).view(G.size, p.slot)
+    for j, r in enumerate(G.real):
+        buf[j, :c].copy_(ch[r])
+    pre_reduce(buf, p.reduce_op, p.factor)
+    out_t = output if isinstance(output, torch.Tensor) else output[0]
+    direct = contig_flat(out_t) if p.pad == 0 else None
+    obuf = direct if direct is not None else bufs.new(p.slot, ref.dtype)
+
+    def post() -> None:
+        if direct is None:
+            out_t.copy_(obuf[:c].view(out_t.shape))
+        post_reduce(out_t, p.reduce_op, G.n)
+
+    return SmallCall("reduce_scatter", i, reduce_op=p.small_reduce_op, input=buf.view(-1), output=obuf, post=post)
+
+
+def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buffers) -> SmallCall:
+    G, c, slot = p.group, p.numel, p.slot
+    if input.numel() != c:
+        raise CompensationError(f"all_gather: input of {input.numel()} elements, plan says {c}")
+    if p.pad:
+        ibuf = bufs.new(slot, input.dtype, zero=True)
+        ibuf[:c].copy_(flat(input))
+    else:
+        ibuf = contig_flat(input)
+        if ibuf is None:
+            ibuf = bufs.new(c, input.dtype)
+            ibuf.copy_(flat(input))
+    obuf = bufs.new(G.size * slot, input.dtype)
+    outs = chunks(output, G.n) if isinstance(output, torch.Tensor) and contig_flat(output) is not None else None
+
+    def post() -> None:
+        dst = outs if outs is not None else [None] * G.n
+        src = {}
+        for j, r in enumerate(G.real):
+            src[r] = obuf[j * slot : j * slot + c]
+        base = G.k * slot
+        for x, v in enumerate(G.virtual):
+            src[v] = obuf[base + x * c : base + (x + 1) * c]
+        if outs is not None:
+            for r in range(G.n):
+                dst[r].copy_(src[r])
+        elif isinstance(output, torch.Tensor):  # non-contiguous output tensor
+            output.copy_(torch.cat([src[r] for r in range(G.n)]).view(output.shape))
+        else:
+            for r in range(G.n):
+                output[r].copy_(src[r].view(output[r].shape))
+
+    return SmallCall("all_gather", i, input=ibuf, output=obuf, post=post)
+
+
+def _sb_reduce(p: Plan, g: int, i: int, t: torch.Tensor, bufs: _Buffers) -> SmallCall:
+    is_root = g == p.root
+    buf = t
+    if p.reduce_op == "premul_sum" and not is_root:
+        buf = bufs.new(t.numel(), t.dtype).view(t.shape)  # the program's non-root tensor stays as it was
+        buf.copy_(t)
+    if buf is t and not t.is_contiguous():
+        raise CompensationError("reduce: non-contiguous tensor")
+    pre_reduce(buf, p.reduce_op, p.factor)
+    post = (lambda: post_reduce(t, p.reduce_op, p.group.n)) if is_root else None
+    return SmallCall("reduce", i, reduce_op=p.small_reduce_op, root=p.small_root, input=buf, output=buf, post=post)
+
+
+def _sb_gather(p: Plan, g: int, i: int, input: torch.Tensor, output: Any) -> SmallCall:
+    if g == p.root:
+        if output is None or len(output) != p.group.n:
+            raise CompensationError(f"gather: the root needs an output list of {p.group.n}")
+
+        def buf(m: int, kind: str) -> torch.Tensor:
+            return output[p.messages[m].src]
+
+        call = _p2p_call(p, i, buf)
+        call.post = lambda: output[g].copy_(input.view(output[g].shape))
+        return call
+    return _p2p_call(p, i, lambda m, kind: input)
+
+
+def _sb_scatter(p: Plan, g: int, i: int, input: Any, output: torch.Tensor) -> SmallCall:
+    if g == p.root:
+        if input is None or len(input) != p.group.n:
+            raise CompensationError(f"scatter: the root needs an input list of {p.group.n}")
+        call = _p2p_call(p, i, lambda m, kind: input[p.messages[m].dst])
+        call.post = lambda: output.copy_(input[g].view(output.shape))
+        return call
+    return _p2p_call(p, i, lambda m, kind: output)
+
+
+def a2a_in_chunks(p: Plan, g: int, x: Any) -> list:
+    if isinstance(x, torch.Tensor):
+        return list(flat(x).split(list(p.splits[g])))
+    return [flat(t) for t in x]
+
+
+def _sb_all_to_all(p: Plan, g: int, i: int, output: Any, input: Any, bufs: _Buffers) -> SmallCall:
+    G = p.group
+    identity = G.real == tuple(range(G.k))
+    order = list(G.real) + list(G.virtual)
+    isp, osp = list(p.small_send[i]), list(p.small_recv[i])
+    in_t = input if isinstance(input, torch.Tensor) else None
+    out_t = output if isinstance(output, torch.Tensor) else None
+    ib = contig_flat(in_t) if (identity and in_t is not None) else None
+    if ib is None:
+        ch = a2a_in_chunks(p, g, input)
+        ib = bufs.new(sum(x.numel() for x in ch), ch[0].dtype)
+        torch.cat([ch[d] for d in order], out=ib)
+    ob = contig_flat(out_t) if (identity and out_t is not None) else None
+    direct = ob is not None
+    if not direct:
+        ob = bufs.new(sum(osp), ib.dtype)
+
+    def post() -> None:
+        if direct:
+            return
+        parts = ob.split([p.splits[s][g] for s in order])
+        src = dict(zip(order, parts))
+        if out_t is not None:
+            out_t.copy_(torch.cat([src[s] for s in range(G.n)]).view(out_t.shape))
+        else:
+            for s in range(G.n):
+                output[s].copy_(src[s].view(output[s].shape))
+
+    return SmallCall("all_to_all", i, input=ib, output=ob, in_splits=isp, out_splits=osp, post=post)
+
+
+def _p2p_call(p: Plan, i: int, buf: Callable[[int, str], torch.Tensor]) -> SmallCall:
+    ops = [(o.kind, o.peer, buf(o.message, o.kind), o.tag) for o in p.p2p[i]]
+    return SmallCall("p2p", i, ops=ops)
+
+
+def _proxy_payload(p: Plan, inputs: Any, device: Any = None) -> Callable[[int, str], torch.Tensor]:
+    """Buffers of the proxy's p2p ops: what a virtual sender sends; scratch for receives."""
+    received = {}
+
+    def buf(m: int, kind: str) -> torch.Tensor:
+        msg = p.messages[m]
+        if kind == "recv":
+            t = received[m] = torch.empty(msg.numel, dtype=p.dtype, device=device)
+            return t
+        try:
+            if p.op == "gather":
+                x = inputs[msg.src]
+            elif p.op == "scatter":
+                x = inputs[msg.src][msg.dst]
+            else:
+                x = inputs[m]
+        except (IndexError, KeyError, TypeError):
+            x = None
+        if x is None:
+            raise CompensationError(f"{p.op}: the proxy has no data for message {m} ({msg.src} -> {msg.dst})")
+        x = flat(x)
+        if x.numel() != msg.numel:
+            raise CompensationError(f"{p.op}: message {m} has {msg.numel} elements, payload {x.numel()}")
+        return x.to(device).contiguous()
+
+    return buf

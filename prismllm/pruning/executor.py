@@ -1,0 +1,157 @@
+"""A reference executor of pruned calls on any ``ProcessGroup`` object (what the tests use with
+gloo), and the logical result every real member must see."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from prismllm.pruning.calls import SmallCall, a2a_in_chunks
+from prismllm.pruning.plans import CompensationError, Plan
+from prismllm.pruning.tensors import chunks, flat, post_reduce, reduce
+
+# ---------------------------------------------------------------------- reference executor
+_TORCH_REDOP = {
+    "sum": "SUM",
+    "avg": "AVG",
+    "max": "MAX",
+    "min": "MIN",
+    "product": "PRODUCT",
+    "band": "BAND",
+    "bor": "BOR",
+    "bxor": "BXOR",
+}
+
+
+def _torch_redop(name: str) -> Any:
+
+    return getattr(dist.ReduceOp, _TORCH_REDOP[name])
+
+
+def issue(pg: Any, call: SmallCall) -> list:
+    """Issue ``call`` on a ``ProcessGroup`` object (the small communicator) through its own
+    methods; returns the Work objects (wait on all, then ``call.finish()``)."""
+
+    op = call.op
+    if op == "all_reduce":
+        o = dist.AllreduceOptions()
+        o.reduceOp = _torch_redop(call.reduce_op)
+        return [pg.allreduce([call.input], o)]
+    if op == "reduce_scatter":
+        o = dist.ReduceScatterOptions()
+        o.reduceOp = _torch_redop(call.reduce_op)
+        return [pg._reduce_scatter_base(call.output, call.input, o)]
+    if op == "all_gather":
+        return [pg._allgather_base(call.output, call.input)]
+    if op == "broadcast":
+        o = dist.BroadcastOptions()
+        o.rootRank, o.rootTensor = call.root, 0
+        return [pg.broadcast([call.input], o)]
+    if op == "reduce":
+        o = dist.ReduceOptions()
+        o.rootRank, o.rootTensor = call.root, 0
+        o.reduceOp = _torch_redop(call.reduce_op)
+        return [pg.reduce([call.input], o)]
+    if op == "all_to_all":
+        return [pg.alltoall_base(call.output, call.input, call.out_splits, call.in_splits, dist.AllToAllOptions())]
+    if op == "p2p":
+        return issue_batch(pg, [call])
+    if op == "barrier":
+        return [pg.barrier(dist.BarrierOptions())]
+    raise CompensationError(f"cannot issue {op!r}")
+
+
+def _nccl(pg: Any) -> bool:
+    return type(pg).__name__ == "ProcessGroupNCCL"
+
+
+def _coalescing(pg: Any, name: str, device: Any) -> Any:
+    """``_start_coalescing``/``_end_coalescing`` of a backend object: torch 2.11's bindings
+    take no device, newer ones take it."""
+    fn = getattr(pg, name)
+    try:
+        return fn(device)
+    except TypeError:
+        return fn()
+
+
+def issue_batch(pg: Any, calls: Sequence[SmallCall]) -> list:
+    """Issue several calls as one batch (``batch_isend_irecv``'s). On NCCL the point-to-point
+    ops of the batch go into one NCCL group (``_start_coalescing``/``_end_coalescing``, as
+    torch does): posted one by one on the communicator's single stream, a send waiting for
+    its receiver could block a receive the peer needs first. Gloo posts them one by one."""
+    p2p = [op for c in calls if c.op == "p2p" for op in c.ops]
+    other = [c for c in calls if c.op != "p2p"]
+    works = [w for c in other for w in issue(pg, c)]
+    if not p2p:
+        return works
+    nccl = _nccl(pg)
+    if nccl:
+        dev = p2p[0][2].device
+        _coalescing(pg, "_start_coalescing", dev)
+    try:
+        for kind, peer, t, tag in p2p:
+            w = pg.send([t], peer, tag) if kind == "send" else pg.recv([t], peer, tag)
+            if w is not None:
+                works.append(w)
+    finally:
+        if nccl:
+            w = _coalescing(pg, "_end_coalescing", dev)
+            if w is not None:
+                works.append(w)
+    return works
+
+
+def run(pg: Any, call: SmallCall) -> SmallCall:
+    """Issue, wait, finish: the blocking form."""
+    for w in issue(pg, call):
+        w.wait()
+    call.finish()
+    return call
+
+
+# ---------------------------------------------------------------------- logical reference
+def reference(p: Plan, inputs: Sequence[Any]) -> dict:
+    """The logical result every real member must see, computed directly from all n
+    members' inputs (indexed by logical group rank): real member g -> its output (a tensor,
+    or a list for gather at the root; None where the op leaves it nothing defined). For
+    p2p plans: message index -> payload. For tests and for checking a replay."""
+    G = p.group
+    op = p.op
+    out = {}
+    if op == "all_reduce":
+        red = reduce([flat(x) for x in inputs], p.reduce_op, p.factor)
+        post_reduce(red, p.reduce_op, G.n)
+        return {r: red.view(inputs[r].shape) for r in G.real}
+    if op == "reduce_scatter":
+        ch = [chunks(x, G.n) for x in inputs]
+        for r in G.real:
+            red = reduce([ch[s][r] for s in range(G.n)], p.reduce_op, p.factor)
+            post_reduce(red, p.reduce_op, G.n)
+            out[r] = red
+        return out
+    if op == "all_gather":
+        full = torch.cat([flat(x) for x in inputs])
+        return {r: full for r in G.real}
+    if op == "broadcast":
+        return {r: inputs[p.root] for r in G.real}
+    if op == "reduce":
+        red = reduce([flat(x) for x in inputs], p.reduce_op, p.factor)
+        post_reduce(red, p.reduce_op, G.n)
+        return {r: (red if r == p.root else None) for r in G.real}
+    if op == "gather":
+        return {r: ([inputs[s] for s in range(G.n)] if r == p.root else None) for r in G.real}
+    if op == "scatter":
+        return {r: inputs[p.root][r] for r in G.real}
+    if op == "all_to_all":
+        for r in G.real:
+            out[r] = torch.cat([a2a_in_chunks(p, s, inputs[s])[r] for s in range(G.n)])
+        return out
+    if op in ("send", "recv", "p2p"):
+        return {m: inputs[m] for m in range(len(p.messages))}
+    if op == "barrier":
+        return {r: None for r in G.real}
+    raise CompensationError(f"no reference for op {op!r}")

@@ -1,0 +1,83 @@
+"""Solve a graph: one replay of every rank with the durations of ``durations.py``, giving
+globally consistent start/end times and the predicted iteration time (``prism calibrate``'s
+core; the assistant's planned ends in real-time emulation)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from prismllm.replay.durations import (
+    CalibrationError,
+    Durations,
+    check_has_durations,
+    check_same_structure,
+    durations_for,
+    measured,
+    resolve_rule,
+    slice_of_rank,
+)
+from prismllm.replay.engine import Replay, ReplayResult
+from prismllm.replay.graph import ReplayGraph
+from prismllm.trace.graph import PrismTrace
+from prismllm.trace.validate import validate
+
+
+# ---------------------------------------------------------------------- solve
+@dataclasses.dataclass
+class Solution:
+    """A solved graph: the replay's result (per node position: start, end, return; per
+    instance: start, end; iteration times) and the durations it was fed."""
+
+    trace: PrismTrace
+    graph: ReplayGraph
+    result: ReplayResult
+    durations: Durations
+    rule: str
+    rounds: int
+    timings_s: dict[str, float]
+    durations_from: str | None = None
+
+
+def solve(
+    trace: PrismTrace,
+    *,
+    durations: PrismTrace | None = None,
+    rule: str = "auto",
+    names: tuple[str, str] = ("GRAPH", "OTHER"),
+    validate_graph: bool = True,
+) -> Solution:
+    """Solve ``trace`` with its own measured durations, or with those of ``durations`` (a graph
+    of the same structure). ``rule``: see :func:`instance_transfer`; ``auto`` picks it from the
+    graph the durations come from (:func:`resolve_rule`)."""
+    source = durations if durations is not None else trace
+    rule = resolve_rule(rule, source)
+    t = {}
+    t0 = time.perf_counter()
+    if validate_graph:
+        validate(trace)
+        t["validate"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+    if not trace.num_nodes:
+        raise CalibrationError(f"graph {names[0]} has no nodes")
+    graph = ReplayGraph(trace)
+    t["build"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if durations is None:
+        m = measured(trace, graph.row)
+        check_has_durations(trace, m, graph.is_comm, names[0])
+    else:
+        rows = durations.program_order()  # what ReplayGraph.row holds for a replay of every rank
+        check_same_structure(graph, durations, rows, names)
+        m = measured(durations, rows)
+        check_has_durations(durations, m, graph.is_comm, names[1])
+    d = durations_for(graph, m, rule, slice_of_rank(source))
+    t["durations"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rep = Replay(graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)
+    res = rep.run_to_end()
+    t["replay"] = time.perf_counter() - t0
+    return Solution(trace=trace, graph=graph, result=res, durations=d, rule=rule, rounds=rep.rounds, timings_s=t)
+
+
+__all__ = ["Solution", "solve"]

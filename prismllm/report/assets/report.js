@@ -1,0 +1,596 @@
+// prism report: draws the page's charts as SVG from the JSON blob in #report-data.
+// Plain JavaScript, no library. Each draw* function fills one container and can be called again
+// (on a resize) to redraw it at the container's new width. The text of the page is written by
+// prismllm/report/html.py; this script only adds the charts and their interaction.
+(function () {
+  'use strict';
+
+  const D = JSON.parse(document.getElementById('report-data').textContent);
+  const SVGNS = 'http://www.w3.org/2000/svg'; // a namespace name, never fetched
+
+  // Okabe & Ito's palette (readable with every common kind of colour blindness).
+  const OI = ['#0072B2', '#E69F00', '#56B4E9', '#009E73', '#D55E00', '#CC79A7', '#F0E442', '#999999'];
+  const KIND = {
+    compute: { color: '#0072B2', label: 'compute' },
+    comm: { color: '#E69F00', label: 'communication' },
+    wait: { color: '#CC79A7', label: 'waiting for the group\'s other members' },
+  };
+  const PARTS = [ // the per-rank breakdown, bottom to top
+    { key: 'compute', color: '#0072B2', label: 'compute' },
+    { key: 'comm', color: '#E69F00', label: 'communication not hidden by compute' },
+    { key: 'p2p', color: '#CC79A7', label: 'waiting for a pipeline send/receive' },
+    { key: 'idle', color: '#BBBBBB', label: 'other waiting' },
+  ];
+
+  // ------------------------------------------------------------------ formatting
+  function fmtNs(ns) {
+    if (ns == null || !isFinite(ns) || ns < 0) return '–';
+    if (ns >= 1e9) return (ns / 1e9).toFixed(2) + ' s';
+    if (ns >= 1e6) return (ns / 1e6).toFixed(2) + ' ms';
+    if (ns >= 1e3) return (ns / 1e3).toFixed(1) + ' µs';
+    return Math.round(ns) + ' ns';
+  }
+  function fmtBytes(b) {
+    if (b == null || b < 0) return '–';
+    if (b >= 2 ** 30) return (b / 2 ** 30).toFixed(2) + ' GiB';
+    if (b >= 2 ** 20) return (b / 2 ** 20).toFixed(1) + ' MiB';
+    return (b / 2 ** 10).toFixed(1) + ' KiB';
+  }
+  const pct = (x) => (100 * x).toFixed(1) + ' %';
+  const num = (x) => x.toLocaleString('en-US');
+
+  // ------------------------------------------------------------------ DOM helpers
+  function svgEl(tag, attrs, parent) {
+    const e = document.createElementNS(SVGNS, tag);
+    for (const k in attrs) e.setAttribute(k, attrs[k]);
+    if (parent) parent.appendChild(e);
+    return e;
+  }
+  function text(parent, x, y, s, attrs) {
+    const t = svgEl('text', Object.assign({ x: x, y: y }, attrs || {}), parent);
+    t.textContent = s;
+    return t;
+  }
+  // A fresh <svg> of the container's width (the viewBox keeps it scaling when printed).
+  function newSvg(box, h) {
+    box.textContent = '';
+    const w = Math.max(box.clientWidth || 0, 600);
+    const svg = svgEl('svg', { viewBox: `0 0 ${w} ${h}`, width: '100%', class: 'svg' }, box);
+    svg.style.maxWidth = w + 'px';
+    return { svg: svg, w: w };
+  }
+  function legend(box, items) {
+    const div = document.createElement('div');
+    div.className = 'legend';
+    for (const it of items) {
+      const s = document.createElement('span');
+      const sw = document.createElement('i');
+      sw.className = 'sw' + (it.cls ? ' ' + it.cls : '');
+      sw.style.background = it.color;
+      s.append(sw, it.label);
+      div.appendChild(s);
+    }
+    box.appendChild(div);
+  }
+
+  // ------------------------------------------------------------------ tooltip
+  // One tooltip for the page: any SVG element with data-tip shows it (lines split on \n);
+  // the timeline sets its own through showTip. Text only (textContent), never HTML.
+  const tip = document.getElementById('tip');
+  function showTip(ev, s) {
+    tip.textContent = s;
+    tip.hidden = false;
+    const r = tip.getBoundingClientRect();
+    let x = ev.clientX + 14, y = ev.clientY + 14;
+    if (x + r.width > window.innerWidth - 8) x = ev.clientX - r.width - 14;
+    if (y + r.height > window.innerHeight - 8) y = ev.clientY - r.height - 14;
+    tip.style.left = Math.max(4, x) + 'px';
+    tip.style.top = Math.max(4, y) + 'px';
+  }
+  function hideTip() { tip.hidden = true; }
+  document.addEventListener('mousemove', (ev) => {
+    if (!(ev.target instanceof Element)) return;
+    const t = ev.target.closest('[data-tip]');
+    if (t) showTip(ev, t.getAttribute('data-tip'));
+    else if (!ev.target.closest('#timeline-chart')) hideTip(); // the timeline keeps its own
+  });
+
+  // ------------------------------------------------------------------ layout coordinates
+  // "pp 1 · tp 0 · dp 1" of a rank, the rule of prismllm/layout.py (mixed radix over `order`,
+  // fastest first; its dp letter is the expert-data-parallel size edp).
+  const L = D.layout;
+  function coords(rank) {
+    if (!L) return null;
+    const order = (L.order || 'tp-cp-ep-dp-pp').split('-');
+    const size = { tp: L.tp || 1, cp: L.cp || 1, ep: L.ep || 1, dp: L.edp || L.dp || 1, pp: L.pp || 1 };
+    const c = {};
+    let r = rank;
+    for (const d of order) { c[d] = r % size[d]; r = Math.floor(r / size[d]); }
+    c.dp = order.indexOf('ep') < order.indexOf('dp') ? c.dp * size.ep + c.ep : c.ep * size.dp + c.dp;
+    return c;
+  }
+  function where(rank) {
+    const c = coords(rank);
+    if (!c) return 'rank ' + rank;
+    const size = { pp: L.pp, tp: L.tp, cp: L.cp, ep: L.ep, dp: L.edp || L.dp };
+    const s = ['pp', 'tp', 'cp', 'ep', 'dp'].filter((d) => size[d] > 1).map((d) => d + ' ' + c[d]).join(' · ');
+    return s || 'rank ' + rank;
+  }
+
+  // ------------------------------------------------------------------ 2a. critical path
+  function drawCritical(box) {
+    const cp = D.critical_path;
+    const kinds = Object.entries(cp.by_kind || {}).sort((a, b) => b[1] - a[1]);
+    const total = cp.total_ns || kinds.reduce((s, k) => s + k[1], 0) || 1;
+    // compute keeps its timeline colour; the others take the palette in order, the rest "other"
+    const rest = OI.filter((c) => c !== KIND.compute.color);
+    let i = 0;
+    const items = [];
+    let other = 0;
+    for (const [k, v] of kinds) {
+      if (k === 'compute') items.push({ k: k, v: v, color: KIND.compute.color });
+      else if (i < rest.length - 1) items.push({ k: k, v: v, color: rest[i++] });
+      else other += v;
+    }
+    if (other > 0) items.push({ k: 'other', v: other, color: rest[rest.length - 1] });
+    const { svg, w } = newSvg(box, 46);
+    let x = 0;
+    for (const it of items) {
+      const bw = (it.v / total) * w;
+      svgEl('rect', { x: x, y: 4, width: Math.max(bw, 0.5), height: 30, fill: it.color, class: 'seg',
+        'data-tip': `${it.k}\n${fmtNs(it.v)} · ${pct(it.v / total)} of the critical path` }, svg);
+      if (bw > 60) text(svg, x + 6, 24, pct(it.v / total), { class: 'seg-label' });
+      x += bw;
+    }
+    // the table: one row per kind, with the bar's colours
+    const table = document.createElement('table');
+    table.className = 'tbl compact';
+    table.innerHTML = '<thead><tr><th>what</th><th class="num">time</th><th class="num">share</th></tr></thead>';
+    const tb = document.createElement('tbody');
+    for (const it of items) {
+      const tr = document.createElement('tr');
+      const td0 = document.createElement('td');
+      const sw = document.createElement('i');
+      sw.className = 'sw';
+      sw.style.background = it.color;
+      td0.append(sw, it.k);
+      tr.appendChild(td0);
+      for (const s of [fmtNs(it.v), pct(it.v / total)]) {
+        const td = document.createElement('td');
+        td.className = 'num';
+        td.textContent = s;
+        tr.appendChild(td);
+      }
+      tb.appendChild(tr);
+    }
+    table.appendChild(tb);
+    box.appendChild(table);
+  }
+
+  // ------------------------------------------------------------------ 2b. per-rank breakdown
+  function breakdownRows() {
+    const b = D.breakdown;
+    return b.ranks.map((r, i) => {
+      const span = Math.max(b.span_ns[i] || 0, 0);
+      const compute = Math.max(b.compute_ns[i] || 0, 0);
+      const comm = Math.max(b.comm_exposed_ns[i] || 0, 0);
+      const p2p = Math.max(b.p2p_wait_ns[i] || 0, 0);
+      // P2P wait is part of the idle time (idle = span - compute - exposed communication)
+      const idle = Math.max((b.idle_ns[i] || 0) - p2p, 0);
+      return { rank: r, span: span, compute: compute, comm: comm, p2p: p2p, idle: idle };
+    });
+  }
+  // Groups for a large job: per pipeline stage when there are a few, else runs of ranks.
+  function groupRows(rows) {
+    const groups = new Map();
+    const byStage = L && L.pp > 1 && L.pp <= 64;
+    const per = Math.ceil(rows.length / 64);
+    for (const row of rows) {
+      const key = byStage ? coords(row.rank).pp : Math.floor(row.rank / per);
+      if (!groups.has(key)) groups.set(key, []);
+      groups.get(key).push(row);
+    }
+    return [...groups.entries()].sort((a, b) => a[0] - b[0]).map(([key, rs]) => {
+      const g = { label: byStage ? 'pp ' + key : `${rs[0].rank}–${rs[rs.length - 1].rank}`, n: rs.length,
+        min: Infinity, max: 0 };
+      for (const p of ['span', 'compute', 'comm', 'p2p', 'idle']) g[p] = rs.reduce((s, r) => s + r[p], 0) / rs.length;
+      for (const r of rs) { g.min = Math.min(g.min, r.span); g.max = Math.max(g.max, r.span); }
+      return g;
+    });
+  }
+  function drawBreakdown(box) {
+    const rows = breakdownRows();
+    const big = rows.length > 64;
+    const cols = big ? groupRows(rows) : rows;
+    const H = 240, top = 12, bottom = 40, left = 64;
+    const { svg, w } = newSvg(box, H + (big ? 70 : 0));
+    const plotW = w - left - 8, plotH = H - top - bottom;
+    const ymax = Math.max(...cols.map((c) => (big ? c.max : c.span)), 1);
+    const y = (v) => top + plotH - (v / ymax) * plotH;
+    // y axis: a few ticks in ms
+    for (const t of ticks(0, ymax, 5)) {
+      svgEl('line', { x1: left, x2: w - 8, y1: y(t), y2: y(t), class: 'grid' }, svg);
+      text(svg, left - 6, y(t) + 4, fmtMs(t, ymax / 5), { class: 'tick', 'text-anchor': 'end' });
+    }
+    text(svg, 12, top + plotH / 2, 'ms', { class: 'axis-label', transform: `rotate(-90 12 ${top + plotH / 2})` });
+    const slot = plotW / cols.length, bw = Math.min(56, slot * 0.72);
+    const longest = Math.max(...cols.map((c) => (big ? c.label : String(c.rank)).length));
+    const labelEvery = Math.ceil(cols.length / Math.floor(plotW / (longest * 7 + 14)));
+    cols.forEach((c, i) => {
+      const x = left + i * slot + (slot - bw) / 2;
+      const g = svgEl('g', { class: 'col' }, svg);
+      const head = big ? `${c.label} (${num(c.n)} ranks), mean of the group` : `rank ${c.rank} (${where(c.rank)})`;
+      const lines = PARTS.map((p) => `${p.label}: ${fmtNs(c[p.key])} (${pct(c[p.key] / (c.span || 1))})`);
+      const tail = big ? `iteration: ${fmtNs(c.min)} – ${fmtNs(c.max)} (mean ${fmtNs(c.span)})`
+        : `iteration: ${fmtNs(c.span)}`;
+      g.setAttribute('data-tip', [head, ...lines, tail].join('\n'));
+      let acc = 0;
+      for (const p of PARTS) {
+        const v = c[p.key];
+        if (v <= 0) continue;
+        svgEl('rect', { x: x, y: y(acc + v), width: bw, height: Math.max(y(acc) - y(acc + v), 0.5), fill: p.color }, g);
+        acc += v;
+      }
+      svgEl('rect', { x: left + i * slot, y: top, width: slot, height: plotH, fill: 'transparent' }, g);
+      if (big) { // whisker: the group's shortest to longest iteration
+        const cx = x + bw / 2;
+        svgEl('path', { d: `M${cx} ${y(c.min)}V${y(c.max)}M${cx - 5} ${y(c.max)}h10M${cx - 5} ${y(c.min)}h10`,
+          class: 'whisker' }, g);
+      }
+      if (i % labelEvery === 0) {
+        text(svg, left + i * slot + slot / 2, H - bottom + 16, big ? c.label : String(c.rank),
+          { class: 'tick', 'text-anchor': 'middle' });
+      }
+    });
+    text(svg, left + plotW / 2, H - 6, big ? (L && L.pp > 1 ? 'pipeline stage' : 'ranks') : 'rank',
+      { class: 'axis-label', 'text-anchor': 'middle' });
+    if (big) heatStrip(svg, rows, left, H + 8, plotW);
+    legend(box, PARTS);
+  }
+  // One thin cell per rank: its busy share (compute + communication not hidden) of its iteration.
+  function heatStrip(svg, rows, x0, y0, width) {
+    text(svg, x0, y0 + 8, 'busy share of every rank, in rank order', { class: 'tick' });
+    const cw = width / rows.length, h = 22, y = y0 + 14;
+    const g = svgEl('g', {}, svg);
+    rows.forEach((r, i) => {
+      const busy = (r.compute + r.comm) / (r.span || 1);
+      svgEl('rect', { x: x0 + i * cw, y: y, width: cw + 0.3, height: h, fill: seqColor(busy, BLUES),
+        'data-tip': `rank ${r.rank} (${where(r.rank)})\nbusy ${pct(busy)} of ${fmtNs(r.span)}` }, g);
+    });
+    if (L && L.pp > 1) { // ticks at each pipeline stage's first rank
+      rows.forEach((r, i) => {
+        if (i > 0 && coords(r.rank).pp !== coords(rows[i - 1].rank).pp) {
+          svgEl('line', { x1: x0 + i * cw, x2: x0 + i * cw, y1: y - 3, y2: y + h + 3, class: 'sep' }, svg);
+        }
+      });
+    }
+    text(svg, x0 + width, y0 + 8, 'light: mostly waiting · dark: mostly busy', { class: 'tick', 'text-anchor': 'end' });
+  }
+
+  // ------------------------------------------------------------------ colour scales
+  const YLORBR = ['#fff7bc', '#fee391', '#fec44f', '#fe9929', '#ec7014', '#cc4c02', '#8c2d04'];
+  const BLUES = ['#f7fbff', '#c6dbef', '#9ecae1', '#6baed6', '#3182bd', '#08519c'];
+  function seqColor(t, stops) {
+    t = Math.min(Math.max(isFinite(t) ? t : 0, 0), 1) * (stops.length - 1);
+    const i = Math.min(Math.floor(t), stops.length - 2), f = t - i;
+    const a = hex(stops[i]), b = hex(stops[i + 1]);
+    return `rgb(${a.map((v, k) => Math.round(v + (b[k] - v) * f)).join(',')})`;
+  }
+  const hex = (s) => [1, 3, 5].map((i) => parseInt(s.slice(i, i + 2), 16));
+  function darkText(rgb) { // pick black or white text for a background colour
+    const [r, g, b] = rgb.match(/\d+/g).map(Number);
+    return 0.299 * r + 0.587 * g + 0.114 * b > 140;
+  }
+
+  // ------------------------------------------------------------------ 3. memory heat map
+  function drawMemory(box) {
+    const m = D.memory;
+    // the grid (pp x tp), or without a layout the ranks in rows of 32
+    const per = 32;
+    const values = m.grid ? m.grid.values : Array.from({ length: Math.ceil(m.per_rank.length / per) },
+      (_, i) => m.per_rank.slice(i * per, (i + 1) * per));
+    const cellName = (i, j) => (m.grid ? `pp ${i} · tp ${j}` : `rank ${i * per + j}`);
+    const nr = values.length, nc = Math.max(...values.map((r) => r.length));
+    const known = values.flat().filter((v) => v != null && v >= 0);
+    const lo = Math.min(...known), hi = Math.max(...known);
+    const left = 56, top = 24, legendW = 150;
+    const avail = Math.max(box.clientWidth || 0, 600) - left - legendW - 40;
+    const cw = Math.max(Math.min(avail / nc, 110), 8), ch = Math.max(Math.min(cw * 0.45, 40), 14);
+    const { svg, w } = newSvg(box, top + nr * ch + 30);
+    svg.style.maxWidth = w + 'px';
+    const maxRank = m.max ? m.max.rank : null;
+    let maxCell = null;
+    values.forEach((row, i) => {
+      text(svg, left - 8, top + i * ch + ch / 2 + 4, m.grid ? `pp ${i}` : `${i * per}+`, { class: 'tick', 'text-anchor': 'end' });
+      row.forEach((v, j) => {
+        const x = left + j * cw, yy = top + i * ch;
+        const ok = v != null && v >= 0;
+        const fill = ok ? seqColor(hi > lo ? (v - lo) / (hi - lo) : 1, YLORBR) : '#eeeeee';
+        const label = cellName(i, j);
+        svgEl('rect', { x: x, y: yy, width: cw - 1, height: ch - 1, fill: fill, class: 'cell',
+          'data-tip': ok ? `${label}\n${fmtBytes(v)}\n${num(v)} bytes` : `${label}\nnot measured` }, svg);
+        if (cw >= 64) {
+          text(svg, x + cw / 2, yy + ch / 2 + 4, ok ? fmtBytes(v) : '?',
+            { class: 'cell-label', 'text-anchor': 'middle', style: `fill:${darkText(fill) || !ok ? '#222' : '#fff'}` });
+        }
+        if (ok && v === hi && maxCell === null) maxCell = [x, yy];
+      });
+    });
+    for (let j = 0; j < nc; j++) {
+      if (nc <= 32 || j % Math.ceil(nc / 32) === 0) {
+        text(svg, left + j * cw + cw / 2, top - 8, m.grid ? `tp ${j}` : `+${j}`, { class: 'tick', 'text-anchor': 'middle' });
+      }
+    }
+    if (maxCell) svgEl('rect', { x: maxCell[0] - 1, y: maxCell[1] - 1, width: cw + 1, height: ch + 1, class: 'max-cell' }, svg);
+    // legend: the colour ramp from the least to the most memory
+    const lx = left + nc * cw + 30, ly = top;
+    const grad = svgEl('linearGradient', { id: 'mem-grad', x1: 0, x2: 0, y1: 1, y2: 0 }, svgEl('defs', {}, svg));
+    YLORBR.forEach((c, i) => svgEl('stop', { offset: i / (YLORBR.length - 1), 'stop-color': c }, grad));
+    const lh = Math.max(nr * ch, 60);
+    svgEl('rect', { x: lx, y: ly, width: 14, height: lh, fill: 'url(#mem-grad)', class: 'ramp' }, svg);
+    text(svg, lx + 20, ly + 10, fmtBytes(hi) + ' (most)', { class: 'tick' });
+    text(svg, lx + 20, ly + lh, fmtBytes(lo) + ' (least)', { class: 'tick' });
+    svg.setAttribute('viewBox', `0 0 ${w} ${top + Math.max(nr * ch, lh) + 12}`);
+    if (maxRank != null) {
+      const p = document.createElement('p');
+      p.className = 'note';
+      p.textContent = `Largest: ${fmtBytes(m.max.bytes)} (${num(m.max.bytes)} bytes) on rank ${maxRank} (${m.max.where}).`;
+      box.appendChild(p);
+    }
+  }
+
+  // ------------------------------------------------------------------ axis helpers
+  function niceStep(range, n) {
+    const raw = range / Math.max(n, 1), p = 10 ** Math.floor(Math.log10(raw)), f = raw / p;
+    return (f < 1.5 ? 1 : f < 3.5 ? 2 : f < 7.5 ? 5 : 10) * p;
+  }
+  function ticks(a, b, n) {
+    const s = niceStep(b - a, n), out = [];
+    for (let t = Math.ceil(a / s) * s; t <= b + s * 1e-9; t += s) out.push(t);
+    return out;
+  }
+  function fmtMs(ns, step) { // a tick label in ms, with as many decimals as the step needs
+    const d = Math.max(0, Math.min(6, -Math.floor(Math.log10(step / 1e6) + 1e-9)));
+    return (ns / 1e6).toFixed(d);
+  }
+
+  // ------------------------------------------------------------------ 4. timeline
+  // Spans are drawn as one <path> per (lane, kind): a few elements whatever the span count.
+  // Spans closer than half a pixel merge into one rectangle, so the zoomed-out view stays light.
+  const TL = { rowH: 44, laneY: [0, 20], laneH: [17, 10], critY: 32, critH: 4, left: 150, top: 28 };
+  let tl = null; // the timeline's state: spans per row and lane, the view, the svg parts
+  function prepTimeline() {
+    const T = D.timeline;
+    const kinds = Object.keys(KIND);
+    const rows = T.ranks.map((r) => {
+      const lanes = [0, 1].map((l) => {
+        const sp = r.spans.filter((s) => s[0] === l).sort((a, b) => a[2] - b[2]);
+        return { a: Float64Array.from(sp, (s) => s[2]), b: Float64Array.from(sp, (s) => s[3]),
+          k: Uint8Array.from(sp, (s) => Math.max(kinds.indexOf(s[1]), 0)), c: Uint8Array.from(sp, (s) => s[5] ? 1 : 0),
+          s: sp };
+      });
+      return { rank: r.rank, label: r.label, lanes: lanes };
+    });
+    const end = T.ranks.reduce((m, r) => r.spans.reduce((mm, sp) => Math.max(mm, sp[3]), m), Math.max(T.end_ns || 0, 1));
+    return { rows: rows, kinds: kinds, end: end, t0: 0, t1: end };
+  }
+  function drawTimeline(box) {
+    if (!tl) tl = prepTimeline();
+    const h = TL.top + tl.rows.length * TL.rowH + 24;
+    const { svg, w } = newSvg(box, h);
+    tl.svg = svg; tl.w = w; tl.h = h;
+    const plot = { x: TL.left, w: w - TL.left - 12 };
+    tl.plot = plot;
+    const clip = svgEl('clipPath', { id: 'tl-clip' }, svgEl('defs', {}, svg));
+    svgEl('rect', { x: plot.x, y: 0, width: plot.w, height: h }, clip);
+    tl.axis = svgEl('g', { class: 'axis' }, svg);
+    tl.rows.forEach((r, i) => {
+      const y = TL.top + i * TL.rowH;
+      text(svg, 8, y + 13, 'rank ' + r.rank, { class: 'row-label' });
+      text(svg, 8, y + 27, r.label || '', { class: 'row-sub' });
+      svgEl('rect', { x: plot.x, y: y + TL.laneY[1], width: plot.w, height: TL.laneH[1], class: 'lane-bg' }, svg);
+    });
+    const g = svgEl('g', { 'clip-path': 'url(#tl-clip)' }, svg);
+    tl.paths = [];
+    for (const lane of [0, 1]) {
+      tl.kinds.forEach((k, ki) => {
+        tl.paths.push({ lane: lane, kind: ki, el: svgEl('path', { fill: KIND[k].color, class: `span k-${k} lane-${lane}` }, g) });
+      });
+    }
+    tl.crit = svgEl('path', { class: 'crit' }, g);
+    tl.hover = svgEl('rect', { class: 'hover', visibility: 'hidden' }, g);
+    legend(box, [...Object.values(KIND), { color: '#111', label: 'on the critical path (the tick under the lanes)', cls: 'flat' }]);
+    renderTimeline();
+    if (!tl.bound) bindTimeline(box);
+  }
+  // Redraw the spans and the axis for the view [t0, t1]. Each lane is binned into pixel columns:
+  // a column takes the kind that covers most of it, and runs of one kind become one rectangle, so
+  // the path stays small however many spans there are, and no kind hides another by draw order.
+  function renderTimeline() {
+    const { plot, t0, t1 } = tl;
+    const sc = plot.w / (t1 - t0);
+    const X = (t) => plot.x + (t - t0) * sc;
+    const nk = tl.kinds.length, npx = Math.ceil(plot.w);
+    const cov = new Float32Array(npx * nk), cc = new Float32Array(npx);
+    const d = tl.paths.map(() => []), crit = [];
+    const rect = (out, x, w, y, h) => out.push(`M${(plot.x + x).toFixed(1)} ${y}h${w}v${h}h${-w}z`);
+    tl.rows.forEach((r, i) => {
+      const y0 = TL.top + i * TL.rowH;
+      r.lanes.forEach((ln, lane) => {
+        cov.fill(0);
+        cc.fill(0);
+        for (let j = 0; j < ln.a.length; j++) { // coverage of each pixel column by each kind
+          if (ln.b[j] < t0 || ln.a[j] > t1) continue;
+          const x1 = (Math.max(ln.a[j], t0) - t0) * sc, x2 = Math.max((Math.min(ln.b[j], t1) - t0) * sc, x1 + 1e-3);
+          for (let p = Math.max(Math.floor(x1), 0), e = Math.min(Math.ceil(x2), npx); p < e; p++) {
+            const c = Math.min(x2, p + 1) - Math.max(x1, p);
+            cov[p * nk + ln.k[j]] += c;
+            if (ln.c[j]) cc[p] += c;
+          }
+        }
+        let run = -1, from = 0, critFrom = -1;
+        for (let p = 0; p <= npx; p++) {
+          let best = -1, bv = 0;
+          for (let k = 0; p < npx && k < nk; k++) if (cov[p * nk + k] > bv) { bv = cov[p * nk + k]; best = k; }
+          if (best !== run) { // a run of one kind ends here
+            if (run >= 0) rect(d[lane * nk + run], from, p - from, y0 + TL.laneY[lane], TL.laneH[lane]);
+            run = best;
+            from = p;
+          }
+          const isCrit = p < npx && cc[p] > 0;
+          if (isCrit && critFrom < 0) critFrom = p;
+          if (!isCrit && critFrom >= 0) { rect(crit, critFrom, p - critFrom, y0 + TL.critY, TL.critH); critFrom = -1; }
+        }
+      });
+    });
+    tl.paths.forEach((p, i) => p.el.setAttribute('d', d[i].join('')));
+    tl.crit.setAttribute('d', crit.join(''));
+    // axis: ticks in ms across the rows
+    tl.axis.textContent = '';
+    const step = niceStep(t1 - t0, Math.max(Math.floor(plot.w / 90), 2));
+    const bottom = TL.top + tl.rows.length * TL.rowH - 6;
+    let grid = '';
+    for (const t of ticks(t0, t1, Math.max(Math.floor(plot.w / 90), 2))) {
+      const x = X(t).toFixed(1);
+      grid += `M${x} ${TL.top - 6}V${bottom}`;
+      text(tl.axis, x, TL.top - 10, fmtMs(t, step), { class: 'tick', 'text-anchor': 'middle' });
+    }
+    svgEl('path', { d: grid, class: 'grid' }, tl.axis);
+    text(tl.axis, plot.x + plot.w, tl.h - 6, 'ms from the start of the iteration', { class: 'axis-label', 'text-anchor': 'end' });
+    const vt = document.querySelector('#timeline .view-text');
+    if (vt) vt.textContent = `showing ${fmtMs(t0, step)}–${fmtMs(t1, step)} ms of ${fmtNs(tl.end)}`;
+  }
+  let pending = false;
+  function redraw() { // at most one redraw per animation frame
+    if (pending) return;
+    pending = true;
+    requestAnimationFrame(() => { pending = false; renderTimeline(); });
+  }
+  function zoom(factor, at) { // factor < 1 zooms in around time `at`
+    const span = Math.min(Math.max((tl.t1 - tl.t0) * factor, 1000), tl.end);
+    const f = (at - tl.t0) / (tl.t1 - tl.t0);
+    setView(at - f * span, span);
+  }
+  function setView(t0, span) {
+    t0 = Math.min(Math.max(t0, 0), tl.end - span);
+    tl.t0 = t0; tl.t1 = t0 + span;
+    redraw();
+  }
+  // Pointer position in the svg's own units (it may be scaled by the page).
+  function svgPoint(ev) {
+    const r = tl.svg.getBoundingClientRect();
+    return [(ev.clientX - r.left) * tl.w / r.width, (ev.clientY - r.top) * tl.h / r.height];
+  }
+  const timeAt = (x) => tl.t0 + (x - tl.plot.x) * (tl.t1 - tl.t0) / tl.plot.w;
+  // The span under the pointer: the shortest one that holds it, else the nearest within 3 px.
+  function spanAt(x, y) {
+    const i = Math.floor((y - TL.top) / TL.rowH);
+    if (i < 0 || i >= tl.rows.length || x < tl.plot.x) return null;
+    const dy = y - TL.top - i * TL.rowH;
+    const lane = dy < TL.laneY[1] - 1 ? 0 : dy < TL.laneY[1] + TL.laneH[1] + 1 ? 1 : -1;
+    if (lane < 0) return null;
+    const ln = tl.rows[i].lanes[lane], t = timeAt(x), tol = 3 * (tl.t1 - tl.t0) / tl.plot.w;
+    let best = -1, bestD = Infinity;
+    for (let j = 0; j < ln.a.length; j++) {
+      if (ln.a[j] > t + tol) break;
+      const dist = t < ln.a[j] ? ln.a[j] - t : t > ln.b[j] ? t - ln.b[j] : -1 / (1 + ln.b[j] - ln.a[j]);
+      if (dist <= tol && dist < bestD) { bestD = dist; best = j; }
+    }
+    return best < 0 ? null : { row: i, lane: lane, span: ln.s[best] };
+  }
+  function bindTimeline(box) {
+    tl.bound = true;
+    let drag = null;
+    box.addEventListener('wheel', (ev) => {
+      if (!tl.svg.contains(ev.target)) return;
+      ev.preventDefault();
+      const [x] = svgPoint(ev);
+      zoom(Math.exp((ev.deltaY || ev.deltaX) * 0.0015), timeAt(Math.max(x, tl.plot.x)));
+    }, { passive: false });
+    box.addEventListener('pointerdown', (ev) => {
+      if (ev.button !== 0) return;
+      drag = { x: svgPoint(ev)[0], t0: tl.t0 };
+      box.setPointerCapture(ev.pointerId);
+      box.classList.add('dragging');
+    });
+    box.addEventListener('pointerup', (ev) => { drag = null; box.classList.remove('dragging'); box.releasePointerCapture(ev.pointerId); });
+    box.addEventListener('pointermove', (ev) => {
+      const [x, y] = svgPoint(ev);
+      if (drag) {
+        hideTip();
+        setView(drag.t0 - (x - drag.x) * (tl.t1 - tl.t0) / tl.plot.w, tl.t1 - tl.t0);
+        return;
+      }
+      const hit = spanAt(x, y);
+      if (!hit) { hideTip(); tl.hover.setAttribute('visibility', 'hidden'); return; }
+      const [, kind, a, b, name, c] = hit.span;
+      showTip(ev, `${name}\n${KIND[kind] ? KIND[kind].label : kind} · ${fmtNs(b - a)}\n` +
+        `${(a / 1e6).toFixed(3)}–${(b / 1e6).toFixed(3)} ms, rank ${tl.rows[hit.row].rank}, ` +
+        `${hit.lane ? 'background communication' : 'program'}` + (c ? '\non the critical path' : ''));
+      const sc = tl.plot.w / (tl.t1 - tl.t0);
+      const x0 = tl.plot.x + (a - tl.t0) * sc;
+      Object.entries({ x: x0 - 1, y: TL.top + hit.row * TL.rowH + TL.laneY[hit.lane] - 1,
+        width: Math.max((b - a) * sc, 1) + 2, height: TL.laneH[hit.lane] + 2, visibility: 'visible' })
+        .forEach(([k, v]) => tl.hover.setAttribute(k, v));
+    });
+    box.addEventListener('pointerleave', () => { hideTip(); tl.hover.setAttribute('visibility', 'hidden'); });
+    document.querySelectorAll('#timeline [data-zoom]').forEach((btn) => btn.addEventListener('click', () => {
+      const mid = (tl.t0 + tl.t1) / 2, z = btn.getAttribute('data-zoom');
+      if (z === 'reset') setView(0, tl.end);
+      else zoom(z === 'in' ? 0.5 : 2, mid);
+    }));
+  }
+
+  // ------------------------------------------------------------------ 5. communicators
+  function drawCommunicators(box) {
+    const c = D.communicators;
+    const parts = [
+      { v: c.all_real, color: '#0072B2', label: 'real communicator of sandbox ranks only' },
+      { v: c.pruned, color: '#E69F00', label: 'sandbox ranks plus one stand-in' },
+      { v: c.not_instantiated, color: '#DDDDDD', label: 'never created (no sandbox rank in it)' },
+    ];
+    const total = c.logical_groups || parts.reduce((s, p) => s + p.v, 0) || 1;
+    const { svg, w } = newSvg(box, 34);
+    let x = 0;
+    for (const p of parts) {
+      const bw = (p.v / total) * w;
+      if (bw <= 0) continue;
+      svgEl('rect', { x: x, y: 2, width: bw, height: 26, fill: p.color, class: 'seg',
+        'data-tip': `${p.label}\n${num(p.v)} of ${num(total)} process groups` }, svg);
+      if (bw > 30) text(svg, x + 6, 20, num(p.v), { class: 'seg-label' + (p.color === '#DDDDDD' ? ' dark' : '') });
+      x += bw;
+    }
+    legend(box, parts.map((p) => ({ color: p.color, label: `${p.label}: ${num(p.v)}` })));
+  }
+
+  // ------------------------------------------------------------------ start
+  const charts = [
+    ['cp-chart', () => D.critical_path, drawCritical],
+    ['breakdown-chart', () => D.breakdown && D.breakdown.ranks && D.breakdown.ranks.length, drawBreakdown],
+    ['memory-chart', () => D.memory && D.memory.known, drawMemory],
+    ['timeline-chart', () => D.timeline && D.timeline.ranks && D.timeline.ranks.length, drawTimeline],
+    ['comm-chart', () => D.communicators, drawCommunicators],
+  ];
+  function drawAll() {
+    for (const [id, has, draw] of charts) {
+      const box = document.getElementById(id);
+      if (!box || !has()) continue;
+      try {
+        draw(box);
+      } catch (err) { // one broken chart must not take the others down
+        box.textContent = 'This chart could not be drawn: ' + err;
+        console.error(err);
+      }
+    }
+  }
+  drawAll();
+  // printing lays the page out anew (narrower): draw the charts at that width, and back after
+  window.matchMedia('print').addEventListener('change', drawAll);
+  let lastW = window.innerWidth, timer = 0;
+  window.addEventListener('resize', () => {
+    if (window.innerWidth === lastW) return;
+    lastW = window.innerWidth;
+    clearTimeout(timer);
+    timer = setTimeout(drawAll, 150);
+  });
+}());

@@ -1,0 +1,305 @@
+"""What a report shows, gathered from the files the stages wrote (a report never runs a stage).
+
+``collect(run_dir)`` reads a ``prism run`` directory: ``bare/`` (the capture: layout, per-rank
+peak memory), ``cal/`` (the calibration: ``summary.json``, ``calibrated.parquet``, and ``graph/``
+for what each node is), ``emulate/emulate.json`` when the run emulated, and ``run.json`` (stage
+wall times). It returns one JSON-able dict, the report's data model (``docs/commands/report.md``):
+
+- ``title``, ``command``, ``world_size``, ``layout``, ``device``, ``created``, ``prismllm``;
+- ``stages``: [{name, wall_s, what}];
+- ``prediction``: the predicted (steady median) iteration time and every iteration's;
+- ``breakdown``: per rank of the median iteration, compute / exposed communication / P2P wait /
+  idle and the span (the calibration's per_rank);
+- ``bubble``, ``critical_path`` (total, shares by kind, end rank, ranks visited);
+- ``memory``: peak bytes per rank (-1 unknown), the largest and where, and a grid PP stage x TP
+  rank with the other dimensions folded (max over them);
+- ``timeline``: a few ranks' spans in the median iteration, ``[lane, kind, start_ns, end_ns,
+  name, critical]``: lane 0 the rank's program (compute, and the blocking calls it waits in),
+  lane 1 its asynchronous communication; kinds ``compute``, ``wait`` (arrived, waiting for the
+  group's last member) and ``comm`` (the transfer); times from the iteration's begin; critical
+  1 on the critical path;
+- ``communicators`` and ``emulation`` from the emulation; ``reference``: predicted against a real
+  recorded run, per rank (``--reference``).
+"""
+
+from __future__ import annotations
+
+import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from prismllm import __version__
+from prismllm.errors import PrismError
+from prismllm.fsutil import read_json
+from prismllm.layout import Layout
+from prismllm.trace.graph import PrismTrace, group_desc, ranks_text, read_manifest
+from prismllm.trace.summary import steady_iteration_time
+
+BARE_DIR, TIME_DIR, CAL_DIR, EMULATE_DIR = "bare", "time", "cal", "emulate"
+RUN_FILE = "run.json"
+FORMAT = "prism-report"
+MAX_TIMELINE_RANKS = 8
+
+
+def collect(run_dir: str | Path, reference: str | Path | None = None, ranks: list[int] | None = None) -> dict[str, Any]:
+    """The report's data for a ``prism run`` directory (see the module docstring). ``ranks``:
+    the timeline's ranks (default one per pipeline stage)."""
+    run_dir = Path(run_dir)
+    cal = run_dir / CAL_DIR
+    summary = read_json(cal / "summary.json")
+    if summary is None or summary.get("format") != "prism-calibration":
+        raise PrismError(
+            f"{run_dir} holds no calibration ({CAL_DIR}/summary.json): `prism report` reads the "
+            f"directory of a `prism run` that got at least as far as calibrate"
+        )
+    bare = read_manifest(run_dir / BARE_DIR) if (run_dir / BARE_DIR).is_dir() else {}
+    world = int(summary["world_size"])
+    layout = Layout.parse(bare.get("layout"), world) if bare.get("layout") else None
+    run = read_json(run_dir / RUN_FILE) or {}
+    emu = read_json(run_dir / EMULATE_DIR / "emulate.json")
+    command = list(bare.get("command") or run.get("command") or [])
+    data: dict[str, Any] = {
+        "format": FORMAT,
+        "version": 1,
+        "title": f"{Path(command[0]).name if command else 'job'}: {world} ranks"
+        + (f" ({_layout_text(layout)})" if layout is not None else ""),
+        "command": command,
+        "world_size": world,
+        "layout": layout.to_dict() if layout is not None else None,
+        "device": _device(bare),
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "prismllm": __version__,
+        "stages": run.get("stages", []),
+        "prediction": {
+            "iteration_ns": summary.get("predicted_iteration_ns"),
+            "median_iteration": summary.get("median_iteration"),
+            "steady_iterations": summary.get("steady_iterations", []),
+            "iterations": [
+                {"iteration": it["iteration"], "predicted_ns": it["predicted_ns"]}
+                for it in summary.get("iterations", [])
+            ],
+        },
+        "breakdown": _breakdown(summary),
+        "bubble": summary.get("pipeline_bubble"),
+        "critical_path": _critical(summary),
+        "memory": _memory(bare, world, layout),
+        "timeline": _timeline(cal, summary, layout, ranks),
+        "communicators": (emu or {}).get("communicators"),
+        "emulation": _emulation(emu),
+        "reference": _reference(Path(reference), summary, bare) if reference is not None else None,
+    }
+    return data
+
+
+def _layout_text(layout: Layout) -> str:
+    d = layout.to_dict()
+    parts = [f"{k}={d[k]}" for k in ("tp", "cp", "ep", "pp", "dp") if d[k] > 1 or k == "dp"]
+    return ", ".join(parts)
+
+
+def _device(manifest: dict[str, Any]) -> str:
+    gpus = manifest.get("gpus")
+    if gpus:
+        return gpus[0] if len(set(gpus)) == 1 else ", ".join(sorted(set(gpus)))
+    dev = manifest.get("device")
+    return dev if isinstance(dev, str) else ", ".join(dev or ["cpu"])
+
+
+def _breakdown(s: dict[str, Any]) -> dict[str, Any] | None:
+    pr = s.get("per_rank")
+    if not pr:
+        return None
+    keys = ("rank", "span_ns", "compute_ns", "comm_exposed_ns", "p2p_wait_ns", "idle_ns")
+    return {"iteration": pr["iteration"], **{k if k != "rank" else "ranks": pr[k] for k in keys}}
+
+
+def _critical(s: dict[str, Any]) -> dict[str, Any] | None:
+    cp = s.get("critical_path")
+    if not cp:
+        return None
+    return {k: cp[k] for k in ("iteration", "total_ns", "iteration_ns", "end_rank", "ranks_visited", "by_kind")}
+
+
+def coords_text(layout: Layout | None, rank: int) -> str:
+    """ "pp 1 · tp 0" (the dimensions of size > 1), or "rank R" without a layout."""
+    if layout is None:
+        return f"rank {rank}"
+    c = layout.coords(rank)
+    sizes = layout.to_dict()
+    dims = [d for d in ("pp", "tp", "cp", "ep", "dp") if (sizes["edp"] if d == "dp" else sizes[d]) > 1]
+    return " · ".join(f"{d} {c[d]}" for d in dims) or f"rank {rank}"
+
+
+def _memory(bare: dict[str, Any], world: int, layout: Layout | None) -> dict[str, Any]:
+    peaks = bare.get("peak_memory_bytes") or {}
+    per_rank = [int(peaks.get(str(r), -1)) for r in range(world)]
+    known = [b for b in per_rank if b >= 0]
+    out: dict[str, Any] = {
+        "per_rank": per_rank,
+        "known": bool(known),
+        "source": "solo capture: torch.cuda.max_memory_allocated of each rank run alone"
+        if known
+        else "not measured (a CPU capture has no device memory)",
+        "max": None,
+        "grid": None,
+    }
+    if not known:
+        return out
+    r = int(np.argmax(per_rank))
+    out["max"] = {"rank": r, "bytes": per_rank[r], "where": coords_text(layout, r)}
+    if layout is not None:
+        c = layout.coords_array()
+        grid = np.full((layout.pp, layout.tp), -1, dtype=np.int64)
+        np.maximum.at(grid, (c["pp"], c["tp"]), np.asarray(per_rank, dtype=np.int64))
+        out["grid"] = {
+            "rows": "pp",
+            "cols": "tp",
+            "values": grid.tolist(),
+            "folded": "max over the data-parallel replicas" + (" and cp, ep" if layout.cp * layout.ep > 1 else ""),
+        }
+    return out
+
+
+def default_ranks(world: int, layout: Layout | None) -> list[int]:
+    """One rank per pipeline stage (its first), at most MAX_TIMELINE_RANKS; without a layout the
+    first and the last rank and some between."""
+    if layout is not None and layout.pp > 1:
+        c = layout.coords_array()
+        first = np.flatnonzero((c["tp"] == 0) & (c["cp"] == 0) & (c["ep"] == 0) & (c["dp"] == 0))
+        stages = sorted(first.tolist(), key=lambda r: int(c["pp"][r]))
+        if len(stages) > MAX_TIMELINE_RANKS:
+            pick = np.linspace(0, len(stages) - 1, MAX_TIMELINE_RANKS).round().astype(int)
+            stages = [stages[i] for i in pick]
+        return stages
+    n = min(world, MAX_TIMELINE_RANKS if world > 2 else world)
+    return sorted({int(x) for x in np.linspace(0, world - 1, n).round()})
+
+
+def _timeline(cal: Path, s: dict[str, Any], layout: Layout | None, ranks: list[int] | None) -> dict[str, Any] | None:
+    k = s.get("median_iteration")
+    table_path = cal / "calibrated.parquet"
+    if k is None or not table_path.is_file() or not (cal / "graph").is_dir():
+        return None
+    world = int(s["world_size"])
+    ranks = sorted(set(ranks)) if ranks else default_ranks(world, layout)
+    bad = [r for r in ranks if not 0 <= r < world]
+    if bad:
+        raise PrismError(f"--ranks: rank {bad[0]} is not in the graph's world of {world}")
+    times = pq.read_table(table_path)
+    graph = PrismTrace.load(cal / "graph")
+    rank = times.column("rank").to_numpy()
+    it = times.column("iteration").to_numpy()
+    sel = np.flatnonzero(np.isin(rank, ranks) & (it == k))
+    if not len(sel):
+        return None
+    node_id = times.column("node_id").to_numpy()[sel]
+    start = times.column("start_ns").to_numpy()[sel]
+    end = times.column("end_ns").to_numpy()[sel]
+    op_start = times.column("op_start_ns").to_numpy()[sel]
+    op_end = times.column("op_end_ns").to_numpy()[sel]
+    gid = graph.column("node_id")
+    pos = np.empty(int(gid.max()) + 1, dtype=np.int64)
+    pos[gid] = np.arange(len(gid))
+    rows = pos[node_id]
+    kind = graph.column("kind")[rows]
+    op = graph.column("op")[rows]
+    label = graph.column("label")[rows]
+    group = graph.column("group")[rows]
+    index = graph.column("index")[rows]
+    is_async = graph.column("async_op")[rows]
+    info = graph.group_info()
+    descs = {
+        g: (f"'{group_desc(info[g])}' " if group_desc(info[g]) else "") + f"({ranks_text(info[g]['ranks'])})"
+        for g in set(group.tolist())
+        if g in info
+    }
+    critical = {(seg["rank"], seg["index"]) for seg in (s.get("critical_path") or {}).get("segments", [])}
+    begin = int(start.min())
+    finish = int(np.maximum(end, op_end).max())
+    out_ranks = []
+    for r in ranks:
+        m = rank[sel] == r
+        spans = []
+        for i in np.flatnonzero(m):
+            crit = int((r, int(index[i])) in critical)
+            a, b = int(start[i]) - begin, int(end[i]) - begin
+            if kind[i] == "compute":
+                name = str(label[i]) or "compute"
+                if b > a:
+                    spans.append([0, "compute", a, b, name, crit])
+                continue
+            name = f"{op[i]} {descs.get(int(group[i]), '')}".rstrip() + (f" [{label[i]}]" if label[i] else "")
+            # a blocking call holds the program (lane 0); an asynchronous one runs beside it (lane 1)
+            lane = 1 if is_async[i] else 0
+            s0, e0 = int(op_start[i]) - begin, int(op_end[i]) - begin
+            if s0 > a:  # arrived before the last member: waited for peers
+                spans.append([lane, "wait", a, s0, f"wait for peers: {name}", crit])
+            if e0 > s0 >= 0:
+                spans.append([lane, "comm", s0, e0, name, crit])
+        out_ranks.append({"rank": int(r), "label": coords_text(layout, int(r)), "spans": spans})
+    return {"iteration": int(k), "begin_ns": 0, "end_ns": finish - begin, "ranks": out_ranks}
+
+
+def _emulation(emu: dict[str, Any] | None) -> dict[str, Any] | None:
+    if not emu:
+        return None
+    per_rank = {
+        r: {k: m.get(k) for k in ("median_steady_iteration_ns", "peak_memory_bytes", "iteration_ns")}
+        for r, m in (emu.get("sandbox_results") or {}).items()
+    }
+    return {
+        "sandbox": emu.get("sandbox"),
+        "timing": emu.get("timing"),
+        "devices": emu.get("devices"),
+        "shared_gpu": emu.get("shared_gpu"),
+        "ok": emu.get("ok"),
+        "per_rank": per_rank,
+        "virtual_ranks_iteration_ns": (emu.get("replay") or {}).get("median_steady_iteration_ns"),
+    }
+
+
+def _reference(ref: Path, s: dict[str, Any], bare: dict[str, Any]) -> dict[str, Any]:
+    """Predicted against a real run of the same program (a `prism record` graph): per rank the
+    iteration time (the prediction's is the slowest rank's span in the median iteration) and
+    the peak memory."""
+    real = PrismTrace.load(ref)
+    world = int(s["world_size"])
+    if real.world_size != world:
+        raise PrismError(f"--reference {ref}: a run of {real.world_size} ranks, the report's job has {world}")
+    pr = s.get("per_rank") or {}
+    span = dict(zip(pr.get("rank", []), pr.get("span_ns", [])))
+    it = real.iterations.to_pydict()
+    per: dict[int, list[int]] = {}
+    for r, k, a, b in zip(it["rank"], it["iteration"], it["start_ns"], it["end_ns"]):
+        if k >= 1 and a >= 0 and b >= a:
+            per.setdefault(int(r), []).append(int(b - a))
+    real_peak = real.manifest.get("peak_memory_bytes") or {}
+    pred_peak = bare.get("peak_memory_bytes") or {}
+    rows = []
+    for r in range(world):
+        rt = per.get(r)
+        rows.append(
+            {
+                "rank": r,
+                "predicted_ns": span.get(r),
+                "real_ns": int(np.median(rt)) if rt else None,
+                "predicted_bytes": int(pred_peak.get(str(r), -1)),
+                "real_bytes": int(real_peak.get(str(r), -1)),
+            }
+        )
+    pred, truth = s.get("predicted_iteration_ns"), steady_iteration_time(real)
+    return {
+        "source": str(ref),
+        "per_rank": rows,
+        "iteration": {
+            "predicted_ns": pred,
+            "real_ns": truth,
+            "rel_error": (pred - truth) / truth if pred and truth else None,
+        },
+    }
+
+
+__all__ = ["BARE_DIR", "CAL_DIR", "EMULATE_DIR", "RUN_FILE", "TIME_DIR", "collect", "coords_text", "default_ranks"]

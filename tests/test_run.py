@@ -1,0 +1,68 @@
+"""`prism run`: the whole pipeline (capture -> time -> calibrate -> emulate -> report) on the embedded
+job, here at 8 ranks (TP2 x PP2 x DP2): every stage ran, the summary names the figures, the run
+resumes without running a stage again, and a foreign directory is never deleted. The emulated
+rank is the last one, a DP replica in the solo capture, so this also checks that a replica's
+groups (derived names in the graph) are found by members."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from prismllm.cli.main import main
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT3D = str(ROOT / "examples" / "gpt3d.py")
+JOB = [
+    "--",
+    GPT3D,
+    "--tp",
+    "2",
+    "--pp",
+    "2",
+    "--layers",
+    "2",
+    "--hidden",
+    "32",
+    "--heads",
+    "4",
+    "--seq",
+    "16",
+    "--vocab",
+    "128",
+    "--micro-batch",
+    "1",
+    "--iters",
+    "3",
+    "--global-batch",
+    "8",
+]
+
+
+def test_run_goes_from_the_program_to_the_report_and_resumes(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["run", "--world", "8", "--layout", "tp=2,pp=2", "--sandbox", "7", "--devices", "cpu", "--out", str(out)]
+    assert main([*argv, *JOB]) == 0
+    state = json.loads((out / "run.json").read_text())
+    assert [s["name"] for s in state["stages"]] == ["capture", "time", "calibrate", "emulate", "report"]
+    s = state["summary"]
+    assert s["predicted_iteration_ns"] > 0 and s["emulated"]["7"]["iteration_ns"] > 0
+    assert 0 <= s["pipeline_bubble"] < 1 and s["critical_path_shares"]["compute"] > 0
+    assert (out / "report.html").is_file() and (out / "cal" / "graph").is_dir()
+    shown = capsys.readouterr().out
+    assert "predicted iteration" in shown and "report:" in shown and "{" not in shown  # no JSON unless --json
+    assert len(shown.splitlines()) < 40
+    # the same command again: every stage's output is there, nothing runs (capture would take seconds)
+    walls = {x["name"]: x["wall_s"] for x in state["stages"]}
+    assert main([*argv, *JOB]) == 0
+    again = json.loads((out / "run.json").read_text())
+    assert {x["name"]: x["wall_s"] for x in again["stages"] if x["name"] != "report"} == {
+        k: v for k, v in walls.items() if k != "report"
+    }
+    # another job on the same directory needs --force; a foreign directory is never deleted
+    assert main(["run", "--world", "4", "--out", str(out), *JOB]) == 2
+    assert "holds a `prism run` of another job" in capsys.readouterr().err
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "keep.txt").write_text("x")
+    assert main(["run", "--world", "8", "--out", str(tmp_path / "other"), "--force", *JOB]) == 2
+    assert (tmp_path / "other" / "keep.txt").exists()
