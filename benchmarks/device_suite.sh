@@ -24,7 +24,7 @@
 #              dpopt,moe,mixed): merged into $OUT/fidelity_cpu_<cores>c.json (carry the last one
 #              back into benchmarks/results/ between calls; FID_JSON=NAME writes NAME.json instead);
 #              FID_ARGS replaces the default --noise, e.g. "--repeats 3" (real and emulated runs
-#              alternated, medians compared) or "--noise --compute-under-load" (docs/time.md)
+#              alternated, medians compared) or "--noise --compute-under-load" (docs/commands/time.md)
 #
 # Every program started here keeps NVLink multicast off (the device tool's rule), and every
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
@@ -46,7 +46,7 @@ smoke)
     for layout in "--tp 2" "--pp 2"; do
         name=$(echo "$layout" | tr -d ' -')
         d="$OUT/smoke-$name"
-        timeout 120 prism capture --mode solo --world 2 --devices 2 --layout "${name/2/=2}" --out "$d/bare" \
+        timeout 120 prism capture --mode solo --world 2 --devices cuda:0,1 --layout "${name/2/=2}" --out "$d/bare" \
             -- examples/gpt3d.py $layout $SMALL >"$d.capture.log" 2>&1
         echo "$name capture: $?"
         timeout 150 prism time --graph "$d/bare" --out "$d/time" --devices cuda --inputs generated \

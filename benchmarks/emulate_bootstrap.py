@@ -110,7 +110,7 @@ def emulated(n: int, devices: str, work: Path) -> dict:
             "solo",
             "--world",
             str(n),
-            "--devices",
+            "--parallel",
             "2",
             "--layout",
             "tp=1,pp=1",

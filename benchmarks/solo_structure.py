@@ -6,7 +6,7 @@
         [--out benchmarks/results/solo_structure_cpu.json]
 
 Per world N and layout: the real run (`prism record --nproc N`, gloo, CPU processes), then
-solo captures of the same command line (`prism capture --mode solo --world N --devices G`),
+solo captures of the same command line (`prism capture --mode solo --world N --parallel G`),
 each judged by `prism compare REAL SOLO --json --structure-only` (same ops, order, groups,
 sizes, splits, peers on every rank). Capture variants:
 
@@ -220,9 +220,9 @@ def capture_variant(case: Case, world: int, variant: str, real: Path, work: Path
         "--world",
         str(world),
         "--devices",
-        str(devices),
-        "--device",
         "cpu",
+        "--parallel",
+        str(devices),
         "--out",
         str(out),
         "--force",

@@ -5,7 +5,7 @@
   calibrating a calibrated graph (CAL/graph) gives the same times again (a fixed point).
 - Real runs: gpt3d PP2 and TP2 recorded on the CPU with `prism record` (2 processes each); the
   predicted iteration time (median of steady iterations) against the recorded one, within a
-  bound measured on this 2-core VM (docs/calibrate.md, "Fidelity": -9.9 % .. +0.5 % over ten
+  bound measured on this 2-core VM (docs/commands/calibrate.md, "Fidelity": -9.9 % .. +0.5 % over ten
   recordings on a quiet machine, -22 % at worst under load average 7 from other jobs: the
   recording counts the time a descheduled process takes to notice a completion, the solve
   does not). Critical path total = that iteration's predicted time; busy + idle = span.

@@ -118,7 +118,7 @@ def test_losses_and_pruned_outputs_equal_the_real_run(layout, tmp_path):
 def assert_same_peak(res, rank: int, manifest: dict) -> None:
     """The sandbox rank's peak memory (torch.cuda.max_memory_allocated) is the real rank's to
     the byte: the pruned calls' scratch is taken outside the program's allocator and reported
-    apart (docs/pruning.md, "Scratch memory")."""
+    apart (docs/internals/pruning.md, "Scratch memory")."""
     m = res.sandbox_results[rank]
     real = int(manifest["peak_memory_bytes"][str(rank)])
     assert real > 0 and m["peak_memory_bytes"] == real, (
@@ -165,9 +165,9 @@ def test_whole_pipeline_on_gpu(tmp_path):
         "--world",
         "2",
         "--devices",
-        "1",
-        "--device",
         "cuda",
+        "--parallel",
+        "1",
         "--layout",
         "tp=2",
         "--out",

@@ -657,8 +657,10 @@ def standins(tmp_path, monkeypatch):
     write(mod_dir / "prism_standin_bootstrap.py", STANDIN_BOOTSTRAP)
     calls: list = []
     asm, val = _standin_trace_api(calls)
-    monkeypatch.setitem(sys.modules, "prismllm.trace.assemble", asm)
-    monkeypatch.setitem(sys.modules, "prismllm.trace.validate", val)
+    from prismllm.capture import record as record_stage
+
+    monkeypatch.setattr(record_stage, "assemble_spool", asm.assemble_spool)
+    monkeypatch.setattr(record_stage, "validate", val.validate)
     pythonpath = os.pathsep.join([str(mod_dir), *filter(None, [os.environ.get("PYTHONPATH")])])
     monkeypatch.setattr(
         cli_record,

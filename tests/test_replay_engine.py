@@ -2,7 +2,7 @@
 fidelity on a recorded 8-rank gpt3d graph, external-rank driving, and the deadlock error.
 
 Every expected time in the small graphs is worked out in the test's docstring from the timing
-model of docs/replay.md: a collective starts when its last member arrives and lasts the
+model of docs/internals/replay.md: a collective starts when its last member arrives and lasts the
 duration recorded by that last member; async ops let the rank go on after the recorded issue
 gap and gate the node at their wait point; coalesced ops complete together.
 """
@@ -306,7 +306,7 @@ def test_recorded_replay_is_consistent(gpt3d):
 def test_recorded_iteration_times_are_predicted(gpt3d):
     """Replayed with the recorded compute, issue and (last-arrival) transfer durations, the
     iteration times come back within a loose bound: 8 processes on 2 shared cores are noisy
-    (the measured error is printed; docs/replay.md quotes it)."""
+    (the measured error is printed; docs/internals/replay.md quotes it)."""
     trace, g, res = gpt3d
     rec = g.recorded_iteration_ns
     assert rec.shape == (8, ITERS) and (rec > 0).all()
@@ -320,7 +320,7 @@ def test_recorded_iteration_times_are_predicted(gpt3d):
         f"({pred_err:+.2%})"
     )
     # the noise is one-sided: a descheduled process notices a completion late, which the
-    # recording counts and the replay does not (docs/replay.md), so a loaded iteration replays
+    # recording counts and the replay does not (docs/internals/replay.md), so a loaded iteration replays
     # short (seen: -34 %; on the CI machine both steady iterations at -12 %), never much long;
     # the sharp checks are iteration 0 (seconds of set-up, below) and the 20 % long bound
     assert np.abs(err[1:]).min() < 0.2

@@ -56,7 +56,7 @@ def bare(tmp_path_factory) -> Path:
         "solo",
         "--world",
         "4",
-        "--devices",
+        "--parallel",
         "2",
         "--layout",
         "tp=2",

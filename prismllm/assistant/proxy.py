@@ -10,7 +10,7 @@ for the virtual members' inputs), ``timeout_s`` (a small group's creation and op
 proxy's buffers live on this process's GPU), ``replay_timing`` (``fast``, the default, or
 ``real``); the user settings ``PRISM_STAGE_AHEAD`` and ``PRISM_IN_FLIGHT``.
 
-What it does (docs/emulate.md):
+What it does (docs/internals/assistant.md):
 
 1. For every group of the graph with both sandbox and virtual members it makes its side of
    the group's small ``ProcessGroupGloo`` -- the proxy, last small rank -- under

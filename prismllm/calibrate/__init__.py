@@ -1,4 +1,4 @@
-"""Calibrate: solve a timed graph into globally consistent start/end times (docs/calibrate.md).
+"""Calibrate: solve a timed graph into globally consistent start/end times (docs/commands/calibrate.md).
 
     from prismllm.calibrate import calibrate
     summary = calibrate("out/graph", out="out/cal")              # own durations

@@ -1,5 +1,5 @@
 """What a solved graph says: iteration times, the critical path, busy/idle time per rank, and the
-pipeline bubble. Definitions in docs/calibrate.md; everything but the critical-path walk is
+pipeline bubble. Definitions in docs/commands/calibrate.md; everything but the critical-path walk is
 vectorised over node positions (the walk visits one node per step of the path).
 
 Time accounting of one rank (all from the solved times): between the moment its host passed

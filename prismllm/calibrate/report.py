@@ -1,5 +1,5 @@
 """The calibration's outputs: ``CAL/calibrated.parquet``, ``CAL/summary.json`` (keys documented in
-docs/calibrate.md) and the short table ``prism calibrate`` prints."""
+docs/commands/calibrate.md) and the short table ``prism calibrate`` prints."""
 
 from __future__ import annotations
 
@@ -291,7 +291,14 @@ def render(s: dict[str, Any], console, out_dir: str | None = None) -> None:
     rows = [
         ("ranks / nodes / instances", f"{s['ranks']} / {s['nodes']:,} / {s['instances']:,}"),
         ("durations", s["durations_from"] or "the graph's own"),
-        ("transfer per instance", "minimum over members" if s["transfer_rule"] == "min" else "last arrival's"),
+        (
+            "transfer per instance",
+            {
+                "min": "the minimum over its members' measurements",
+                "slice": "per slice the minimum, then the mean over the slices",
+                "last": "the last member to arrive's",
+            }.get(s["transfer_rule"], s["transfer_rule"]),
+        ),
         (
             "predicted iteration",
             f"{fmt_ns(s['predicted_iteration_ns'])} (median of steady iterations "

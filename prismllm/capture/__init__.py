@@ -2,10 +2,5 @@
 
 ``record.py`` is ``prism record`` (every rank real, the recording backend); ``solo.py`` is
 ``prism capture`` (the bare graph of N ranks from a few run alone); ``common.py`` what both share
-(spool, output directory, devices, manifest).
-"""
-
-from prismllm.capture.record import RecordOptions, RecordResult, record
-from prismllm.capture.solo import CaptureOptions, CapturePlan, CaptureResult, capture
-
-__all__ = ["CaptureOptions", "CapturePlan", "CaptureResult", "RecordOptions", "RecordResult", "capture", "record"]
+(spool, output directory, devices, manifest). Import from the modules: the package's names are
+theirs (``prismllm.capture.record`` is a module, not its function ``record``)."""

@@ -5,7 +5,7 @@ asynchronous ops, collectives and send/recv pairs starting when their last membe
 turns the measured durations into globally consistent start/end times for every node:
 CAL/calibrated.parquet (node_id, rank, index, iteration, start_ns, end_ns, op_start_ns,
 op_end_ns) and CAL/summary.json (predicted iteration times, the critical path of the median
-steady iteration, busy/idle time per rank, the pipeline bubble); docs/calibrate.md.
+steady iteration, busy/idle time per rank, the pipeline bubble); docs/commands/calibrate.md.
 
 --durations OTHER: solve GRAPH's structure with OTHER's measured durations (a graph of the same
 program and layout, e.g. re-recorded after a kernel change): same ranks, node count per rank
@@ -32,7 +32,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         __doc__,
         raw=True,
     )
-    p.add_argument("graph", metavar="GRAPH", help="graph directory with measured durations (`prism record`)")
+    p.add_argument(
+        "graph",
+        metavar="GRAPH",
+        help="a graph with measured durations: a timed graph (`prism time`: TIME/graph) or a recording (`prism record`)",
+    )
     options.add(p, "out", required=("out",))
     p.add_argument(
         "--durations",

@@ -1,17 +1,17 @@
 """`prism emulate`: sandbox ranks run the real program, an assistant replays the others.
 
     prism emulate --graph GRAPH --sandbox RANKS --out DIR [--devices ...] [--inputs ...] [--tensors STORE]
-                  [--timeout S] [--force] [--tee] [--prefix] -- SCRIPT ARGS...
-
-Exit status: 0 when every sandbox rank and the assistant ended well; 1 when a sandbox rank ran
-out of memory (a reproduced OOM: a result of the emulation, reported as such); 2 for any error
-(one line ``prism emulate: error: ...`` naming who failed and with what).
+                  [--timing auto|fast|real] [--assistants K] [--check] [--rdzv-endpoint HOST:PORT
+                  --role all|sandbox|assistant] [--timeout S] [--force] [--tee] [--prefix] -- SCRIPT ARGS...
 
 Run SCRIPT for real as the sandbox ranks of the N-rank job the graph GRAPH describes (torchrun's
 environment for each of them, WORLD_SIZE = N); every other rank is virtual, replayed from the graph
 by one assistant process that takes part in every collective with the sandbox, contributing the
-virtual ranks' recorded (or generated) inputs; CPU (gloo) or GPU (NCCL). Exit status 1: a sandbox
-rank ran out of memory (a reproduced OOM); 2: an error.
+virtual ranks' recorded (or generated) inputs; CPU (gloo) or GPU (NCCL).
+
+Exit status: 0 when every sandbox rank and the assistant ended well; 1 when a sandbox rank ran
+out of memory (a reproduced OOM: a result of the emulation, reported as such); 2 for any error
+(one line ``prism emulate: error: ...`` naming who failed and with what).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ SUBCOMMANDS = ("run", "record", "capture", "time", "calibrate", "emulate", "repo
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="prism",
+        allow_abbrev=False,
         description="Emulate large-scale LLM training faithfully on a few devices.",
     )
     parser.add_argument("--version", action="version", version=f"prismllm {__version__}")

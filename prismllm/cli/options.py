@@ -126,7 +126,7 @@ SHARED: dict[str, Option] = {
         {
             "default": None,
             "metavar": "FILE",
-            "help": "tensor-generator rules for solo capture (a Python file, docs/capture.md)",
+            "help": "tensor-generator rules for solo capture (a Python file, docs/commands/capture.md#rules)",
         },
     ),
     "tee": Option(
@@ -147,7 +147,8 @@ def command(
     """A command's parser: ``summary`` in ``prism --help``, ``description`` in its own ``--help``
     (``raw``: kept as written, for descriptions laid out by hand)."""
     kw = {"formatter_class": argparse.RawDescriptionHelpFormatter} if raw else {}
-    return subparsers.add_parser(name, help=summary, description=description, **kw)
+    # no abbreviations: a flag that is gone (capture's old --device) must not quietly mean another
+    return subparsers.add_parser(name, help=summary, description=description, allow_abbrev=False, **kw)
 
 
 def add(p: argparse.ArgumentParser, *names: str, required: tuple[str, ...] = ()) -> None:

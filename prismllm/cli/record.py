@@ -13,9 +13,9 @@ GPUs when there is one per rank.
 from __future__ import annotations
 
 import argparse
-import os
 
 from prismllm.capture.record import RECORDERS, RecordOptions, RecordResult, record
+from prismllm.childenv import user_setting
 from prismllm.cli import options
 from prismllm.cli.program import add_program_args, line_prefix, program_args
 from prismllm.cli.progress import Display, count, key_values
@@ -51,7 +51,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument(
         "--recorder",
         choices=RECORDERS,
-        default={"0": "python", "1": "native"}.get(os.environ.get("PRISM_NATIVE", ""), "auto"),
+        default={"0": "python", "1": "native"}.get(user_setting("PRISM_NATIVE"), "auto"),
         help="native: the C++ recording backend (built once per torch version; the least "
         "host time a call); python: the Python path; auto (default; PRISM_NATIVE=1/0 "
         "picks native/python): native, or the Python path with a warning if it cannot "

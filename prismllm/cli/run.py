@@ -25,6 +25,7 @@ from prismllm.cli import options
 from prismllm.cli.program import add_program_args, program_args
 from prismllm.cli.progress import Display, fmt_seconds
 from prismllm.launch import LaunchInterrupted
+from prismllm.launch.sandbox import SandboxOutOfMemory
 from prismllm.pipeline.run import RunOptions, run_pipeline
 
 
@@ -136,6 +137,10 @@ def run(args: argparse.Namespace) -> int:
         display.stop()
         display.say(f"{e}; run the same command again to go on where it stopped")
         return 128 + e.signum
+    except SandboxOutOfMemory as e:  # a result, as for prism emulate: the job runs out of memory at this scale
+        display.stop()
+        display.say(str(e))
+        return 1
     finally:
         display.stop()
     if args.json:

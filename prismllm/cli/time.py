@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
         args=program_args(args),
         devices=args.devices,
         slice_size=args.slice_size,
-        parallel=args.parallel or 1,
+        parallel=args.parallel,
         tensors=args.tensors,
         inputs=args.inputs,
         every_rank=args.every_rank,

@@ -84,7 +84,7 @@ def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder 
     if not mode:
         return None
     if mode not in SUPPORTED_MODES:
-        raise ValueError(f"PRISM_MODE={mode!r}: this interception supports {SUPPORTED_MODES}")
+        raise ValueError(f"mode {mode!r}: this interception supports {SUPPORTED_MODES}")
     if _ORIG:
         return _REC
     rank = int(os.environ.get("RANK", "0"))

@@ -50,6 +50,8 @@ from typing import Any
 
 import torch
 
+from prismllm.childenv import user_setting
+
 _now = time.time_ns
 
 ST_PENDING, ST_WAITED, ST_SETTLED = 0, 1, 2
@@ -178,7 +180,7 @@ class Recorder:
         self.in_bwd = getattr(torch._C, "_current_graph_task_id", None)
         # CPU async completion: "callback" (exact, ~5-40 µs a call for the GIL hand-off from
         # gloo's thread) or "wait" (the wait's return: an upper bound, no extra cost)
-        self.host_callbacks = os.environ.get("PRISM_HOST_COMPLETION", "callback") != "wait"
+        self.host_callbacks = user_setting("PRISM_HOST_COMPLETION", "callback") != "wait"
         # GPU state
         self.anchors: dict[int, tuple[Any, int]] = {}  # device -> (anchor event, host ns)
         self.ev_pool: dict[int, list[Any]] = {}
@@ -208,7 +210,7 @@ class Recorder:
     def exclude(self, ns: int) -> None:
         """Leave ``ns`` of host time out of this rank's clock from now on: time the emulation
         layer spent on a call that the program's real backend would not spend (CPU timing,
-        where the host clock is the device clock; docs/time.md, "Emulation overhead")."""
+        where the host clock is the device clock; docs/commands/time.md, "Emulation overhead on the CPU")."""
         self.excluded_ns += ns
 
     def _ret_point(self) -> int:

@@ -1,8 +1,8 @@
 """Emulate mode, sandbox side: a few real ranks run the program inside a virtual world.
 
-``PRISM_MODE=emulate`` (with torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, plus
-``PRISM_SANDBOX``: comma list of the logical ranks that run for real, this one among them;
-``PRISM_GRAPH``: the bare graph the assistants replay). docs/emulate.md has the plan.
+Mode ``emulate`` (with torchrun's RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, and the rank's
+``ChildEnv``: ``sandbox``, the logical ranks that run for real, this one among them; ``graph``,
+the graph the assistants replay). docs/internals/assistant.md has the design.
 
 The virtual world is solo mode's (``prismllm/comm/solo.py``): groups this rank is not in are
 never instantiated, every member group is a ``RecordingProcessGroup`` (so the sandbox rank
@@ -19,7 +19,7 @@ records its graph as in ``prism record``), with solo's metadata backends registe
   -> a :class:`PrunedWork` whose wait runs ``SmallCall.finish`` (copy back, re-order, divide
   for AVG), so the program's tensors end up equal to the logical group's result.
 
-Check (``PRISM_CHECK_TENSORS=<recorded-tensor store>``, ``PRISM_CHECK_OUT=<dir>``): every
+Check (``ChildEnv.check_tensors``: a recorded-tensor store, ``check_out``: a directory): every
 pruned call's output is compared, once the call finished, with what this rank received in the
 recorded run (``prism record --save-tensors all``); at exit ``<dir>/check-rank-<r>.json`` holds
 the number of calls compared, missing from the store, never finished (never waited on) and not
@@ -29,7 +29,7 @@ to see exactly what the real run saw.
 Rendezvous: the program's ``env://`` store is the launcher's real TCPStore (its clients do
 not wait for absent ranks); the store-based barriers torch adds with
 ``TORCH_DIST_INIT_BARRIER=1`` would wait for absent ranks and are skipped (as in solo mode).
-Not done yet (docs/emulate.md, "virtual bootstrap"): answering store keys that a program's
+Not done yet (docs/commands/emulate.md, "Not supported"): answering store keys that a program's
 own store protocol expects from absent ranks.
 """
 
@@ -108,7 +108,7 @@ def prepare(rank: int, child: ChildEnv) -> None:
 
 
 class OutputCheck:
-    """Compares pruned calls' outputs with the recorded run's (``PRISM_CHECK_TENSORS``)."""
+    """Compares pruned calls' outputs with the recorded run's (``ChildEnv.check_tensors``)."""
 
     def __init__(self, root: str, rank: int, out_dir: str | None):
 
@@ -381,7 +381,7 @@ class PrunedBackend(solo.GeneratedBackend):
         (``perf_counter_ns``) was this layer's own work on a call (the call, its check against
         the graph, the plan, buffers, post steps), which the program's real backend does not
         do: the recorder leaves it out of the rank's clock, so slice timing measures the
-        program and the link, not the emulation (docs/time.md, "Emulation overhead"). On GPU
+        program and the link, not the emulation (docs/commands/time.md, "Emulation overhead on the CPU"). On GPU
         the device clock does not see host work: nothing is left out."""
         if self.backend == "gloo":
             self.owner._rec.exclude(time.perf_counter_ns() - t0)

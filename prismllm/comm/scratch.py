@@ -2,7 +2,7 @@
 
 A pruned collective may need buffers the real collective does not: a zero-padded copy
 (all-reduce with ``match_bytes``), the re-arranged slots of a reduce-scatter, an all-gather's
-small-group output (docs/pruning.md, "Scratch memory"). Taken from PyTorch's caching allocator
+small-group output (docs/internals/pruning.md, "Scratch memory"). Taken from PyTorch's caching allocator
 they would show in the sandbox rank's ``torch.cuda.max_memory_allocated``, the figure compared
 with the real run's (peak memory must be exact on GPU), and the program's own allocations
 would fragment around them.

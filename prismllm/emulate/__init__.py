@@ -1,5 +1,5 @@
 """Emulation: sandbox ranks run the real program, assistants replay every other rank
-(docs/emulate.md)."""
+(docs/commands/emulate.md)."""
 
 from prismllm.emulate.run import EmulateOptions, EmulateResult, emulate
 

@@ -112,7 +112,7 @@ def _timing(opts: EmulateOptions, manifest: dict[str, Any], graph: Path) -> str:
 
 def communicators(graph: Path, sandbox: Sequence[int]) -> dict[str, int]:
     """The communicators this emulation creates against the graph's logical groups (the
-    routing of docs/emulate.md): a group with no sandbox member is never instantiated; one whose
+    routing of docs/architecture.md): a group with no sandbox member is never instantiated; one whose
     members are all sandbox ranks is a real communicator of those; any other is one small
     communicator of its sandbox members plus a proxy. Read from the groups table alone."""
     real = set(sandbox)

@@ -1,7 +1,7 @@
 """The tensor generator: what a solo rank receives from its (absent) peers.
 
-Order: the recorded-tensor store (``PRISM_TENSOR_STORE``), then user rules
-(``PRISM_RULES``), then the defaults below. Every answer is written *into the program's own
+Order: the recorded-tensor store (``prism capture --tensors``), then user rules
+(``--rules``), then the defaults below. Every answer is written *into the program's own
 output tensors* (never a new tensor handed back), so shapes, dtypes, devices and the
 caching allocator's view of memory are the program's.
 

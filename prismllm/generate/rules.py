@@ -144,7 +144,7 @@ def load_rules(path: str | os.PathLike) -> list[Rule]:
     global _REGISTRY
 
     if not os.path.exists(path):
-        raise PrismError(f"PRISM_RULES={path}: no such file")
+        raise PrismError(f"--rules {path}: no such file")
     prev, _REGISTRY = _REGISTRY, []
     try:
         ns = runpy.run_path(str(path), run_name="prism_rules")
@@ -154,7 +154,7 @@ def load_rules(path: str | os.PathLike) -> list[Rule]:
     for extra in ns.get("RULES", []) or []:
         r = extra if isinstance(extra, Rule) else getattr(extra, "prism_rule", None)
         if r is None:
-            raise PrismError(f"PRISM_RULES={path}: RULES holds {extra!r}, not a rule")
+            raise PrismError(f"--rules {path}: RULES holds {extra!r}, not a rule")
         if r not in found:
             found.append(r)
     return found

@@ -1,12 +1,12 @@
 """Recorded-tensor store: collective outputs saved by a record run, replayed by solo runs.
 
-Record mode saves when ``PRISM_SAVE_TENSORS=<selector>`` and ``PRISM_TENSOR_STORE=<dir>``
+Record mode saves when told to (``prism record --save-tensors SELECTOR [--tensor-store DIR]``)
 are set (selector: ``all``, or a comma list of op names -- ``all_reduce``, ``all_gather``,
 ``reduce_scatter``, ``all_to_all``, ``broadcast``, ``reduce``, ``gather``, ``scatter``,
 ``recv`` -- and/or ``label:<label>`` items, a ``prismllm.mark`` label; the item ``inputs``
 adds the selected calls' inputs, entries with ``io: "in"``, e.g. ``all,inputs``: what a
 virtual member contributes to a pruned collective). Solo mode replays when
-``PRISM_TENSOR_STORE=<dir>`` is set: the store answers before rules and defaults.
+``prism capture --tensors DIR`` is given: the store answers before rules and defaults.
 
 Format (no pickle, no torch.save): per rank two files in the directory,
 

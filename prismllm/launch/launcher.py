@@ -76,6 +76,7 @@ from prismllm.launch.environment import (
 from prismllm.launch.messages import (
     error_file_message,
     failure_message,
+    has_error_line,
     lost_peer,
     who_is,
 )
@@ -234,18 +235,20 @@ class _Launcher:
 
     def _cause(self, failure: RankFailure, stderr_tail: Mapping[int, list[str]]) -> RankFailure:
         """The first failure, unless its error only says that a peer went away and another
-        process failed on its own (not ended by the launcher) with an error of its own or a
-        signal: then the earliest of those, the cause of the cascade."""
+        process failed on its own: it exited with an error of its own or a signal, or it had
+        already reported an error of its own when the launcher ended it (a process still
+        tearing down after its exception, on a loaded machine). Then the earliest of those,
+        the cause of the cascade."""
         if not lost_peer(stderr_tail.get(failure.rank, [])):
             return failure
-        causes = [
-            c
-            for c in self.children
-            if c.rank != failure.rank
-            and not c.ended_by_launcher
-            and (c.returncode or 0) != 0
-            and not lost_peer(stderr_tail.get(c.rank, []))
-        ]
+
+        def own_error(c: _Child) -> bool:
+            tail = stderr_tail.get(c.rank, [])
+            if lost_peer(tail):
+                return False
+            return not c.ended_by_launcher or has_error_line(tail)
+
+        causes = [c for c in self.children if c.rank != failure.rank and (c.returncode or 0) != 0 and own_error(c)]
         if not causes:
             return failure
         c = min(causes, key=lambda c: c.exit_t if c.exit_t is not None else float("inf"))

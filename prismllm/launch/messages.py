@@ -50,6 +50,11 @@ def error_line(lines: Sequence[str]) -> tuple[str, list[str]]:
     return (lines[-1].strip(), lines[-1:]) if lines else ("", [])
 
 
+def has_error_line(lines: Sequence[str]) -> bool:
+    """Whether the output holds the last line of a traceback or a prism error line."""
+    return any(_ERROR_LINE.match(_RANK_PREFIX.sub("", ln, count=1).rstrip()) for ln in lines)
+
+
 def lost_peer(lines: Sequence[str]) -> bool:
     return any(_LOST_PEER.search(ln) for ln in error_line(lines)[1])
 

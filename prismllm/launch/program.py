@@ -44,6 +44,7 @@ import shlex
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from prismllm.childenv import user_setting
 from prismllm.errors import PrismError
 from prismllm.fsutil import sha256_file
 
@@ -204,7 +205,7 @@ def _first_difference(ga: Sequence[str], la: Sequence[str], files: dict[str, Any
 
 
 def _switch_off() -> bool:
-    return os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "off", "no", "false")
+    return user_setting(ENV_SWITCH).strip().lower() in ("0", "off", "no", "false")
 
 
 def check_program(manifest: dict, script: str, args: Sequence[str], world_size: int) -> None:

@@ -11,7 +11,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from prismllm.childenv import ChildError
+from prismllm.childenv import ChildError, user_setting
 from prismllm.errors import PrismError
 
 DEFAULT_RUNNER = "prismllm.comm.bootstrap"
@@ -118,7 +118,7 @@ class LaunchSpec:
 
 def status_after_default() -> float | None:
     """``$PRISM_STATUS_AFTER`` (seconds, or "off"), else 300."""
-    v = os.environ.get("PRISM_STATUS_AFTER", "").strip()
+    v = user_setting("PRISM_STATUS_AFTER").strip()
     if not v:
         return 300.0
     if v.lower() in ("off", "none", "0"):

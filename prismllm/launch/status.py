@@ -124,7 +124,7 @@ _reporter_lock = threading.Lock()
 
 def reporter() -> StatusReporter | None:
     """This process's reporter, started on first use when the launcher asked for one
-    (``PRISM_STATUS_DIR`` set); None otherwise."""
+    (``ChildEnv.status_dir`` set); None otherwise."""
     global _reporter
     with _reporter_lock:
         child = ChildEnv.current()
@@ -181,7 +181,7 @@ class ProcessStatus:
 
 def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(prismllm's and torch's directories, the standard library's)."""
-    ours = [os.path.dirname(os.path.abspath(__file__))]
+    ours = [_PACKAGE]
     try:
         spec = importlib.util.find_spec("torch")
         if spec is not None and spec.origin:
@@ -193,11 +193,12 @@ def _library_roots() -> tuple[tuple[str, ...], tuple[str, ...]]:
 
 
 _LIBRARY: tuple[tuple[str, ...], tuple[str, ...]] | None = None
+_PACKAGE = str(Path(__file__).resolve().parents[1])  # prismllm's own directory
 
 
 def _is_ours(path: str) -> bool:
     """Whether a frame's file is prismllm's."""
-    return os.path.abspath(path).startswith(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+    return os.path.abspath(path).startswith(_PACKAGE + os.sep)
 
 
 def _is_library(path: str) -> bool:
@@ -249,7 +250,7 @@ def parse_status(text: str) -> ProcessStatus:
 
 class StatusBoard:
     """The launcher's view of its children's status files (``names``: launcher id -> the
-    child's ``PRISM_STATUS_NAME``; ranks >= 0, helpers < 0)."""
+    child's ``ChildEnv.status_name``; ranks >= 0, helpers < 0)."""
 
     def __init__(self, directory: str | os.PathLike, names: Mapping[int, str]):
         self.dir = Path(directory)

@@ -12,7 +12,7 @@ communicator (reduce op, layout, padding, local pre/post steps). NCCL and gloo a
 they are: the compensation is in the data, not in the library (the paper patches NCCL's
 ring and tree; we do not).
 
-Three layers, each usable alone (docs/pruning.md has the long form and the byte tables),
+Three layers, each usable alone (docs/internals/pruning.md has the long form and the byte tables),
 plus the small communicator both sides make (``groups.py``):
 
 1. ``plans.py``: ``plan_<op>(...)`` / :func:`plan` -- pure: from the logical group (``n``, the real

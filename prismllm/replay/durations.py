@@ -13,7 +13,7 @@ the times it records back:
   member's measurement is "from my arrival to the end", so everyone but the last to arrive also
   counts the wait for late peers; the minimum is the one that waited least. Unlike the engine's
   default ("the duration of the member whose ``start_ns`` is latest") it compares no clock
-  readings across ranks, so it holds for ranks on different hosts (docs/calibrate.md).
+  readings across ranks, so it holds for ranks on different hosts (docs/commands/calibrate.md).
   Rule ``slice``, for a timed graph: the members measured in one slice give one measurement
   (their minimum, as above: the virtual members were there first), and the instance's transfer
   is the *mean* over the slices that measured it: each slice measured the transfer alone, and

@@ -17,7 +17,7 @@ communication completed.
         for ev in rep.pending_external():          # all virtual members are in
             rep.external_done(ev.instance, t_end)  # the real collective finished at t_end
 
-Timing model (docs/replay.md has the long form):
+Timing model (docs/internals/replay.md has the long form):
 
 - A rank is a cursor over its nodes in program order, with a host clock. A node starts when the
   rank reaches it and every asynchronous operation whose wait point is this node has completed.

@@ -1,4 +1,4 @@
-"""``prism time``: slice timing of a bare graph (the paper's §5.3; docs/time.md).
+"""``prism time``: slice timing of a bare graph (the paper's §5.3; docs/commands/time.md).
 
 The ranks to time are split into slices of ``slice_size`` ranks; each slice is one sandbox run
 (``prismllm.launch.sandbox``: the slice's ranks run the unmodified program for real, an
@@ -46,7 +46,7 @@ from prismllm.launch.sandbox import (
     sandbox_devices,
 )
 from prismllm.layout import Layout, replica_plan
-from prismllm.specs import DeviceSpec
+from prismllm.specs import DeviceSpec, parse_devices
 from prismllm.trace.assemble import assemble_spool
 from prismllm.trace.graph import PrismTrace, read_manifest
 from prismllm.trace.ranklog import ranklog_path
@@ -69,13 +69,13 @@ class TimeOptions:
     # slices at a time, slice by slice; a GPU listed twice is shared); see :func:`slice_devices`
     devices: str = "auto"
     slice_size: int = 1  # sandbox ranks per slice
-    parallel: int = 1  # slices at a time
+    parallel: int | None = None  # slices at a time; None: as many as a GPU list holds, else 1
     tensors: str | os.PathLike | None = None  # recorded inputs (default: GRAPH/tensors)
     inputs: str = "auto"  # recorded | generated | auto (recorded where the graph has them)
     every_rank: bool = False  # time DP replicas too instead of their representative
     timeout: float | None = None  # per slice
     force: bool = False
-    # CPU: compute spans from a second pass with every rank at once (docs/time.md, "Compute under load")
+    # CPU: compute spans from a second pass with every rank at once (docs/commands/time.md, "Compute under load")
     compute_under_load: bool = False
 
 
@@ -149,6 +149,17 @@ def slice_devices(opts: TimeOptions, at_once: int) -> list[DeviceSpec]:
                 f"{at_once} slice(s) at a time need {per * at_once}, {len(gpus)} listed"
             )
     return [DeviceSpec("cuda", gpus[k * per : (k + 1) * per]) for k in range(at_once)]
+
+
+def _parallel(opts: TimeOptions) -> int:
+    """Slices at a time: --parallel, else one per slice's worth of listed GPUs, else 1."""
+    if opts.parallel is not None:
+        return opts.parallel
+    try:
+        gpus = parse_devices(opts.devices).gpus
+    except ValueError:
+        return 1  # slice_devices says what is wrong with the list
+    return max(1, len(gpus) // (opts.slice_size + 1)) if gpus else 1
 
 
 def _for_slice(dev: DeviceSpec, slice_size: int, n_ranks: int) -> DeviceSpec:
@@ -326,7 +337,7 @@ def time_slices(
     graph = Path(opts.graph)
     manifest = read_manifest(graph)
     world = int(manifest["world_size"])
-    if opts.parallel < 1:
+    if opts.parallel is not None and opts.parallel < 1:
         raise PrismError(f"--parallel must be at least 1, not {opts.parallel}")
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
@@ -342,8 +353,7 @@ def time_slices(
         raise PrismError(f"--slice-size {opts.slice_size}: a slice must leave some of the {world} ranks virtual")
     slices = plan_slices(ranks, opts.slice_size)
     tensors = recorded_inputs(graph, opts.tensors, opts.inputs)  # the virtual ranks' inputs, if recorded
-    at_once = max(1, min(opts.parallel, len(slices)))
-    devices = slice_devices(opts, at_once)  # checked before anything runs
+    devices = slice_devices(opts, min(_parallel(opts), len(slices)))  # checked before anything runs
     out = Path(opts.out)
     state = {
         "graph": str(graph.resolve()),

@@ -3,7 +3,7 @@
 A graph is a directory:
 
     manifest.json     format name and version, world size, layout, command line, versions,
-                      device, mode (record | solo | time | calibrated | emulate)
+                      device, mode (record | solo | timed | calibrated)
     nodes.parquet     one row per compute span or communication event per rank
     edges.parquet     directional and synchronisation edges between nodes
     groups.parquet    the process groups, stored once

@@ -31,12 +31,14 @@ from types import ModuleType
 import torch
 import torch.distributed  # noqa: F401  (the Backend and Work types the module uses)
 
+from prismllm.childenv import user_setting
+
 _MOD: ModuleType | None = None
 _SRC = Path(__file__).with_name("recording_backend.cpp")
 
 
 def build_directory(tag: str) -> Path:
-    root = os.environ.get("PRISM_NATIVE_CACHE")
+    root = user_setting("PRISM_NATIVE_CACHE")
     if not root:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(base, "prismllm", "native")
@@ -93,7 +95,7 @@ def _gone(holder: tuple[str, int] | None, lock: Path, timeout: float) -> bool:
 
 @contextmanager
 def _build_lock(directory: Path):
-    timeout = float(os.environ.get("PRISM_NATIVE_BUILD_TIMEOUT", "600"))
+    timeout = float(user_setting("PRISM_NATIVE_BUILD_TIMEOUT", "600"))
     lock = directory / "build.lock"
     start = time.monotonic()
     while True:
