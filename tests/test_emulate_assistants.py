@@ -49,3 +49,69 @@ def test_two_assistants_share_the_groups(tmp_path, capfd, gpt3d_recording):
 
     with pytest.raises(PrismError, match="--assistants must be 1 or more"):
         emulate(EmulateOptions(graph=real, sandbox="3", out=tmp_path / "bad", script=GPT3D, args=ARGS, assistants=0))
+
+
+def test_the_proxy_launches_in_the_sandbox_ranks_order(gpt3d_recording):
+    """On NCCL the proxy must launch its calls on the small communicators in the order the
+    sandbox ranks make them (a TP2-PP2 slice on one GPU hung with the proxy ahead on the TP
+    group while the sandbox waited in a pipeline recv). The order is each sandbox rank's program
+    order, merged over the sandbox ranks; checked here on the recorded TP2-PP2 graph at N = 4."""
+    from prismllm.assistant.proxy import Assistant, _merge_orders
+    from prismllm.trace.graph import PrismTrace
+
+    rec = gpt3d_recording(4, ["--tp", "2", "--pp", "2", *SIZES], save_tensors="all,inputs")
+    trace = PrismTrace.load(rec.out)
+    for sandbox in [(0,), (1, 2), (0, 3)]:
+        a = Assistant(trace, sandbox, None, connect=lambda: None, backend="gloo")
+        order = a._sandbox_order()
+        mine = {i for grp in a.groups.values() for i in grp.upcoming}
+        assert set(order) == mine and sorted(order.values()) == list(range(len(mine)))
+        # every sandbox rank's calls come in its program order
+        g = a.graph
+        for r in sandbox:
+            rows = trace.program_order()
+            comm = rows[(trace.column("rank")[rows] == r) & (trace.column("kind")[rows] == "comm")]
+            places = []
+            for row in comm.tolist():
+                for i, k in order.items():
+                    nodes = g.inst_nodes[g.inst_ptr[i] : g.inst_ptr[i + 1]]
+                    if _touches(trace, g, nodes, row):
+                        places.append(k)
+                        break
+            assert places == sorted(places), (sandbox, r)
+    assert _merge_orders([[1, 2, 3], [2, 4], [1, 4]]) == [1, 2, 3, 4]
+    assert _merge_orders([[1, 2], [2, 1]]) is None
+
+
+def _touches(trace, g, nodes, row) -> bool:
+    """Whether the sandbox node at trace row ``row`` belongs to the instance of virtual ``nodes``
+    (same group and seq for a collective; the matched partner for a send/recv)."""
+    op = trace.column("op")[row]
+    vrows = g.row[nodes]
+    if op in ("send", "recv"):
+        peer = int(trace.column("peer")[row])
+        return any(
+            trace.column("op")[v] != op
+            and int(trace.column("rank")[v]) == peer
+            and int(trace.column("peer")[v]) == int(trace.column("rank")[row])
+            and trace.column("group")[v] == trace.column("group")[row]
+            and _nth(trace, v) == _nth(trace, row)
+            for v in vrows.tolist()
+        )
+    return any(
+        trace.column("group")[v] == trace.column("group")[row] and trace.column("seq")[v] == trace.column("seq")[row]
+        for v in vrows.tolist()
+    )
+
+
+def _nth(trace, row) -> int:
+    """The ordinal of a send (recv) among its rank's sends (recvs) to (from) that peer on that group."""
+    r, op, peer, grp, idx = (trace.column(c)[row] for c in ("rank", "op", "peer", "group", "index"))
+    m = (
+        (trace.column("rank") == r)
+        & (trace.column("op") == op)
+        & (trace.column("peer") == peer)
+        & (trace.column("group") == grp)
+        & (trace.column("index") < idx)
+    )
+    return int(m.sum())

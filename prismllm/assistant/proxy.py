@@ -81,9 +81,10 @@ from prismllm import pruning as C, replay as R
 from prismllm.childenv import user_setting
 from prismllm.errors import PrismError
 from prismllm.generate.store import TensorStore, dtype_from_name
-from prismllm.replay import ExternalEvent, Replay, ReplayGraph
+from prismllm.replay import INST_COLLECTIVE, ExternalEvent, Replay, ReplayGraph
+from prismllm.trace.edges import match_p2p
 from prismllm.trace.graph import PrismTrace
-from prismllm.trace.schema import P2P_OPS
+from prismllm.trace.schema import KIND_COMM, P2P_OPS
 
 TIMINGS = ("fast", "real")
 IN_FLIGHT = 16  # calls a proxy may have entered on a group and not seen complete (PRISM_IN_FLIGHT)
@@ -229,6 +230,17 @@ class Assistant:
             if grp is not None:
                 grp.upcoming.append(int(i))
         self._place = {i: k for grp in self.groups.values() for k, i in enumerate(grp.upcoming)}
+        # NCCL: every member of the small communicators must launch its calls in one order (NCCL
+        # kernels of different communicators on one device need not run concurrently, and a
+        # communicator is made by a blocking collective at its first call): the proxy, which
+        # could run ahead on one group while the sandbox waits on another, launches its calls
+        # in the sandbox ranks' program order (seen: a TP2-PP2 slice on one GPU hung with the
+        # proxy 17 calls ahead on the TP group and the sandbox in its first pipeline recv).
+        # gloo makes its small groups up front and runs each call on its own threads: no order.
+        self._turn = self._sandbox_order() if backend == "nccl" else None
+        self._turn_next = 0
+        self._turn_done: set[int] = set()
+        self._turn_cv = threading.Condition()
         # node columns the proxy's plans read (by trace row, via graph.row)
         cols = trace.nodes.select(
             ["shape", "dtype", "reduce_op", "tag", "in_splits", "out_splits", "out_bytes"]
@@ -236,6 +248,65 @@ class Assistant:
         self._shape, self._dtype, self._red = cols["shape"], cols["dtype"], cols["reduce_op"]
         self._tag, self._in_splits, self._out_splits = cols["tag"], cols["in_splits"], cols["out_splits"]
         self._out_bytes = cols["out_bytes"]
+
+    def _sandbox_order(self) -> dict[int, int]:
+        """Each external instance this assistant plays -> its place in one order in which every
+        sandbox rank makes its calls (each rank's program order, merged over the sandbox ranks)."""
+        trace, g = self.trace, self.graph
+        row_inst = np.full(trace.num_nodes, -1, dtype=np.int64)
+        row_inst[g.row] = g.inst_of
+        mine = {i for grp in self.groups.values() for i in grp.upcoming}
+        coll = {
+            (int(gr), int(sq)): int(i)
+            for i, (gr, sq, k) in enumerate(zip(g.inst_group, g.inst_seq, g.inst_kind))
+            if k == INST_COLLECTIVE and int(i) in mine
+        }
+        row_of_id = np.empty(int(trace.column("node_id").max()) + 1, dtype=np.int64)
+        row_of_id[trace.column("node_id")] = np.arange(trace.num_nodes)
+        sends, recvs = match_p2p(trace.nodes)
+        partner = dict(zip(row_of_id[sends].tolist(), row_of_id[recvs].tolist()))
+        partner.update(zip(row_of_id[recvs].tolist(), row_of_id[sends].tolist()))
+        rank, kind = trace.column("rank"), trace.column("kind")
+        group, seq, op = trace.column("group"), trace.column("seq"), trace.column("op")
+        order = trace.program_order()
+        chains = []
+        for r in self.sandbox:
+            chain: list[int] = []
+            for row in order[(rank[order] == r) & (kind[order] == KIND_COMM)].tolist():
+                if op[row] in P2P_OPS:
+                    i = int(row_inst[partner[row]]) if row in partner else -1
+                else:
+                    i = coll.get((int(group[row]), int(seq[row])), -1)
+                if i in mine and (not chain or chain[-1] != i):
+                    chain.append(i)
+            chains.append(chain)
+        merged = _merge_orders(chains)
+        if merged is None:
+            raise AssistantError(
+                "the sandbox ranks make their calls with the proxy in orders that no single order "
+                "keeps (a program that would deadlock on NCCL): emulate them in separate slices"
+            )
+        rest = sorted(mine - set(merged))
+        return {i: k for k, i in enumerate(merged + rest)}
+
+    def _my_turn(self, jobs: list[_Job]) -> None:
+        """Wait until the calls before ``jobs`` in the sandbox's order were launched (NCCL)."""
+        if self._turn is None:
+            return
+        first = min(self._turn[j.event.instance] for j in jobs)
+        with self._turn_cv:
+            while self._turn_next < first:
+                self._turn_cv.wait()
+
+    def _launched(self, jobs: list[_Job]) -> None:
+        if self._turn is None:
+            return
+        with self._turn_cv:
+            self._turn_done.update(self._turn[j.event.instance] for j in jobs)
+            while self._turn_next in self._turn_done:
+                self._turn_done.discard(self._turn_next)
+                self._turn_next += 1
+            self._turn_cv.notify_all()
 
     # ------------------------------------------------------------------ groups
     def start(self) -> None:
@@ -279,10 +350,12 @@ class Assistant:
                 calls = [self._staged_or_prepared(grp, j.event) for j in jobs]
                 if grp.stream is not None:  # the NCCL op (after the current stream) reads what staging wrote
                     torch.cuda.current_stream(self.device).wait_stream(grp.stream)
+                self._my_turn(jobs)
                 if self.timing == "real":
                     self._wait_until(grp, jobs[0])
                 t0 = self._now()
                 works = C.issue(grp.pg, calls[0]) if len(calls) == 1 else C.issue_batch(grp.pg, calls)
+                self._launched(jobs)
                 grp.issued += len(calls)
                 self._issue_ns += (self._now() - t0 - self._issue_ns) // 8  # running mean (a rough figure)
                 inflight.put((jobs, calls, works))  # blocks while IN_FLIGHT calls are outstanding
@@ -626,3 +699,27 @@ class Assistant:
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
         os.replace(tmp, path)
+
+
+def _merge_orders(chains: list[list[int]]) -> list[int] | None:
+    """One sequence that keeps the order of every chain (Kahn over their consecutive pairs), or
+    None when the chains contradict each other."""
+    succ: dict[int, list[int]] = {}
+    indeg: dict[int, int] = {}
+    for chain in chains:
+        for i in chain:
+            indeg.setdefault(i, 0)
+        for a, b in zip(chain, chain[1:]):
+            succ.setdefault(a, []).append(b)
+            indeg[b] += 1
+    ready = sorted((i for i, d in indeg.items() if d == 0), reverse=True)
+    out: list[int] = []
+    while ready:
+        i = ready.pop()
+        out.append(i)
+        for j in succ.get(i, ()):
+            indeg[j] -= 1
+            if indeg[j] == 0:
+                ready.append(j)
+                ready.sort(reverse=True)
+    return out if len(out) == len(indeg) else None
