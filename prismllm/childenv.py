@@ -42,6 +42,7 @@ class ChildEnv:
     spool: str | None = None  # directory the rank writes its RankLog to at exit
     error_file: str | None = None  # where the child writes its ChildError (set by the launcher)
     memory_history: str | None = None  # directory for the CUDA allocator history (comm.memhistory)
+    cuda_on_cpu: bool | None = None  # map the program's CUDA calls to the CPU (prismllm.devicemap)
     # ---- status reports (launch.status; set by the launcher)
     status_dir: str | None = None
     status_name: str | None = None
@@ -52,6 +53,7 @@ class ChildEnv:
     tensor_store: str | None = None
     # ---- solo mode
     rules: str | None = None  # a Python file of generator rules
+    solo_batch: tuple[int, ...] | None = None  # the ranks running at once (they share object-collective values)
     # ---- sandbox ranks (mode emulate) and assistants
     sandbox: tuple[int, ...] | None = None  # the ranks that run for real
     graph: str | None = None  # the graph the virtual ranks are replayed from
@@ -76,7 +78,7 @@ class ChildEnv:
                 continue
             if isinstance(v, bool):
                 v = int(v)
-            elif f.name == "sandbox":
+            elif f.name in _RANK_LISTS:
                 v = format_ranks(v)
             out[variable(f.name)] = str(v)
         return out
@@ -117,7 +119,8 @@ class ChildEnv:
 
 
 _CURRENT: ChildEnv | None = None
-_BOOLS = ("native",)
+_BOOLS = ("native", "cuda_on_cpu")
+_RANK_LISTS = ("sandbox", "solo_batch")
 _INTS = ("assistants", "assistant_index")
 
 
@@ -137,7 +140,7 @@ def _parse(name: str, raw: str) -> Any:
             return int(raw)
         if name == "timeout_s":
             return float(raw)
-        if name == "sandbox":
+        if name in _RANK_LISTS:
             return parse_ranks(raw)
     except ValueError as e:
         raise PrismError(f"{variable(name)}={raw!r}: {e}") from None
@@ -200,6 +203,8 @@ USER_SETTINGS: dict[str, str] = {
     "PRISM_PROGRAM_CHECK": "'off' skips the check that a launch runs the graph's program",
     "PRISM_STAGE_AHEAD": "calls an assistant prepares ahead per pruned group (default 1)",
     "PRISM_IN_FLIGHT": "calls an assistant may have entered on a pruned group and not seen complete (default 16)",
+    "PRISM_SOLO_OBJECT_WAIT": "seconds a solo rank waits for a peer of its batch to publish its part of an object "
+    "collective (default 120)",
     "PRISM_HOST_COMPLETION": "'wait' makes the Python recorder read a CPU call's completion at its "
     "wait instead of from a callback",
 }

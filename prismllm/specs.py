@@ -125,4 +125,16 @@ def parse_devices(spec: str | None) -> DeviceSpec:
     )
 
 
-__all__ = ["DeviceSpec", "format_ranks", "parse_devices", "parse_layout", "parse_ranks"]
+def cuda_on_cpu_devices(spec: str | None) -> DeviceSpec:
+    """The devices of a run whose program's CUDA calls are mapped to the CPU (``--cuda-on-cpu``):
+    the CPU, for ``cpu`` and ``auto``; a GPU is refused (ValueError)."""
+    dev = parse_devices(spec)
+    if dev.kind == "cuda":
+        raise ValueError(
+            f"--devices {dev.text}: this run maps the program's CUDA calls to the CPU (--cuda-on-cpu, kept in "
+            f"the graph's manifest); use --devices cpu, or capture without --cuda-on-cpu to run on GPUs"
+        )
+    return DeviceSpec("cpu")
+
+
+__all__ = ["DeviceSpec", "cuda_on_cpu_devices", "format_ranks", "parse_devices", "parse_layout", "parse_ranks"]

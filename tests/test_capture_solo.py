@@ -130,7 +130,7 @@ def fake(tmp_path):
             args=[str(a) for a in args],
             runner="fake_solo",
             env=e,
-            device="cpu",
+            devices="cpu",
             sink=lambda *a: None,
             **kw,
         )
@@ -201,10 +201,10 @@ LAYOUTS = [
 @pytest.mark.parametrize("layout,world,args", LAYOUTS, ids=[x[0] for x in LAYOUTS])
 def test_dedup_graph_equals_all_ranks_graph(fake, tmp_path, layout, world, args):
     opts, _, ran = fake
-    full = capture(opts(tmp_path / "full", world, args, devices=4))
+    full = capture(opts(tmp_path / "full", world, args, parallel=4))
     assert sorted(ran()) == list(range(world)) and not full.dedup
     n_full = len(ran())
-    dedup = capture(opts(tmp_path / "dedup", world, args, devices=4, layout=layout))
+    dedup = capture(opts(tmp_path / "dedup", world, args, parallel=4, layout=layout))
     reps = replica_plan(Layout.parse(layout, world)).representatives
     assert sorted(ran()[n_full:]) == reps and dedup.dedup and dedup.ranks_run == len(reps) < world
     a, b = PrismTrace.load(tmp_path / "full"), PrismTrace.load(tmp_path / "dedup")
@@ -231,9 +231,9 @@ def test_dedup_graph_equals_all_ranks_graph(fake, tmp_path, layout, world, args)
 def test_all_to_all_splits_reconciled_senders_win(fake, tmp_path):
     opts, _, _ = fake
     args = ["--tp", 2, "--pp", 2, "--ep", 2]
-    truth = capture(opts(tmp_path / "truth", 16, args, devices=4, layout="tp=2,pp=2,ep=2"))
+    truth = capture(opts(tmp_path / "truth", 16, args, parallel=4, layout="tp=2,pp=2,ep=2"))
     assert truth.manifest["capture"]["all_to_all_reconciled"] == 0
-    bad = capture(opts(tmp_path / "bad", 16, args, devices=4, layout="tp=2,pp=2,ep=2", env={"FAKE_BAD_SPLITS": "1"}))
+    bad = capture(opts(tmp_path / "bad", 16, args, parallel=4, layout="tp=2,pp=2,ep=2", env={"FAKE_BAD_SPLITS": "1"}))
     assert bad.manifest["capture"]["all_to_all_reconciled"] > 0
     a, b = PrismTrace.load(tmp_path / "truth"), PrismTrace.load(tmp_path / "bad")
     validate(b)
@@ -243,7 +243,7 @@ def test_all_to_all_splits_reconciled_senders_win(fake, tmp_path):
 
 def test_replica_renaming_of_groups_peers_roots_and_streams(fake, tmp_path):
     opts, _, _ = fake
-    capture(opts(tmp_path / "g", 8, ["--tp", 2, "--pp", 2], devices=2, layout="tp=2,pp=2"))
+    capture(opts(tmp_path / "g", 8, ["--tp", 2, "--pp", 2], parallel=2, layout="tp=2,pp=2"))
     t = PrismTrace.load(tmp_path / "g")
     info = t.group_info()
     rows = t.nodes.to_pylist()
@@ -269,7 +269,7 @@ def test_failure_names_rank_keeps_spool_and_resume_skips_done(fake, tmp_path):
     out = tmp_path / "cap"
     args = ["--tp", 2, "--pp", 2]
     with pytest.raises(PrismError) as ei:
-        capture(opts(out, 8, args, devices=2, layout="tp=2,pp=2", env={"FAKE_FAIL_RANK": "4"}))
+        capture(opts(out, 8, args, parallel=2, layout="tp=2,pp=2", env={"FAKE_FAIL_RANK": "4"}))
     msg = str(ei.value)
     assert "rank 4" in msg and "re-run the same command to resume" in msg
     state = json.loads((out / ".spool" / STATE_FILE).read_text())
@@ -278,7 +278,7 @@ def test_failure_names_rank_keeps_spool_and_resume_skips_done(fake, tmp_path):
     assert (out / ".spool" / "rank-000004.msgpack").exists()  # kept for diagnosis
     first = ran()
     # the same command resumes: only the unfinished representatives run
-    res = capture(opts(out, 8, args, devices=2, layout="tp=2,pp=2"))
+    res = capture(opts(out, 8, args, parallel=2, layout="tp=2,pp=2"))
     todo = sorted(set([0, 1, 4, 5]) - set(state["done"]))
     assert sorted(ran()[len(first) :]) == todo
     assert res.ranks_run == len(todo) and res.ranks_resumed == 4 - len(todo)
@@ -290,25 +290,25 @@ def test_resume_refuses_another_command_and_force_starts_over(fake, tmp_path):
     opts, _, ran = fake
     out = tmp_path / "cap"
     with pytest.raises(PrismError):
-        capture(opts(out, 8, ["--tp", 2, "--pp", 2], devices=2, layout="tp=2,pp=2", env={"FAKE_FAIL_RANK": "1"}))
+        capture(opts(out, 8, ["--tp", 2, "--pp", 2], parallel=2, layout="tp=2,pp=2", env={"FAKE_FAIL_RANK": "1"}))
     with pytest.raises(PrismError, match=r"another command.*layout.*--force"):
-        capture(opts(out, 8, ["--tp", 2, "--pp", 2], devices=2, layout="tp=2,pp=2,order=tp-pp-dp"))
+        capture(opts(out, 8, ["--tp", 2, "--pp", 2], parallel=2, layout="tp=2,pp=2,order=tp-pp-dp"))
     with pytest.raises(PrismError, match=r"world 8 -> 16"):
-        capture(opts(out, 16, ["--tp", 2, "--pp", 2], devices=2, layout="tp=2,pp=2"))
+        capture(opts(out, 16, ["--tp", 2, "--pp", 2], parallel=2, layout="tp=2,pp=2"))
     n = len(ran())
-    res = capture(opts(out, 8, ["--tp", 2, "--pp", 2], devices=4, layout="tp=2,pp=4", force=True))
+    res = capture(opts(out, 8, ["--tp", 2, "--pp", 2], parallel=4, layout="tp=2,pp=4", force=True))
     assert res.ranks_run == 8 and res.ranks_resumed == 0 and sorted(ran()[n:]) == list(range(8))
     # a finished graph is not overwritten without --force
     with pytest.raises(PrismError, match="already holds a graph"):
-        capture(opts(out, 8, ["--tp", 2, "--pp", 2], devices=4, layout="tp=2,pp=4"))
+        capture(opts(out, 8, ["--tp", 2, "--pp", 2], parallel=4, layout="tp=2,pp=4"))
 
 
 def test_bad_inputs(fake, tmp_path):
     opts, _, _ = fake
     with pytest.raises(PrismError, match="does not divide"):
-        capture(opts(tmp_path / "a", 12, devices=2, layout="tp=8"))
-    with pytest.raises(PrismError, match="--devices must be at least 1"):
-        capture(opts(tmp_path / "a", 8, devices=0))
+        capture(opts(tmp_path / "a", 12, parallel=2, layout="tp=8"))
+    with pytest.raises(PrismError, match="--parallel must be at least 1"):
+        capture(opts(tmp_path / "a", 8, parallel=0))
     with pytest.raises(PrismError, match="--rules"):
         capture(opts(tmp_path / "a", 8, rules=tmp_path / "nope.yaml"))
     (tmp_path / "junk").mkdir()
@@ -401,7 +401,7 @@ def test_expansion_to_1024_ranks_is_fast(fake, tmp_path):
     import time
 
     opts, _, _ = fake
-    res = capture(opts(tmp_path / "big", 1024, ["--tp", 2, "--pp", 8], devices=2, layout="tp=2,pp=8"))
+    res = capture(opts(tmp_path / "big", 1024, ["--tp", 2, "--pp", 8], parallel=2, layout="tp=2,pp=8"))
     assert res.ranks_run == 16
     t = res.timings
     assert t["assemble_s"] + t["validate_s"] + t["save_s"] < 60, t
@@ -575,8 +575,8 @@ def test_tensor_store_with_expert_parallel_runs_every_rank(tmp_path):
         out=tmp_path / "a",
         script=str(script),
         layout="tp=2,ep=4",
-        devices=2,
-        device="cpu",
+        parallel=2,
+        devices="cpu",
         tensors=tmp_path / "store",
     )
     plan, _, _ = plan_capture(moe)
@@ -628,3 +628,34 @@ def test_record_saves_inputs_at_issue(tmp_path):
             assert torch.equal(out, torch.maximum(*ins)), (g, index)
             ops.add("max")
     assert ops == {"sum", "max"}  # vocab-parallel cross-entropy uses both
+
+
+SPMD_STARTUP = str(Path(__file__).resolve().parent / "programs" / "spmd_startup.py")
+
+
+@pytest.mark.parametrize("parallel", [2, 1])
+def test_solo_ranks_share_object_collectives_and_take_numpy_splits(tmp_path, parallel):
+    """Rank 1 receives the config rank 0 broadcast (published in the spool: root first); run
+    together, each rank sees the other's gathered rank id; numpy split sizes reach the rank log
+    as ints; a receive into a leaf that requires grad is filled. One rank at a time, rank 0
+    cannot see rank 1's id (it has not run yet): the program's own check of the gathered ids
+    fails, the documented limit of the fallback."""
+    run = [PRISM, "capture", "--mode", "solo", "--world", "2", "--parallel", str(parallel), "--devices", "cpu"]
+    r = subprocess.run(
+        [*run, "--out", str(tmp_path / "solo"), "--", SPMD_STARTUP], capture_output=True, text=True, timeout=300
+    )
+    if parallel == 1:
+        assert r.returncode != 0 and "gathered ranks [0, 0]" in r.stdout + r.stderr, r.stdout + r.stderr
+        return
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "rank 0: ok" in r.stdout and "rank 1: ok" in r.stdout
+    rec = subprocess.run(
+        [PRISM, "record", "--nproc", "2", "--devices", "cpu", "--recorder", "python", "--out", str(tmp_path / "rec"),
+         "--", SPMD_STARTUP],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert rec.returncode == 0, rec.stdout + rec.stderr
+    cmp = subprocess.run(
+        [PRISM, "compare", str(tmp_path / "rec"), str(tmp_path / "solo")], capture_output=True, text=True, timeout=120
+    )
+    assert "structure: equal" in cmp.stdout, cmp.stdout

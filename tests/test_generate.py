@@ -221,3 +221,13 @@ def test_store_reads_from_many_threads(tmp_path):
     for t in ts:
         t.join()
     assert not bad
+
+
+def test_a_receive_into_a_leaf_that_requires_grad_is_filled_outside_autograd():
+    """Pipeline schedules receive into leaves that require grad; a real backend writes them
+    from C++, and so must the generator (an in-place write under grad mode raises)."""
+    g = TensorGenerator(1)
+    buf = torch.empty(3, requires_grad=True)
+    g.fill(Call(rank=1, op="recv", api="recv", group_ranks=(0, 1), group_desc="", group_name="0",
+                group_rank=1, index=0, peer=0, output=buf))  # fmt: skip
+    assert buf.detach().tolist() == [0.0, 0.0, 0.0] and buf.requires_grad

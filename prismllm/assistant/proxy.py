@@ -84,7 +84,7 @@ from prismllm.generate.store import TensorStore, dtype_from_name
 from prismllm.replay import INST_COLLECTIVE, ExternalEvent, Replay, ReplayGraph
 from prismllm.trace.edges import match_p2p
 from prismllm.trace.graph import PrismTrace
-from prismllm.trace.schema import KIND_COMM, P2P_OPS
+from prismllm.trace.schema import KIND_COMM, P2P_OPS, split_reduce_op
 
 TIMINGS = ("fast", "real")
 IN_FLIGHT = 16  # calls a proxy may have entered on a group and not seen complete (PRISM_IN_FLIGHT)
@@ -522,7 +522,8 @@ class Assistant:
         p0 = ev.nodes[0]
         row = int(g.row[p0])
         n, G, op = grp.pruned.n, grp.pruned, ev.op
-        shape, red = tuple(self._shape[row] or ()), self._red[row]  # a tuple: plans are cached by it
+        shape = tuple(self._shape[row] or ())  # a tuple: plans are cached by it
+        red, factor = split_reduce_op(self._red[row])  # premul_sum carries its factor
         dtype = dtype_from_name(self._dtype[row]) if self._dtype[row] else torch.uint8
         gr = {r: i for i, r in enumerate(grp.ranks)}
         members = {gr[g.rank_of(p)]: p for p in ev.nodes}
@@ -536,17 +537,17 @@ class Assistant:
             return C.plan_once(C.plan_barrier, n, G), {}
         ins = _Inputs(lambda v: self._input(grp, members[v], op), members)  # read when used
         if op == "all_reduce":
-            return C.plan_once(C.plan_all_reduce, n, G, shape, red, dtype=dtype), ins
+            return C.plan_once(C.plan_all_reduce, n, G, shape, red, dtype=dtype, factor=factor), ins
         if op == "broadcast":
             return C.plan_once(C.plan_broadcast, n, G, shape, gr[int(g.peer[p0])], dtype=dtype), ins
         if op == "reduce":
-            return C.plan_once(C.plan_reduce, n, G, shape, gr[int(g.peer[p0])], red, dtype=dtype), ins
+            return C.plan_once(C.plan_reduce, n, G, shape, gr[int(g.peer[p0])], red, dtype=dtype, factor=factor), ins
         if op == "all_gather":
             return C.plan_once(C.plan_all_gather, n, G, shape, dtype=dtype), ins
         if op == "reduce_scatter":  # a member's output is one chunk (the recorded shape is the
             # whole input of the tensor form, one chunk of the list form)
             chunk = int(self._out_bytes[row]) // dtype.itemsize
-            return C.plan_once(C.plan_reduce_scatter, n, G, chunk, red, dtype=dtype), ins
+            return C.plan_once(C.plan_reduce_scatter, n, G, chunk, red, dtype=dtype, factor=factor), ins
         if op == "gather":  # the recorded shape is a member's input
             return C.plan_once(C.plan_gather, n, G, shape, gr[int(g.peer[p0])], dtype=dtype), ins
         if op == "scatter":  # the recorded shape is one chunk; the root's input is the list of n

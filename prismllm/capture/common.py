@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 from prismllm import __version__
 from prismllm.errors import PrismError
 from prismllm.launch.program import program_fingerprint
-from prismllm.specs import parse_devices
+from prismllm.specs import cuda_on_cpu_devices, parse_devices
 from prismllm.trace.schema import FILES, MANIFEST_FILE
 
 SPOOL_DIR = ".spool"
@@ -42,8 +42,15 @@ def cuda_info() -> tuple[bool, int]:
         return False, 0
 
 
-def resolve_devices(devices: str | None, nproc: int) -> tuple[str, str | list[int]]:
-    """("cpu", "cpu") or ("cuda", [gpu indices, one per rank])."""
+def resolve_devices(devices: str | None, nproc: int, cuda_on_cpu: bool = False) -> tuple[str, str | list[int]]:
+    """("cpu", "cpu") or ("cuda", [gpu indices, one per rank]); with ``cuda_on_cpu`` always the
+    CPU (a GPU list is refused)."""
+    if cuda_on_cpu:
+        try:
+            cuda_on_cpu_devices(devices)
+        except ValueError as e:
+            raise PrismError(str(e)) from None
+        return "cpu", "cpu"
     if devices is not None:
         devices = devices.strip().lower()
         try:
@@ -157,10 +164,12 @@ def build_manifest(
     device: str,
     gpus: list[int] | None = None,
     program: dict[str, Any] | None = None,
+    cuda_on_cpu: bool = False,
 ) -> dict[str, Any]:
     """The graph's manifest. ``program`` is the fingerprint of SCRIPT ARGS
     (``prismllm.launch.program.program_fingerprint``), best taken before the program ran;
-    None: taken now."""
+    None: taken now. ``cuda_on_cpu``: the program's CUDA calls ran on the CPU, which every
+    later launch of the program from this graph repeats (``prismllm.devicemap``)."""
     if program is None:
         program = program_of(script, args)
     manifest: dict[str, Any] = {
@@ -171,6 +180,7 @@ def build_manifest(
         "argv": list(argv) if argv is not None else None,
         "versions": collect_versions(device),
         "device": device,
+        "cuda_on_cpu": cuda_on_cpu,
         "mode": "record",
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),

@@ -55,6 +55,7 @@ class RecordOptions:
     script: str
     args: Sequence[str] = ()
     devices: str | None = None  # "cpu" | "cuda" | "cuda:0,1,..." | None: cuda if enough GPUs
+    cuda_on_cpu: bool = False  # map the program's CUDA calls to the CPU (prismllm.devicemap)
     layout: str | dict | None = None  # "tp=2,pp=2,dp=2" or a dict
     timeout: float | None = None
     force: bool = False
@@ -134,6 +135,16 @@ def choose_recorder(opts: RecordOptions) -> str:
         return "python"
     if opts.recorder == "python":
         return "python"
+    if opts.cuda_on_cpu:
+        # the program's NCCL reduce ops (AVG, PREMUL_SUM) run on gloo as SUM plus a local step,
+        # which only the Python path has (prismllm.comm.redops); the native backend would hand
+        # them to gloo, which refuses them
+        if opts.recorder == "native":
+            raise PrismError(
+                "--cuda-on-cpu records through the Python path (NCCL's AVG and PREMUL_SUM on gloo): "
+                "drop --recorder native"
+            )
+        return "python"
     # loads (and may first build) a C++ extension: only for the native recorder
     from prismllm.comm import native
 
@@ -181,7 +192,7 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
     out = Path(opts.out)
     check_out_dir(out, opts.force)
     store = _tensor_store(opts, out)
-    device, devices = resolve_devices(opts.devices, opts.nproc)
+    device, devices = resolve_devices(opts.devices, opts.nproc, opts.cuda_on_cpu)
     if opts.runner == DEFAULT_RUNNER:
         check_importable(DEFAULT_RUNNER, "the recording bootstrap")
 
@@ -193,6 +204,7 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
     child = ChildEnv(
         mode="record",
         native=recorder == "native",
+        cuda_on_cpu=opts.cuda_on_cpu or None,
         spool=str(spool.resolve()),
         save_tensors=opts.save_tensors if store is not None else None,
         tensor_store=str(store.resolve()) if store is not None else None,
@@ -238,6 +250,7 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
         device=device,
         gpus=devices if isinstance(devices, list) else None,
         program=program,
+        cuda_on_cpu=opts.cuda_on_cpu,
     )
     manifest["recorder"] = recorder
     trace = assemble_spool(spool, manifest)

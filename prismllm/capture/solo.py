@@ -75,6 +75,7 @@ class CaptureOptions:
     script: str
     args: Sequence[str] = ()
     devices: str = "auto"  # auto | cpu | cuda | cuda:G,G,... (prismllm.specs.DeviceSpec)
+    cuda_on_cpu: bool = False  # map the program's CUDA calls to the CPU (prismllm.devicemap)
     parallel: int | None = None  # ranks at a time; None: one per listed GPU, else 1
     layout: str | dict | None = None
     rules: str | os.PathLike | None = None  # a generator rules file (ChildEnv.rules)
@@ -147,6 +148,7 @@ def fingerprint(opts: CaptureOptions, layout: Layout | None, device: str) -> dic
         "rules": _path_digest(opts.rules),
         "tensors": _path_digest(opts.tensors),
         "device": device,
+        "cuda_on_cpu": opts.cuda_on_cpu,
         "runner": opts.runner,
         "prismllm": __version__,
     }
@@ -202,6 +204,8 @@ def _parallel_and_devices(opts: CaptureOptions) -> tuple[int, str, str | list[in
     g = opts.parallel if opts.parallel is not None else (len(dev.gpus) if dev.gpus is not None else 1)
     if g < 1:
         raise PrismError(f"--parallel must be at least 1, not {g}")
+    if opts.cuda_on_cpu:
+        return g, *resolve_devices(dev.text, g, cuda_on_cpu=True)
     if dev.gpus is not None and len(dev.gpus) != g:
         raise PrismError(
             f"--devices {dev.text} lists {len(dev.gpus)} GPU(s) for --parallel {g}: one rank runs on "
@@ -425,10 +429,10 @@ def capture(
     child = ChildEnv(
         mode=opts.mode,
         spool=str(spool.resolve()),
+        cuda_on_cpu=opts.cuda_on_cpu or None,
         rules=str(Path(opts.rules).resolve()) if opts.rules is not None else None,
         tensor_store=str(Path(opts.tensors).resolve()) if opts.tensors is not None else None,
     )
-    env: dict[str, str | None] = {**child.to_env(), **opts.env}
 
     total = len(plan.replicas.representatives)
     done = set(plan.resumed)
@@ -445,7 +449,9 @@ def capture(
             world_size=plan.world,
             script=opts.script,
             args=list(opts.args),
-            env=env,
+            # the ranks that run together wait for each other's parts of object collectives
+            # (prismllm.comm.solo_objects)
+            env={**dataclasses.replace(child, solo_batch=tuple(batch)).to_env(), **opts.env},
             devices=plan.devices if plan.devices == "cpu" else list(plan.devices)[: len(batch)],
             runner=opts.runner,
             timeout=opts.timeout,
@@ -490,6 +496,7 @@ def capture(
         device=plan.device,
         gpus=plan.devices if isinstance(plan.devices, list) else None,
         program=state["program"],
+        cuda_on_cpu=opts.cuda_on_cpu,
     )
     manifest["mode"] = opts.mode
     reps = plan.replicas.representatives

@@ -32,7 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--mode", default="solo", choices=["solo"], help="capture mode (solo)")
     options.add(p, "world", "out", required=("world", "out"))
-    options.add(p, "layout", "devices", "parallel", "rules", "tensors", "timeout", "force", "tee")
+    options.add(p, "layout", "devices", "cuda_on_cpu", "parallel", "rules", "tensors", "timeout", "force", "tee")
     add_program_args(p)
     p.set_defaults(run=run, parser=p)
     return p
@@ -87,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
         script=args.script,
         args=script_args,
         devices=args.devices,
+        cuda_on_cpu=args.cuda_on_cpu,
         parallel=args.parallel,
         layout=args.layout,
         rules=args.rules,

@@ -129,6 +129,15 @@ SHARED: dict[str, Option] = {
             "help": "tensor-generator rules for solo capture (a Python file, docs/commands/capture.md#rules)",
         },
     ),
+    "cuda_on_cpu": Option(
+        ("--cuda-on-cpu",),
+        {
+            "action": "store_true",
+            "help": "run a program that hard-codes CUDA on the CPU: torch.cuda calls, device arguments, streams "
+            "and NCCL map to the CPU and gloo (values and structure, not GPU timing or memory); kept in the "
+            "graph's manifest, so time, calibrate and emulate replay it the same way (docs/concepts.md)",
+        },
+    ),
     "tee": Option(
         ("--tee",), {"action": "store_true", "help": "also write every process's stdout and stderr to DIR/logs"}
     ),

@@ -37,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="number of rank processes",
     )
     options.add(p, "out", required=("out",))
-    options.add(p, "devices", "layout")
+    options.add(p, "devices", "cuda_on_cpu", "layout")
     p.add_argument(
         "--save-tensors",
         default=None,
@@ -86,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         script=args.script,
         args=script_args,
         devices=args.devices,
+        cuda_on_cpu=args.cuda_on_cpu,
         layout=args.layout,
         timeout=args.timeout,
         force=args.force,

@@ -38,13 +38,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         raw=True,
     )
     options.add(p, "world", "out", required=("world", "out"))
-    options.add(p, "layout", "devices", "parallel", "sandbox", "inputs", "tensors", "rules", "timeout", "force", "json")
+    options.add(
+        p,
+        "layout",
+        "devices",
+        "cuda_on_cpu",
+        "parallel",
+        "sandbox",
+        "inputs",
+        "tensors",
+        "rules",
+        "timeout",
+        "force",
+        "json",
+    )
     add_program_args(p, prefix=False)
     p.set_defaults(run=run)
     return p
 
 
-class _UI:
+class UI:
+    """The run's progress (pipeline.run.RunUI) on a Display."""
+
     def __init__(self, display: Display):
         self.display = display
 
@@ -123,6 +138,7 @@ def run(args: argparse.Namespace) -> int:
         args=program_args(args),
         layout=args.layout,
         devices=args.devices,
+        cuda_on_cpu=args.cuda_on_cpu,
         parallel=args.parallel,
         sandbox=args.sandbox,
         inputs=args.inputs,
@@ -132,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
         force=args.force,
     )
     try:
-        s = run_pipeline(opts, _UI(display))
+        s = run_pipeline(opts, UI(display))
     except LaunchInterrupted as e:
         display.stop()
         display.say(f"{e}; run the same command again to go on where it stopped")

@@ -10,7 +10,8 @@ the graph) is reported to the launcher (``childenv.report_error``) and printed a
 At exit (normal end, ``sys.exit(n)``, or an exception) the rank's RankLog is written to the
 spool -- once, from the process that started (never from forked workers) -- and the
 program's own exit status and traceback are kept. With ``memory_history`` the rank's
-allocator history is written too (GPU; ``prismllm.comm.memhistory``).
+allocator history is written too (GPU; ``prismllm.comm.memhistory``). With ``cuda_on_cpu``
+(with or without a mode) the program's CUDA calls run on the CPU (``prismllm.devicemap``).
 
 The interception's modules are imported only when a mode is set: a plain run of the
 bootstrap loads nothing of prism's (nor torch) before the program does.
@@ -117,6 +118,11 @@ def main(argv: list[str] | None = None) -> None:
             from prismllm.comm.install import install
 
             rec = install(child.mode, child)
+        if child.cuda_on_cpu:
+            # torch, only when asked; after the interception, whose group creation it wraps
+            from prismllm import devicemap
+
+            devicemap.install()
     except (PrismError, ValueError) as e:
         _stop(str(e))
     status = reporter()  # the launcher's hang diagnosis: where this rank stands, on request

@@ -47,7 +47,7 @@ from torch.optim.optimizer import (
 )
 
 from prismllm.childenv import ChildEnv
-from prismllm.comm import recorder as _recorder_mod, sandbox, saving, scratch, solo
+from prismllm.comm import recorder as _recorder_mod, redops, sandbox, saving, scratch, solo
 from prismllm.comm.recorder import Recorder
 from prismllm.comm.recording import RecordingProcessGroup
 from prismllm.comm.rows import iteration_rows, node_rows
@@ -314,7 +314,7 @@ def _create_pg(dist_opts, backend_options):
         rec.add_group(pg)
         return pg
     inner = _C.ProcessGroup(prefix_store, rank, size)
-    pg = _recording_group(prefix_store, rank, size, inner, group_name, global_ranks, backend, rec)
+    pg = _recording_group(prefix_store, rank, size, inner, group_name, global_ranks, backend, rec, names)
     for g in (inner, pg):
         g._set_default_backend(default_type)
         for dev, name, be in created:
@@ -338,10 +338,20 @@ def _bind_device(pg: Any, inner: Any, device_id: Any, created: list) -> None:
 
 
 def _recording_group(
-    store, rank: int, size: int, inner, group_name: str, granks: list[int], backend: str, rec: Recorder
+    store,
+    rank: int,
+    size: int,
+    inner,
+    group_name: str,
+    granks: list[int],
+    backend: str,
+    rec: Recorder,
+    backends: list[str],
 ) -> RecordingProcessGroup:
-    """A RecordingProcessGroup over a real group: it splits the real group, and with
-    --save-tensors it saves the selected outputs (prismllm.comm.saving)."""
+    """A RecordingProcessGroup over a real group (whose backends are named ``backends``): it
+    splits the real group, runs NCCL's AVG and PREMUL_SUM where a backend is gloo
+    (prismllm.comm.redops), and with --save-tensors it saves the selected outputs
+    (prismllm.comm.saving) of the program's call, around both."""
     saves = saving.saving_enabled()
     pg = RecordingProcessGroup(
         store,
@@ -355,6 +365,7 @@ def _recording_group(
         split=_split_real,
         on_wait=saving.on_wait if saves else None,
     )
+    pg._inner = redops.wrap(pg._inner, backends)
     if saves:
         pg._inner = saving.SavingInner(pg._inner, pg)
     return pg
@@ -373,8 +384,17 @@ def _split_real(
         return None
     granks = [parent._global_ranks[r] for r in sorted(ranks)]
     name = group_name or inner.group_name
+    backends = [inner._get_backend(dev).name().lower() for dev in inner._device_types]
     pg = _recording_group(
-        inner.get_group_store(), inner.rank(), inner.size(), inner, name, granks, parent._real_backend, parent._rec
+        inner.get_group_store(),
+        inner.rank(),
+        inner.size(),
+        inner,
+        name,
+        granks,
+        parent._real_backend,
+        parent._rec,
+        backends,
     )
     default = None
     for dev in inner._device_types:

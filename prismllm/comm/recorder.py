@@ -74,7 +74,9 @@ _REDOP_NAMES: dict[Any, str] = {}
 
 
 def redop_name(op: Any) -> str:
-    """``ReduceOp`` (or its ``RedOpType``) -> "sum", "avg", "premul_sum", ..."""
+    """``ReduceOp`` (or its ``RedOpType``) -> "sum", "avg", ...; a PREMUL_SUM ReduceOp ->
+    ``"premul_sum:<factor>"`` (``trace.schema.split_reduce_op``; a tensor factor by its value),
+    which the emulation needs to replay the call."""
     if isinstance(op, str):
         return op
     key = getattr(op, "op", op)  # ReduceOp wraps a RedOpType in .op
@@ -82,7 +84,10 @@ def redop_name(op: Any) -> str:
     if n is None:
         name = getattr(key, "name", None) or str(key).rsplit(".", 1)[-1]
         n = _REDOP_NAMES[key] = name.lower()
-    return n
+    factor = getattr(op, "factor", None) if n == "premul_sum" and key is not op else None
+    if factor is None:
+        return n
+    return f"premul_sum:{float(factor.item() if isinstance(factor, torch.Tensor) else factor)!r}"
 
 
 class _Cuda:

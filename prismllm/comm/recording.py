@@ -40,6 +40,7 @@ Work is waited on or settled. A backend call that raises leaves no row (``_cance
 from __future__ import annotations
 
 import inspect
+import operator
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -117,10 +118,10 @@ def _inner_method(name: str, *alternatives: str):
 
 # Method names differ by torch version (2.11 vs 2.13): forward to the one that exists.
 _AG_BASE = _inner_method("all_gather_single", "_allgather_base")
-_RS_BASE = _inner_method("reduce_scatter_single", "_reduce_scatter_base")
+RS_BASE = _inner_method("reduce_scatter_single", "_reduce_scatter_base")
 _A2A_BASE = _inner_method("all_to_all_single", "alltoall_base")
 _AG_COAL = _inner_method("all_gather_single_coalesced", "allgather_into_tensor_coalesced")
-_RS_COAL = _inner_method("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")
+RS_COAL = _inner_method("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")
 
 
 class RecordingProcessGroup(dist.ProcessGroup):
@@ -193,7 +194,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
              same=-1):  # fmt: skip
         return self._rec.issue(
             op, api, self._prism_group_name, self._next_seq() if seq is None else seq, peer,
-            tag, red, dtype_name(t.dtype), t.shape, inb, outb, insp, outsp, t.is_cuda, same,
+            tag, red, dtype_name(t.dtype), t.shape, inb, outb, insp, outsp, t.device.type == "cuda", same,
         )  # fmt: skip
 
     def _cancel(self, rows) -> None:
@@ -254,7 +255,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
         self._seq = seq + 1
         row = rec.issue(
             "all_reduce", "allreduce", self._prism_group_name, seq, -1, 0, _red(opts),
-            dtype_name(t.dtype), t.shape, nb, nb, (), (), t.is_cuda,
+            dtype_name(t.dtype), t.shape, nb, nb, (), (), t.device.type == "cuda",
         )  # fmt: skip
         try:
             work = self._inner.allreduce(tensors, opts)
@@ -362,7 +363,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
             opts = _C.ReduceScatterOptions()
         row = self._row("reduce_scatter", api, input, input.nbytes, output.nbytes, _red(opts))
         try:
-            work = getattr(self._inner, _RS_BASE)(output, input, opts)
+            work = getattr(self._inner, RS_BASE)(output, input, opts)
         except BaseException:
             self._cancel((row,))
             raise
@@ -379,7 +380,7 @@ class RecordingProcessGroup(dist.ProcessGroup):
             opts = _C.ReduceScatterOptions()
         rows, work = self._coalesced(
             "reduce_scatter", api, _red(opts), outputs, inputs,
-            lambda o: o.nbytes, lambda: getattr(self._inner, _RS_COAL)(outputs, inputs, opts),
+            lambda o: o.nbytes, lambda: getattr(self._inner, RS_COAL)(outputs, inputs, opts),
         )  # fmt: skip
         return self._done(work, rows, (opts.asyncOp if _HAS_ASYNC_OP else True))
 
@@ -408,6 +409,11 @@ class RecordingProcessGroup(dist.ProcessGroup):
     def _a2a_base(self, api, output, input, output_split_sizes, input_split_sizes, opts):
         if opts is None:
             opts = _C.AllToAllOptions()
+        # what torch's C++ binding makes of the sizes (any __index__ type: numpy integers, a
+        # numpy array, 0-d tensors); a Python group receives them as the program passed them
+        # (Megatron-core's MoE dispatcher: a numpy array), and a rank log holds plain ints
+        output_split_sizes = [operator.index(x) for x in output_split_sizes]
+        input_split_sizes = [operator.index(x) for x in input_split_sizes]
         row = self._row(
             "all_to_all", api, input, input.nbytes, output.nbytes,
             insp=list(input_split_sizes), outsp=list(output_split_sizes),

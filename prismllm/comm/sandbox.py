@@ -59,6 +59,7 @@ from prismllm.generate.generator import Call
 from prismllm.generate.store import TensorStore
 from prismllm.pruning import small_group
 from prismllm.specs import format_ranks
+from prismllm.trace.schema import split_reduce_op
 
 _C = torch._C._distributed_c10d
 
@@ -397,16 +398,10 @@ class PrunedBackend(solo.GeneratedBackend):
         """The plan of one call and this member's small call, from the program's tensors."""
         G, g, op = self.group, self._rank, c.op
         n = G.n
-        if c.reduce_op == "premul_sum":  # the recorder's name of ReduceOp.PREMUL_SUM
-            # the proxy would have to multiply the virtual members' inputs by the factor, which
-            # the ReduceOp object does not expose to Python
-            raise EmulateError(
-                f"{c.where()}: {op} with premul_sum is not supported in emulation (its factor "
-                f"is not visible from Python); use SUM or AVG in the program"
-            )
+        red, factor = split_reduce_op(c.reduce_op)  # premul_sum carries its factor
         if op == "all_reduce":
             t = _one(c.output, "all_reduce")
-            p = C.plan_once(C.plan_all_reduce, n, G, t.shape, c.reduce_op, dtype=t.dtype)
+            p = C.plan_once(C.plan_all_reduce, n, G, t.shape, red, dtype=t.dtype, factor=factor)
             return p, self._sandbox_call(p, tensor=t)
         if op == "broadcast":
             t = _one(c.input if c.is_root else c.output, "broadcast")
@@ -414,7 +409,8 @@ class PrunedBackend(solo.GeneratedBackend):
             return p, self._sandbox_call(p, tensor=t)
         if op == "reduce":
             t = _one(c.input, "reduce")
-            p = C.plan_once(C.plan_reduce, n, G, t.shape, self.global_ranks.index(c.root), c.reduce_op, dtype=t.dtype)
+            root = self.global_ranks.index(c.root)
+            p = C.plan_once(C.plan_reduce, n, G, t.shape, root, red, dtype=t.dtype, factor=factor)
             return p, self._sandbox_call(p, tensor=t)
         if op == "all_gather":
             x = _one(c.input, "all_gather")
@@ -422,7 +418,7 @@ class PrunedBackend(solo.GeneratedBackend):
             return p, self._sandbox_call(p, output=c.output, input=x)
         if op == "reduce_scatter":
             out = _one(c.output, "reduce_scatter")
-            p = C.plan_once(C.plan_reduce_scatter, n, G, out.shape, c.reduce_op, dtype=out.dtype)
+            p = C.plan_once(C.plan_reduce_scatter, n, G, out.shape, red, dtype=out.dtype, factor=factor)
             return p, self._sandbox_call(p, output=out, input=c.input)
         if op == "all_to_all":
             x = c.input if isinstance(c.input, torch.Tensor) else None
@@ -476,7 +472,7 @@ class PrunedBackend(solo.GeneratedBackend):
         ``_end_coalescing``)."""
         t0 = time.perf_counter_ns()
         tensors = solo._flat(ins) + solo._flat(outs)
-        cuda = any(t.is_cuda for t in tensors)
+        cuda = any(t.device.type == "cuda" for t in tensors)  # not is_cuda: --cuda-on-cpu maps it
         if cuda != (self.backend == "nccl") and tensors:
             raise EmulateError(
                 f"{calls[0].where()}: {'CUDA' if cuda else 'CPU'} tensors on a group whose "

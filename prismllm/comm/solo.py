@@ -32,7 +32,8 @@ virtual world bootstrap without peers --
   path as in a real run;
 * object collectives (``broadcast_object_list``, ``all_gather_object``, ``gather_object``,
   ``scatter_object_list``, ``recv_object_list``) are wrapped to let rules answer with
-  objects; by default the local object(s) are replicated (see prismllm.generate).
+  objects; by default the objects the capture's other solo ranks contributed to the call,
+  else the local object(s) replicated (``prismllm.comm.solo_objects``).
 
 The GeneratedBackend fills the program's own output tensors in place from the tensor
 generator and returns already-completed Works (``_create_work_from_future``, as torch's
@@ -122,7 +123,7 @@ def prepare(rank: int, child: ChildEnv) -> TensorGenerator:
     c10d.TCPStore = SoloTCPStore
     _ORIG["barrier"] = c10d._store_based_barrier
     c10d._store_based_barrier = lambda *a, **k: None
-    solo_objects.install(_GEN)
+    solo_objects.install(_GEN, child)
     return _GEN
 
 
@@ -347,7 +348,9 @@ class GeneratedBackend:
         Work, as gloo's."""
         gen = _GEN
         ins_f, outs_f = _flat(ins), _flat(outs)
-        dev = next((t.device for t in outs_f + ins_f if t.is_cuda), None)
+        # device.type, not is_cuda (--cuda-on-cpu answers True for CPU tensors), here and in
+        # prism's every device test
+        dev = next((t.device for t in outs_f + ins_f if t.device.type == "cuda"), None)
         if dev is None:
             for c in calls:
                 if c.output is not None:

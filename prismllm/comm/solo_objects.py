@@ -1,25 +1,99 @@
 """Object collectives in solo mode (``broadcast_object_list``, ``all_gather_object``,
 ``gather_object``, ``scatter_object_list``, ``recv_object_list``): wrapped so that rules can
-answer with objects; by default the local object(s) are replicated (see prismllm.generate)."""
+answer with objects; by default, the objects that the solo ranks of the same capture
+contributed to the call (:class:`SharedObjects`), else the local object(s) replicated (see
+prismllm.generate). A ``recv_object_list`` that no rule answers reads a recorded tensor store
+(``--tensors``) like any receive.
+
+Each wrapper takes the keywords a newer torch adds and passes them on (2.13: ``use_batch``,
+which pipelining's metadata exchange sets)."""
 
 from __future__ import annotations
 
+import hashlib
+import os
+import time
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from prismllm.childenv import ChildEnv, user_setting
 from prismllm.generate.errors import GenerateError
 from prismllm.generate.generator import DEFAULT, Call, TensorGenerator
 
 _ORIG: dict[str, Any] = {}
 _GEN: TensorGenerator | None = None
+OBJECTS_DIR = "objects"  # in the capture's spool
 
 
-def install(generator: TensorGenerator) -> None:
-    """Answer the object collectives from ``generator`` (the wrappers are installed once)."""
-    global _GEN
+class SharedObjects:
+    """What the solo ranks of one capture contribute to object collectives, shared through the
+    capture's spool (``SPOOL/objects``). The objects a root broadcasts at start-up (a config, a
+    run id) or a rank-dependent value every rank gathers cannot be generated from this rank's
+    own state, but the rank that owns it is a solo rank of the same capture. Each rank writes
+    its contribution when it issues the call (torch's own object payload: the pickle the real
+    collective would carry); a rank that needs a peer's reads it when that peer already ran, or
+    waits for it (``PRISM_SOLO_OBJECT_WAIT`` seconds at most) when the peer runs in the same
+    batch (``ChildEnv.solo_batch``); otherwise (a peer that runs later, a replica that never
+    runs) the default stands: this rank's own object. Rules and the recorded store come first."""
+
+    def __init__(self, spool: str | None, batch: tuple[int, ...] | None, wait_s: float):
+        self.dir = os.path.join(spool, OBJECTS_DIR) if spool else None
+        self.batch = set(batch or ())
+        self.wait_s = wait_s
+
+    def _path(self, call: Call, rank: int) -> str:
+        group = hashlib.sha1(",".join(map(str, call.group_ranks)).encode()).hexdigest()[:16]
+        return os.path.join(self.dir, f"{call.op}-{group}-{call.index}-r{rank}.obj")
+
+    def publish(self, call: Call, obj: Any) -> None:
+        if self.dir is None:
+            return
+        payload, _ = c10d._object_to_tensor(obj, "cpu", None)
+        os.makedirs(self.dir, exist_ok=True)
+        path = self._path(call, call.rank)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(payload.numpy().tobytes())
+        os.replace(tmp, path)  # a reader never sees half a payload
+
+    def get(self, call: Call, rank: int) -> Any:
+        """``rank``'s contribution to ``call``, or DEFAULT."""
+        if self.dir is None or rank == call.rank:
+            return DEFAULT
+        path = self._path(call, rank)
+        if rank in self.batch:
+            end = time.monotonic() + self.wait_s
+            while not os.path.exists(path) and time.monotonic() < end:
+                time.sleep(0.05)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError:
+            return DEFAULT
+        payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        return c10d._tensor_to_object(payload, payload.numel(), None)
+
+    def slots(self, call: Call, own: Any) -> list[Any]:
+        """One object per group member: each member's published one, else this rank's own."""
+        out = []
+        for r in call.group_ranks:
+            v = self.get(call, r)
+            out.append(own if v is DEFAULT else v)
+        return out
+
+
+_SHARED = SharedObjects(None, None, 0.0)
+
+
+def install(generator: TensorGenerator, child: ChildEnv) -> None:
+    """Answer the object collectives from ``generator`` and the objects the ranks of ``child``'s
+    capture share (the wrappers are installed once)."""
+    global _GEN, _SHARED
     _GEN = generator
+    _SHARED = SharedObjects(child.spool, child.solo_batch, float(user_setting("PRISM_SOLO_OBJECT_WAIT", "120")))
     if _ORIG:
         return
     for name, fn in (("broadcast_object_list", _broadcast_object_list),
@@ -62,61 +136,70 @@ def _check_list(call: Call, val, n: int, what: str) -> list:
     return list(val)
 
 
-def _broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None):
+def _broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None, **kwargs):
     orig = _ORIG["broadcast_object_list"]
     g = _global_src(group, src, group_src)
     call = _obj_call("broadcast_object_list", group, object_list, root=g)
     if call is None or call.is_root:
-        return orig(object_list, src=src, group=group, device=device, group_src=group_src)
+        if call is not None:
+            _SHARED.publish(call, list(object_list))
+        return orig(object_list, src=src, group=group, device=device, group_src=group_src, **kwargs)
     val = _GEN.objects(call)
+    if val is DEFAULT:  # the root's objects, where the root (a solo rank too) published them
+        val = _SHARED.get(call, g)
+        if val is not DEFAULT and (not isinstance(val, list) or len(val) != len(object_list)):
+            val = DEFAULT
     objs = list(object_list) if val is DEFAULT else _check_list(call, val, len(object_list), "one per list entry")
     _GEN.begin_payload(objs, per_slot=False)
     try:
-        return orig(object_list, src=src, group=group, device=device, group_src=group_src)
+        return orig(object_list, src=src, group=group, device=device, group_src=group_src, **kwargs)
     finally:
         _GEN.end_payload()
 
 
-def _all_gather_object(object_list, obj, group=None):
+def _all_gather_object(object_list, obj, group=None, **kwargs):
     orig = _ORIG["all_gather_object"]
     call = _obj_call("all_gather_object", group, obj)
     if call is None:
-        return orig(object_list, obj, group=group)
+        return orig(object_list, obj, group=group, **kwargs)
+    _SHARED.publish(call, obj)
     val = _GEN.objects(call)
     n = call.group_size
-    objs = [obj] * n if val is DEFAULT else _check_list(call, val, n, "one per group member")
+    objs = _SHARED.slots(call, obj) if val is DEFAULT else _check_list(call, val, n, "one per group member")
     objs[call.group_rank] = obj
     _GEN.begin_payload(objs, per_slot=True)
     try:
-        return orig(object_list, obj, group=group)
+        return orig(object_list, obj, group=group, **kwargs)
     finally:
         _GEN.end_payload()
 
 
-def _gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None):
+def _gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None, **kwargs):
     orig = _ORIG["gather_object"]
     call = _obj_call("gather_object", group, obj, root=_global_src(group, dst, group_dst))
+    if call is not None:
+        _SHARED.publish(call, obj)
     if call is None or not call.is_root:
-        return orig(obj, object_gather_list, dst=dst, group=group, group_dst=group_dst)
+        return orig(obj, object_gather_list, dst=dst, group=group, group_dst=group_dst, **kwargs)
     val = _GEN.objects(call)
     n = call.group_size
-    objs = [obj] * n if val is DEFAULT else _check_list(call, val, n, "one per group member")
+    objs = _SHARED.slots(call, obj) if val is DEFAULT else _check_list(call, val, n, "one per group member")
     objs[call.group_rank] = obj
     _GEN.begin_payload(objs, per_slot=True)
     try:
-        return orig(obj, object_gather_list, dst=dst, group=group, group_dst=group_dst)
+        return orig(obj, object_gather_list, dst=dst, group=group, group_dst=group_dst, **kwargs)
     finally:
         _GEN.end_payload()
 
 
 def _scatter_object_list(scatter_object_output_list, scatter_object_input_list=None, src=None,
-                         group=None, group_src=None):  # fmt: skip
+                         group=None, group_src=None, **kwargs):  # fmt: skip
     orig = _ORIG["scatter_object_list"]
     call = _obj_call("scatter_object_list", group, scatter_object_input_list,
                      root=_global_src(group, src, group_src))  # fmt: skip
     if call is None or call.is_root:
         return orig(scatter_object_output_list, scatter_object_input_list, src=src, group=group,
-                    group_src=group_src)  # fmt: skip
+                    group_src=group_src, **kwargs)  # fmt: skip
     val = _GEN.objects(call)
     if val is DEFAULT:
         raise GenerateError(
@@ -127,26 +210,31 @@ def _scatter_object_list(scatter_object_output_list, scatter_object_input_list=N
     _GEN.begin_payload(_check_list(call, val, 1, "the received object"), per_slot=False)
     try:
         return orig(scatter_object_output_list, scatter_object_input_list, src=src, group=group,
-                    group_src=group_src)  # fmt: skip
+                    group_src=group_src, **kwargs)  # fmt: skip
     finally:
         _GEN.end_payload()
 
 
-def _recv_object_list(object_list, src=None, group=None, device=None, group_src=None):
+def _recv_object_list(object_list, src=None, group=None, device=None, group_src=None, **kwargs):
     orig = _ORIG["recv_object_list"]
     call = _obj_call("recv_object_list", group, object_list,
                      peer=_global_src(group, src, group_src))  # fmt: skip
     if call is None:
-        return orig(object_list, src=src, group=group, device=device, group_src=group_src)
+        return orig(object_list, src=src, group=group, device=device, group_src=group_src, **kwargs)
     val = _GEN.objects(call)
+    if val is DEFAULT and _GEN.store is not None:
+        # a recorded run's tensor store (--tensors) holds the receives that carry the objects
+        # (their size, then the pickled bytes): answered there like any receive
+        return orig(object_list, src=src, group=group, device=device, group_src=group_src, **kwargs)
     if val is DEFAULT:
         raise GenerateError(
             f"{call.where()}: no rule answers recv_object_list (the objects this rank "
-            f"receives cannot be generated); add a rule with op='recv_object_list'"
+            f"receives cannot be generated); add a rule with op='recv_object_list', or "
+            f"replay a recorded run's tensors (--tensors)"
         )
     _GEN.begin_payload(_check_list(call, val, len(object_list), "one per list entry"),
                        per_slot=False)  # fmt: skip
     try:
-        return orig(object_list, src=src, group=group, device=device, group_src=group_src)
+        return orig(object_list, src=src, group=group, device=device, group_src=group_src, **kwargs)
     finally:
         _GEN.end_payload()

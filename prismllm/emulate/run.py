@@ -196,7 +196,8 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         raise PrismError(f"--sandbox {opts.sandbox}: ranks must be in 0..{world - 1} (the graph's world)")
     if len(sandbox) == world:
         raise PrismError("every rank is in the sandbox: nothing to emulate (use `prism record`)")
-    devices = sandbox_devices(opts.devices, len(sandbox) + opts.assistants)
+    cuda_on_cpu = bool(manifest.get("cuda_on_cpu"))  # as the graph was captured
+    devices = sandbox_devices(opts.devices, len(sandbox) + opts.assistants, cuda_on_cpu)
     tensors = recorded_inputs(graph, opts.tensors, opts.inputs)
     if opts.check and tensors is None:
         raise PrismError("--check compares with recorded outputs: it needs the recorded tensors (--inputs recorded)")
@@ -228,6 +229,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
             args=list(opts.args),
             out=out,
             devices=devices,
+            cuda_on_cpu=cuda_on_cpu,
             tensors=tensors,
             timing=timing,
             assistants=opts.assistants,

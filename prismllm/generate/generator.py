@@ -35,10 +35,12 @@ counts in every slot, so every split size a rank derives is consistent with the 
 sends and receives (each peer is assumed to route like this rank: balanced).
 
 Object collectives (``all_gather_object``, ``broadcast_object_list``, ``gather_object``):
-default: replicate the local object(s) -- the size and byte tensors of torch's protocol are
-generated from the pickled local objects (exactly what torch would pickle), so unpickling on
+default: the objects the capture's other solo ranks contributed (``prismllm.comm.solo_objects``),
+else replicate the local object(s) -- the size and byte tensors of torch's protocol are
+generated from those pickled objects (exactly what torch would pickle), so unpickling on
 the receiving side yields them. ``scatter_object_list`` and ``recv_object_list`` on a
-receiving rank have nothing local to replicate: they need a rule (else GenerateError).
+receiving rank have nothing local to replicate: they need a rule or a recorded tensor store
+(else GenerateError).
 """
 
 from __future__ import annotations
@@ -186,7 +188,14 @@ class TensorGenerator:
 
     # ---- tensors ------------------------------------------------------------------------
     def fill(self, call: Call) -> None:
-        """Fill ``call.output`` (store, then rules, then defaults)."""
+        """Fill ``call.output`` (store, then rules, then defaults), outside autograd as a real
+        backend writes: a receive buffer may be a leaf that requires grad (pipeline schedules
+        make them so), which an in-place write under grad mode refuses ("a leaf Variable that
+        requires grad is being used in an in-place operation")."""
+        with torch.no_grad():
+            self._fill(call)
+
+    def _fill(self, call: Call) -> None:
         if self.store is not None:
             saved = self.store.get(call.group_name, call.group_ranks, call.op, call.index,
                                    call.peer if call.op in ("send", "recv") else -1)  # fmt: skip

@@ -50,7 +50,7 @@ from prismllm.launch.spec import (
     LaunchSpec,
     LineSink,
 )
-from prismllm.specs import DeviceSpec, format_ranks, parse_devices
+from prismllm.specs import DeviceSpec, cuda_on_cpu_devices, format_ranks, parse_devices
 from prismllm.trace.ranklog import ranklog_path, read_ranklog
 from prismllm.trace.schema import TENSORS_DIR
 
@@ -89,6 +89,7 @@ class SandboxSpec:
     args: Sequence[str]
     out: Path  # an existing directory (see the module docstring)
     devices: DeviceSpec  # cpu, cuda (a GPU each, sandbox ranks first) or cuda:G,... (theirs, in order)
+    cuda_on_cpu: bool = False  # the program's CUDA calls run on the CPU (the graph's manifest says so)
     tensors: Path | None = None  # the virtual ranks' recorded inputs (:func:`recorded_inputs`); None: zeros
     timing: str = "fast"  # how the assistants replay: "fast" (slice timing) or "real" (calibrated durations)
     assistants: int = 1  # each plays the proxy of a share of the pruned groups
@@ -140,6 +141,7 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
         mode="emulate",
         sandbox=spec.sandbox,
         graph=graph,
+        cuda_on_cpu=spec.cuda_on_cpu or None,
         spool=str(ranklogs.resolve()),
         check_tensors=tensors if spec.check else None,
         check_out=str(out.resolve()) if spec.check else None,
@@ -249,13 +251,13 @@ def recorded_inputs(graph: Path, tensors: str | os.PathLike | None, inputs: str)
     return store
 
 
-def sandbox_devices(text: str, processes: int) -> DeviceSpec:
+def sandbox_devices(text: str, processes: int, cuda_on_cpu: bool = False) -> DeviceSpec:
     """``--devices`` of a sandbox run of ``processes`` processes (sandbox ranks and assistants):
     cpu, cuda or cuda:G,G,... as given; ``auto``: a GPU each when enough are visible, else the one
     GPU shared by all of them (right values and memory, not the timing of linked GPUs), else the
-    CPU."""
+    CPU. A graph recorded with ``cuda_on_cpu`` runs on the CPU (a GPU is refused)."""
     try:
-        dev = parse_devices(text)
+        dev = cuda_on_cpu_devices(text) if cuda_on_cpu else parse_devices(text)
     except ValueError as e:
         raise PrismError(str(e)) from None
     if dev.kind != "auto":

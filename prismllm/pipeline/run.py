@@ -51,6 +51,7 @@ class RunOptions:
     args: Sequence[str] = ()
     layout: str | None = None
     devices: str = "auto"
+    cuda_on_cpu: bool = False  # capture maps the program's CUDA calls to the CPU; later stages follow its graph
     parallel: int | None = None  # capture: ranks at a time; time: slices at a time
     sandbox: str | None = None  # emulate with these ranks real; None: stop after calibrate
     inputs: str = "auto"
@@ -58,6 +59,20 @@ class RunOptions:
     rules: str | None = None
     timeout: float | None = None
     force: bool = False
+    stop_after: str | None = None  # "capture": peak memory only (no time, calibrate, emulate or report)
+    reuse_capture: Path | None = None  # a run directory whose bare graph is this run's (same capture job)
+
+    def capture_job(self) -> dict[str, Any]:
+        """What decides the bare graph: two runs with the same capture job share their capture."""
+        return {
+            "command": [str(Path(self.script).resolve()), *map(str, self.args)],
+            "world": self.world,
+            "layout": self.layout,
+            "devices": self.devices,
+            "cuda_on_cpu": self.cuda_on_cpu,
+            "tensors": self.tensors,
+            "rules": self.rules,
+        }
 
 
 class RunUI:
@@ -75,15 +90,11 @@ class RunUI:
 def _job(opts: RunOptions) -> dict[str, Any]:
     """What makes two invocations the same run (a resume) or not."""
     return {
-        "command": [str(Path(opts.script).resolve()), *map(str, opts.args)],
-        "world": opts.world,
-        "layout": opts.layout,
-        "devices": opts.devices,
+        **opts.capture_job(),
         "parallel": opts.parallel,
         "sandbox": opts.sandbox,
         "inputs": opts.inputs,
-        "tensors": opts.tensors,
-        "rules": opts.rules,
+        "stop_after": opts.stop_after,
         "prismllm": __version__,
     }
 
@@ -139,6 +150,8 @@ def _log_sink(path: Path) -> tuple[LineSink, Callable[[], None]]:
 def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
     """Run every stage not done yet; returns the summary (also in OUT/run.json)."""
     ui = ui or RunUI()
+    if opts.stop_after not in (None, "capture"):
+        raise PrismError(f"stop_after {opts.stop_after!r}: only 'capture' (or None: every stage)")
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     Layout.parse(opts.layout, opts.world)  # a layout that does not fit the world: refused before anything runs
@@ -154,6 +167,12 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
 
     # ---- capture
     bare = out / BARE_DIR
+    shared = Path(opts.reuse_capture) / BARE_DIR if opts.reuse_capture is not None else None
+    if not (bare / MANIFEST_FILE).is_file() and shared is not None and (shared / MANIFEST_FILE).is_file():
+        t0 = time.monotonic()
+        shutil.rmtree(bare, ignore_errors=True)  # a capture of its own that stopped half-way
+        shutil.copytree(shared, bare, copy_function=os.link)  # hard links: no second copy on disk
+        done_stage("capture", t0, f"the same capture as {opts.reuse_capture}")
     if not (bare / MANIFEST_FILE).is_file():
         t0 = time.monotonic()
         sink, close = _log_sink(out / LOGS_DIR / "capture.log")
@@ -172,6 +191,7 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
                     script=opts.script,
                     args=list(opts.args),
                     devices=opts.devices,
+                    cuda_on_cpu=opts.cuda_on_cpu,
                     parallel=opts.parallel,
                     layout=opts.layout,
                     rules=opts.rules,
@@ -186,6 +206,11 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
         finally:
             close()
         done_stage("capture", t0, f"{len(res.representatives)} of {res.world_size} ranks run alone on {res.device}")
+    if opts.stop_after == "capture":
+        result = _summary(out, state, None, None)
+        state["summary"] = result
+        _write_state(out, state)
+        return result
 
     # ---- time
     timed = out / TIME_DIR / "graph"
@@ -274,10 +299,12 @@ def _devices_of(time_dir: Path) -> str:
     return str(s.get("devices", "?"))
 
 
-def _summary(out: Path, state: dict[str, Any], s: dict[str, Any], emu: dict[str, Any] | None) -> dict[str, Any]:
-    """The figures a user reads first (``prism run``'s closing lines)."""
+def _summary(out: Path, state: dict[str, Any], s: dict[str, Any] | None, emu: dict[str, Any] | None) -> dict[str, Any]:
+    """The figures a user reads first (``prism run``'s closing lines); ``s``: the calibration's
+    summary, None after a capture alone."""
     bare = read_json(out / BARE_DIR / MANIFEST_FILE) or {}
-    world = int(s["world_size"])
+    world = int(bare["world_size"]) if s is None else int(s["world_size"])
+    s = s or {}
     layout = Layout.parse(bare.get("layout"), world) if bare.get("layout") else None
     peaks = {int(r): int(b) for r, b in (bare.get("peak_memory_bytes") or {}).items() if int(b) >= 0}
     peak = None
@@ -305,7 +332,7 @@ def _summary(out: Path, state: dict[str, Any], s: dict[str, Any], emu: dict[str,
         "emulated_devices": (emu or {}).get("devices"),
         "shared_gpu": (emu or {}).get("shared_gpu"),
         "stages": state.get("stages", []),
-        "report": str(out / REPORT_FILE),
+        "report": str(out / REPORT_FILE) if (out / REPORT_FILE).is_file() else None,
     }
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from prismllm.errors import PrismError
+from prismllm.trace.schema import split_reduce_op
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product", "premul_sum", "band", "bor", "bxor")
 # What the small communicator runs for a logical reduce op: AVG and PREMUL_SUM become SUM
@@ -175,7 +176,7 @@ def _redop(name: Any) -> str:
     if not isinstance(name, str):  # a ReduceOp / RedOpType
         key = getattr(name, "op", name)
         name = getattr(key, "name", None) or str(key).rsplit(".", 1)[-1]
-    name = name.lower()
+    name = split_reduce_op(name.lower())[0]  # the graph's "premul_sum:<factor>": the factor is passed apart
     name = _REDOP_ALIASES.get(name, name)
     if name not in REDUCE_OPS:
         raise CompensationError(f"unsupported reduce op {name!r} (supported: {', '.join(REDUCE_OPS)})")

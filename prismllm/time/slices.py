@@ -124,12 +124,13 @@ def _done(slice_out: Path, ranks: list[int]) -> bool:
     return bool(info.get("ok")) and all(ranklog_path(slice_out / RANKLOGS_DIR, r).is_file() for r in ranks)
 
 
-def slice_devices(opts: TimeOptions, at_once: int) -> list[DeviceSpec]:
+def slice_devices(opts: TimeOptions, at_once: int, cuda_on_cpu: bool = False) -> list[DeviceSpec]:
     """The devices of each of ``at_once`` slices run together: ``slice_size`` sandbox GPUs then
     one assistant GPU each (``cuda``: in index order; ``cuda:G,...``: as listed, slice after
-    slice; ``auto``: a GPU each when there are enough, else GPU 0 shared, else the CPU)."""
+    slice; ``auto``: a GPU each when there are enough, else GPU 0 shared, else the CPU; a graph
+    captured with ``cuda_on_cpu``: the CPU)."""
     per = opts.slice_size + 1
-    dev = sandbox_devices(opts.devices, per * at_once)
+    dev = sandbox_devices(opts.devices, per * at_once, cuda_on_cpu)
     if dev.kind == "cpu":
         return [dev] * at_once
     if dev.gpus is None:
@@ -252,6 +253,7 @@ def _run_slice(
                 args=list(opts.args),
                 out=so,
                 devices=devices,
+                cuda_on_cpu=bool(read_manifest(graph).get("cuda_on_cpu")),  # as the graph was captured
                 tensors=recorded_inputs(graph, opts.tensors, opts.inputs),
                 timing="fast",
                 timeout=opts.timeout,
@@ -342,7 +344,8 @@ def time_slices(
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     check_program(manifest, opts.script, opts.args, world)  # the graph's program, or refuse
-    if opts.compute_under_load and sandbox_devices(opts.devices, opts.slice_size + 1).kind != "cpu":
+    cuda_on_cpu = bool(manifest.get("cuda_on_cpu"))  # as the graph was captured
+    if opts.compute_under_load and sandbox_devices(opts.devices, opts.slice_size + 1, cuda_on_cpu).kind != "cpu":
         raise PrismError(
             "--compute-under-load is for CPU timing (ranks sharing one host's cores); on GPUs each "
             "rank has its own device and one slice at a time measures what it gets"
@@ -353,7 +356,7 @@ def time_slices(
         raise PrismError(f"--slice-size {opts.slice_size}: a slice must leave some of the {world} ranks virtual")
     slices = plan_slices(ranks, opts.slice_size)
     tensors = recorded_inputs(graph, opts.tensors, opts.inputs)  # the virtual ranks' inputs, if recorded
-    devices = slice_devices(opts, min(_parallel(opts), len(slices)))  # checked before anything runs
+    devices = slice_devices(opts, min(_parallel(opts), len(slices)), cuda_on_cpu)  # checked before anything runs
     out = Path(opts.out)
     state = {
         "graph": str(graph.resolve()),

@@ -66,7 +66,7 @@ NODE_SCHEMA = pa.schema(
         ("seq", pa.int64()),  # collectives: per (rank, group) count; p2p: per (rank, group, peer, op)
         ("peer", pa.int32()),  # send/recv: global rank of the peer; rooted ops: global root; else -1
         ("tag", pa.int32()),
-        ("reduce_op", pa.string()),  # sum | avg | max | min | product | ... ; "" where none
+        ("reduce_op", pa.string()),  # sum | avg | max | min | product | premul_sum:<factor> | ... ; "" where none
         ("dtype", pa.string()),  # e.g. "float32"; "" for compute
         ("shape", pa.list_(pa.int64())),  # input tensor shape (first tensor)
         ("in_bytes", pa.int64()),  # bytes this rank contributes (input tensors)
@@ -148,3 +148,11 @@ FILES = {
 MANIFEST_FILE = "manifest.json"
 # A graph directory may also hold the collective tensors its recording saved (prismllm.generate.store).
 TENSORS_DIR = "tensors"
+
+
+def split_reduce_op(name: str) -> tuple[str, float | None]:
+    """A node's ``reduce_op`` -> (the op, its factor): ``"premul_sum:0.5"`` -> ("premul_sum", 0.5)
+    (NCCL's PREMUL_SUM multiplies every input by its factor before the sum, so the graph keeps
+    it: what an emulation multiplies the virtual members' inputs by); any other -> (name, None)."""
+    op, sep, factor = (name or "").partition(":")
+    return op, (float(factor) if sep else None)
