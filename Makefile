@@ -30,10 +30,13 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 # ... and what the tests use (pyproject's test extras; Holistic Trace Analysis without its
-# declared requirements, which pull in Jupyter).
+# declared requirements, which pull in Jupyter), and the training stacks the stack tests run
+# (docs/stacks/): megatron-core, and torchtitan without its declared requirements (wandb and
+# more), its imports being pyproject's torchtitan extras. About 40 s more than the test extras
+# alone in a fresh venv here (triton's wheel is 286 MB, 1 GB installed).
 $(VENV)/.test-installed: $(VENV)/.installed
-	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
-	$(PY) -m pip install -q --no-deps holistictraceanalysis==0.5.0
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,megatron,torchtitan]'
+	$(PY) -m pip install -q --no-deps holistictraceanalysis==0.5.0 torchtitan==0.3.0
 	touch $@
 
 # The whole pipeline (capture -> time -> calibrate -> emulate -> report) on the embedded default,

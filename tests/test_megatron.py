@@ -1,0 +1,49 @@
+"""Megatron-core through prism on CPU processes (``--cuda-on-cpu``; docs/stacks/megatron.md):
+examples/megatron_gpt.py at TP2·PP2 on 4 ranks, recorded for real, captured solo (the same
+structure), and emulated with the last rank real: its printed losses and gradient norms are the
+real run's, digit for digit."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PRISM = str(Path(sys.executable).with_name("prism"))
+PROGRAM = [str(ROOT / "examples" / "megatron_gpt.py"), "--tp", "2", "--pp", "2", "--iters", "3"]
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None,
+    reason="megatron-core is not installed (pip install 'prismllm[megatron]'; make test-env installs it)",
+)
+
+
+def prism(*args: str) -> str:
+    """The command's output: the program's lines (stdout), then prism's own (stderr)."""
+    p = subprocess.run([PRISM, *args], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert p.returncode == 0, f"prism {args[0]}:\n{p.stdout[-3000:]}{p.stderr[-3000:]}"
+    return p.stdout + p.stderr
+
+
+def losses(output: str) -> list[str]:
+    """``lm loss: ... | grad norm: ...`` of every iteration the last rank printed."""
+    return re.findall(r"lm loss: (\S+) \| grad norm: (\S+)", output)
+
+
+def test_tp2_pp2_record_solo_emulate(tmp_path):
+    real, solo = tmp_path / "real", tmp_path / "solo"
+    recorded = prism("record", "--nproc", "4", "--devices", "cpu", "--cuda-on-cpu", "--out", str(real),
+                     "--save-tensors", "all,inputs", "--timeout", "500", "--", *PROGRAM)  # fmt: skip
+    assert len(losses(recorded)) == 3, recorded[-2000:]
+    prism("capture", "--mode", "solo", "--world", "4", "--parallel", "2", "--devices", "cpu", "--cuda-on-cpu",
+          "--out", str(solo), "--timeout", "500", "--", *PROGRAM)  # fmt: skip
+    assert "structure: equal" in prism("compare", str(real), str(solo))
+    emulated = prism("emulate", "--graph", str(real), "--sandbox", "3", "--out", str(tmp_path / "emu"), "--check",
+                     "--timeout", "500", "--", *PROGRAM)  # fmt: skip
+    assert losses(emulated) == losses(recorded)
+    assert "max abs diff 0," in emulated
