@@ -70,10 +70,6 @@ CAPABILITY = (8, 0)
 _INSTALLED: list[bool] = []
 
 
-def installed() -> bool:
-    return bool(_INSTALLED)
-
-
 # ---- devices and backends -----------------------------------------------------------------------
 def _names_cuda(d: Any) -> bool:
     if isinstance(d, torch.device):
@@ -570,10 +566,8 @@ def _patch_backward() -> None:
     run_backward = torch.autograd._engine_run_backward
 
     def mapped_run_backward(*args, **kwargs):
-        if torch._C._len_torch_function_stack() == 0:
-            with CudaOnCpu():
-                return run_backward(*args, **kwargs)
-        return run_backward(*args, **kwargs)
+        with CudaOnCpu():  # a second one where the first is still active maps nothing twice
+            return run_backward(*args, **kwargs)
 
     torch.autograd._engine_run_backward = mapped_run_backward
 
@@ -594,4 +588,4 @@ def install() -> None:
     CudaOnCpu().__enter__()  # for the program's life: never left
 
 
-__all__ = ["CAPABILITY", "CudaOnCpu", "Event", "Stream", "install", "installed", "map_backend", "map_device"]
+__all__ = ["CAPABILITY", "CudaOnCpu", "Event", "Stream", "install", "map_backend", "map_device"]
