@@ -514,12 +514,16 @@ def prism(argv, monkeypatch) -> int:
     from prismllm.cli import main as cli_main
 
     monkeypatch.setattr(cli_main, "SUBCOMMANDS", ("record",))
-    return cli_main.main(argv)
+    try:
+        return cli_main.main(argv)
+    except SystemExit as e:  # argparse rejects a malformed flag value itself, after the usage line
+        return e.code
 
 
 def one_line_error(capsys) -> str:
+    """The one error line (argparse puts its usage lines before it)."""
     err = capsys.readouterr().err
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
     assert len(lines) == 1, err
     return lines[0]
 
@@ -556,7 +560,7 @@ def test_cli_missing_script(tmp_path, monkeypatch, capsys):
         (["--layout", "tp2"], "bad --layout"),
         (["--devices", "tpu"], "bad --devices"),
         (["--nproc", "0"], "--nproc must be at least 1"),
-        (["--timeout", "0"], "--timeout must be positive"),
+        (["--timeout", "0"], "argument --timeout: '0': must be positive"),
     ],
 )
 def test_cli_bad_inputs(tmp_path, monkeypatch, capsys, extra, needle):

@@ -39,6 +39,7 @@ Work is waited on or settled. A backend call that raises leaves no row (``_cance
 
 from __future__ import annotations
 
+import collections
 import inspect
 import operator
 import sys
@@ -153,6 +154,9 @@ class RecordingProcessGroup(dist.ProcessGroup):
         self._on_wait_hook = on_wait
         self._seq = 0
         self._p2p: dict[tuple[int, str], int] = {}
+        # gloo's last Works, held (comm.recording_work.hold_to_the_end): gloo's worker threads
+        # drop their own reference after completing a Work, at most one each (two by default)
+        self._last_works: collections.deque | None = collections.deque(maxlen=2) if "nccl" not in real_backend else None
 
     # ---- identity ----------------------------------------------------------------------
     @property

@@ -4,7 +4,8 @@ and C++ callers reach it)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import ctypes
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
@@ -13,6 +14,19 @@ from prismllm.comm.recorder import ST_PENDING
 
 if TYPE_CHECKING:
     from prismllm.comm.recording import RecordingProcessGroup
+
+
+def hold_to_the_end(groups: Iterable[Any]) -> None:
+    """Keep the gloo groups' last Works alive through the interpreter's finalization (never
+    freed: the process is ending). A gloo worker thread drops its own reference to a Work after
+    completing it; when that drop came last, after the interpreter began to finalize, freeing the
+    Work's tensors needed the GIL, which a finalizing interpreter denies by ending the thread: the
+    process aborted ("terminate called without an active exception"). With a reference held,
+    the worker's drop is never the last. CPU (gloo) only, so no device memory is held."""
+    for g in groups:
+        last = getattr(g, "_last_works", None)
+        if last:
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(list(last)))
 
 
 class RecordingWork(dist.Work):
@@ -28,6 +42,8 @@ class RecordingWork(dist.Work):
         self._inner = inner
         self._pg = pg
         self._rows = rows
+        if pg._last_works is not None:
+            pg._last_works.append(inner)
         if pg._on_wait_hook is not None:
             self._on_wait = pg._on_wait_hook(inner)
 

@@ -60,7 +60,7 @@ enum EntryType : int8_t {
   E_BATCH = 5,     // end of a backend coalescing scope: c: work id (-1 none), p2 completion
   E_BWD_END = 6,   // p0
   E_BOUNDARY = 7,  // flag: explicit; p0
-  E_MARK = 8,      // a: label id
+  E_MARK = 8,      // a: label id; p0: the point where the labelled span starts
   E_FINISH = 9,    // p0
   E_COAL_START = 10,  // the backend's own startCoalescing (a nested scope)
 };
@@ -371,9 +371,47 @@ class Log {
     self.boundary_ns += steady_ns() - t0;
   }
 
+  // A Work the program let go of while the real backend's worker thread still held it (gloo
+  // drops its own reference only after completing it). Had that worker's drop been the last,
+  // and come after the interpreter began to finalize, freeing the Work's tensors would need the
+  // GIL, which a finalizing interpreter denies by ending the thread: the process aborted
+  // ("terminate called without an active exception", about one run in four of a two-rank
+  // program on a 2-core machine). So such a Work is kept here, and freed by a later call or at
+  // finish() once its worker let go -- CPU runs only: on a GPU, holding a Work would hold device
+  // memory past the program's release, which the measured peak must not see.
+  void bury(intrusive_ptr<Work> w) {
+    std::lock_guard<std::mutex> g(grave_mu_);
+    grave_.push_back(std::move(w));
+  }
+
+  // Free the buried Works no worker holds any more; with ``wait``, wait (up to 2 s) for every
+  // one. The caller holds neither lock nor the GIL: a Work's destructor may take the GIL.
+  void free_buried(bool wait) {
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+    std::vector<intrusive_ptr<Work>> done;
+    for (;;) {
+      bool again;
+      {
+        std::lock_guard<std::mutex> g(grave_mu_);
+        if (grave_.empty()) return;
+        auto held = std::partition(grave_.begin(), grave_.end(),
+                                   [](const intrusive_ptr<Work>& w) { return w.use_count() > 1; });
+        done.insert(done.end(), std::make_move_iterator(held), std::make_move_iterator(grave_.end()));
+        grave_.erase(held, grave_.end());
+        again = wait && !grave_.empty() && std::chrono::steady_clock::now() < deadline;
+      }
+      done.clear();
+      if (!again) return;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
   void finish() {
     std::unique_lock<std::mutex> lk(mu);
     add(E_FINISH, 0, 0, 0, -1, point(true));
+    lk.unlock();
+    free_buried(true);
+    lk.lock();
     if (!cuda_live_) return;
     stop_ = true;
     lk.unlock();
@@ -464,6 +502,8 @@ class Log {
   std::unordered_map<int32_t, int32_t> last_ev_;
   std::unordered_map<int32_t, int64_t> last_ns_;
   std::deque<std::pair<int32_t, intrusive_ptr<Work>>> dur_q_;
+  std::mutex grave_mu_;  // never held while waiting for anything else
+  std::vector<intrusive_ptr<Work>> grave_;
   std::thread resolver_;
   std::condition_variable cv_;
   bool stop_ = false;
@@ -480,6 +520,10 @@ class RecordedWork : public Work {
   RecordedWork(intrusive_ptr<Work> inner, int32_t wid, bool anysource, std::vector<int>* granks)
       : Work(-1, inner->retrieveOpType()), inner_(std::move(inner)), wid_(wid),
         anysource_(anysource), granks_(granks) {}
+
+  ~RecordedWork() override {
+    if (inner_ && !the_log().cuda_ && inner_.use_count() > 1) the_log().bury(std::move(inner_));
+  }
 
   bool wait(std::chrono::milliseconds timeout) override {
     int64_t t0 = steady_ns();
@@ -823,6 +867,7 @@ class RecordingBackend : public Backend {
   intrusive_ptr<Work> call(const std::vector<RowSpec>& specs, bool sync, F&& fn,
                            bool anysource = false) {
     auto& log = the_log();
+    log.free_buried(false);  // earlier Works their worker let go of (no lock, no GIL held here)
     int64_t t0 = steady_ns();
     int64_t p_issue;
     int32_t row0 = -1;
@@ -904,7 +949,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     auto& log = the_log();
     std::lock_guard<std::mutex> g(log.mu);
     log.labels_.push_back(label);
-    log.add(E_MARK, 0, static_cast<int32_t>(log.labels_.size() - 1));
+    log.last_sync_ = -1;  // a call issued sync and not waited at once is async after all
+    log.add(E_MARK, 0, static_cast<int32_t>(log.labels_.size() - 1), 0, -1, log.point(true));
   });
   m.def("coalesce_begin", [](int flag) {
     auto& log = the_log();
