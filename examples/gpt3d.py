@@ -29,6 +29,7 @@ any layout matches the single-process run to float tolerance.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -81,9 +82,15 @@ class Config:
     recompute: bool = opt(False, "recompute each transformer layer's activations in backward")
     dist_opt: bool = opt(False, "distributed optimizer: reduce-scatter grads, all-gather params")
     sp: bool = opt(False, "sequence parallelism inside the TP group")
+    labels: bool = opt(False, "name the attention and mlp compute spans with prismllm.mark (a no-op outside prism)")
+    spin: str = opt(
+        "",
+        "LABEL=MS: each attention or mlp span first spins MS ms (a busy CPU, or a GPU spin kernel): a known slowdown",
+    )
     device: str = opt("auto", "auto = cuda if available", ["auto", "cpu", "cuda"])
     dtype: str = opt("auto", "parameter dtype; auto = fp32 on cpu, bf16 on cuda", ["auto", "fp32", "bf16"])
     bucket_mb: float = opt(1.0, "DP gradient bucket size in MB of fp32 gradients")
+    memory_cap_mib: int = opt(0, "cap this process's CUDA memory at M MiB (a smaller GPU); 0 = the whole GPU")
     json_log: str | None = opt(None, "last rank writes [{iteration, loss, iter_time_ms, max_mem_bytes, grad_norm}]")
     save_params: str | None = opt(None, "at the end every rank writes its parameters to DIR/rank-<r>.{json,bin}")
 
@@ -159,6 +166,14 @@ def layout_error(cfg: Config, world: int) -> str | None:
         return f"--topk {cfg.topk} exceeds --num-experts {E} (need topk <= num_experts)"
     if vpp > 1 and pp == 1:
         return f"--vpp {vpp} requires --pp > 1"
+    if cfg.spin:
+        label, _, ms = cfg.spin.partition("=")
+        try:
+            ok = label in ("attention", "mlp") and float(ms) > 0
+        except ValueError:
+            ok = False
+        if not ok:
+            return f"--spin {cfg.spin!r}: expected attention=MS or mlp=MS with MS > 0"
     if vpp > 1 and num_mb % pp:
         return (
             f"--vpp {vpp} needs the number of micro-batches ({num_mb}) to be divisible by --pp {pp}"
@@ -385,6 +400,29 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
+def spinner(ms: float, device: torch.device):
+    """A function that keeps the device busy for ``ms`` ms: on a GPU a spin kernel on the current
+    stream (its cycles per ms measured here once), on CPU a busy loop."""
+    if device.type == "cuda":
+        torch.cuda._sleep(1_000_000)  # warm-up: the kernel's first launch loads it
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        probe = 50_000_000
+        start.record()
+        torch.cuda._sleep(probe)
+        end.record()
+        end.synchronize()
+        cycles = round(ms * probe / start.elapsed_time(end))
+        return lambda: torch.cuda._sleep(cycles)
+    ns = round(ms * 1e6)
+
+    def busy() -> None:
+        end = time.perf_counter_ns() + ns
+        while time.perf_counter_ns() < end:
+            pass
+
+    return busy
+
+
 class Builder:
     """Creates this rank's parameters: the full tensor is drawn on CPU from a generator seeded by
     (seed, global parameter name), then the shard this rank owns is sliced out. Any layout thus
@@ -393,6 +431,23 @@ class Builder:
     def __init__(self, cfg: Config, par: Parallel, device: torch.device, dtype: torch.dtype):
         self.cfg, self.par, self.device, self.dtype = cfg, par, device, dtype
         self.tpr = TPRegion(par, cfg.sp)
+        self.named = lambda label: contextlib.nullcontext()
+        if cfg.labels:
+            import prismllm  # only when asked: the example runs without prismllm otherwise
+
+            self.named = prismllm.span
+        label, _, ms = cfg.spin.partition("=")
+        self.spins = {label: spinner(float(ms), device)} if cfg.spin else {}
+
+    def span(self, label: str, compute, x: torch.Tensor) -> torch.Tensor:
+        """``compute(x)`` as the span ``label``: named (--labels) and, with --spin LABEL=MS,
+        longer by MS ms of spinning first (a known slowdown that `prism whatif` can be checked
+        against)."""
+        with self.named(label):
+            spin = self.spins.get(label)
+            if spin is not None:
+                spin()
+            return compute(x)
 
     def draw(self, name: str, shape: tuple[int, ...], std: float) -> torch.Tensor:
         g = torch.Generator().manual_seed(stable_seed(self.cfg.seed, name))
@@ -448,7 +503,7 @@ class Attention(nn.Module):
         super().__init__()
         cfg, tp, r = b.cfg, b.par.tp, b.par.tp_rank
         H, nh = cfg.hidden, cfg.heads
-        self.local_heads, self.head_dim, self.tpr = nh // tp, H // nh, b.tpr
+        self.local_heads, self.head_dim, self.tpr, self.b = nh // tp, H // nh, b.tpr, b
         nl = self.local_heads
 
         def qkv_shard(w):  # full [3*H, H] = [3, heads, head_dim, H]; keep my heads of q, k and v
@@ -459,24 +514,30 @@ class Attention(nn.Module):
         self.proj = b.normal(f"{name}.proj.weight", (H, H), out_std, b.cols(H))  # row-parallel
 
     def forward(self, x):
-        qkv = F.linear(self.tpr.enter(x), self.qkv)  # [s, b, 3 * local_heads * hd]
+        return self.tpr.exit(self.b.span("attention", self.local, self.tpr.enter(x)))
+
+    def local(self, x):  # between the tensor-parallel entry and exit
+        qkv = F.linear(x, self.qkv)  # [s, b, 3 * local_heads * hd]
         s, bsz = qkv.shape[:2]
         q, k, v = qkv.view(s, bsz, 3, self.local_heads, self.head_dim).permute(2, 1, 3, 0, 4).unbind(0)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, hd]
         o = o.permute(2, 0, 1, 3).reshape(s, bsz, self.local_heads * self.head_dim)
-        return self.tpr.exit(F.linear(o, self.proj))
+        return F.linear(o, self.proj)
 
 
 class MLP(nn.Module):
     def __init__(self, b: Builder, name: str):
         super().__init__()
         H, Fh, L = b.cfg.hidden, b.cfg.ffn_hidden or 4 * b.cfg.hidden, b.cfg.layers
-        self.tpr = b.tpr
+        self.tpr, self.b = b.tpr, b
         self.fc1 = b.normal(f"{name}.fc1.weight", (Fh, H), 0.02, b.rows(Fh))  # column-parallel
         self.fc2 = b.normal(f"{name}.fc2.weight", (H, Fh), 0.02 / (2 * L) ** 0.5, b.cols(Fh))  # row-parallel
 
     def forward(self, x):
-        return self.tpr.exit(F.linear(F.gelu(F.linear(self.tpr.enter(x), self.fc1)), self.fc2))
+        return self.tpr.exit(self.b.span("mlp", self.local, self.tpr.enter(x)))
+
+    def local(self, x):  # between the tensor-parallel entry and exit
+        return F.linear(F.gelu(F.linear(x, self.fc1)), self.fc2)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -497,6 +558,20 @@ class _AllToAll(torch.autograd.Function):
         return out, None, None, None
 
 
+class Router(nn.Module):
+    """The MoE gate: fp32 logits [tokens, experts]. A module of its own, with Megatron's
+    attribute names (``topk``, global ``layer_number``), so that tools find it by type or name
+    (prism's mock router: ``--router-module Router``)."""
+
+    def __init__(self, b: Builder, name: str, layer_number: int):
+        super().__init__()
+        self.topk, self.layer_number = b.cfg.topk, layer_number
+        self.weight = b.normal(f"{name}.weight", (b.cfg.num_experts, b.cfg.hidden), 0.02, sp_grad=True)
+
+    def forward(self, tokens):
+        return F.linear(tokens.float(), self.weight.float())  # router in fp32
+
+
 class MoE(nn.Module):
     """Top-k softmax router, no token dropping, experts spread over the EP group.
 
@@ -506,14 +581,14 @@ class MoE(nn.Module):
     router and expert grads are then partial over TP and flagged sp_grad (summed over TP).
     """
 
-    def __init__(self, b: Builder, name: str):
+    def __init__(self, b: Builder, name: str, layer_number: int):
         super().__init__()
         cfg, par = b.cfg, b.par
         H, Fh, L = cfg.hidden, cfg.ffn_hidden or 4 * cfg.hidden, cfg.layers
         self.E, self.K, self.ep, self.ep_rank, self.group = cfg.num_experts, cfg.topk, par.ep, par.ep_rank, par.ep_group
         self.local = self.E // self.ep
         first = self.ep_rank * self.local
-        self.router = b.normal(f"{name}.router.weight", (self.E, H), 0.02, sp_grad=True)
+        self.router = Router(b, f"{name}.router", layer_number)  # drawn as the bare weight was
         mine = range(first, first + self.local)  # only this EP rank's experts are drawn
         w1 = [b.draw(f"{name}.experts.{e}.fc1.weight", (Fh, H), 0.02) for e in mine]
         w2 = [b.draw(f"{name}.experts.{e}.fc2.weight", (H, Fh), 0.02 / (2 * L) ** 0.5) for e in mine]
@@ -524,7 +599,7 @@ class MoE(nn.Module):
         s, bsz, H = x.shape
         tokens = x.reshape(-1, H)
         T, K = tokens.shape[0], self.K
-        logits = F.linear(tokens.float(), self.router.float())  # router in fp32
+        logits = self.router(tokens)
         top_logits, top_idx = logits.topk(K, dim=-1)
         weights = top_logits.softmax(dim=-1).to(x.dtype)  # [T, K]
         # Permute token copies so that they are grouped by expert (stable sort: deterministic).
@@ -578,7 +653,7 @@ class TransformerLayer(nn.Module):
         name, H = f"layers.{index}", b.cfg.hidden
         self.ln1, self.ln2 = LayerNorm(b, H), LayerNorm(b, H)
         self.attn = Attention(b, f"{name}.attn")
-        self.mlp = MoE(b, f"{name}.mlp") if b.cfg.num_experts else MLP(b, f"{name}.mlp")
+        self.mlp = MoE(b, f"{name}.mlp", index + 1) if b.cfg.num_experts else MLP(b, f"{name}.mlp")
 
     def forward(self, x):
         x = x + self.attn(self.ln1(x))
@@ -1174,6 +1249,9 @@ def main(argv: list[str] | None = None) -> int:
             fail(f"LOCAL_RANK {local_rank} but only {torch.cuda.device_count()} GPUs are visible", every_rank=True)
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
+        if cfg.memory_cap_mib:
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, cfg.memory_cap_mib * 2**20 / total), device)
     else:
         device = torch.device("cpu")
     dtype = torch.bfloat16 if cfg.dtype == "bf16" else torch.float32

@@ -1,6 +1,6 @@
 """prismllm: emulate large-scale LLM training faithfully on a few devices."""
 
-from prismllm.api import mark, step  # noqa: F401
+from prismllm.api import mark, span, step  # noqa: F401
 
 __version__ = "0.1.0"
-__all__ = ["mark", "step", "__version__"]
+__all__ = ["mark", "span", "step", "__version__"]

@@ -5,14 +5,16 @@ unconditionally::
 
     import prismllm
     for batch in loader:
-        prismllm.mark("forward")      # labels the next node that starts after this call
+        prismllm.mark("forward")      # a compute span named "forward" starts here
         loss = model(batch).sum()
         loss.backward()
         opt.step()
         prismllm.step()               # explicit iteration boundary
 
-``mark(label)`` labels the next node that starts after the call -- usually the next
-communication call (the compute span already under way is not split). ``step()`` ends the
+``mark(label)`` ends the compute span under way and starts one named ``label``, which runs to
+the next communication call (or mark); that call carries the label too (generator rules match
+it). ``mark("")`` ends a named span without naming the next; ``with span(label):`` names exactly
+the work inside the block (``mark(label)`` on entry, ``mark("")`` on exit). ``step()`` ends the
 current iteration; once a program calls it, the automatic boundaries after optimizer steps
 are ignored. A boundary with no communication since the previous one extends that iteration
 instead of opening a new one (e.g. ``opt.step(); prismllm.step()``).
@@ -20,7 +22,9 @@ instead of opening a new one (e.g. ``opt.step(); prismllm.step()``).
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 
 def _recorder():
@@ -29,10 +33,20 @@ def _recorder():
 
 
 def mark(label: str) -> None:
-    """Label the next node recorded (no-op outside prism)."""
+    """Start a compute span named ``label`` here (no-op outside prism)."""
     rec = _recorder()
     if rec is not None:
         rec.mark(label)
+
+
+@contextlib.contextmanager
+def span(label: str) -> Iterator[None]:
+    """Name the compute of the block ``label`` (no-op outside prism)."""
+    mark(label)
+    try:
+        yield
+    finally:
+        mark("")
 
 
 def step() -> None:
@@ -42,4 +56,4 @@ def step() -> None:
         rec.boundary(explicit=True)
 
 
-__all__ = ["mark", "step"]
+__all__ = ["mark", "span", "step"]

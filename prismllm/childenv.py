@@ -43,6 +43,11 @@ class ChildEnv:
     error_file: str | None = None  # where the child writes its ChildError (set by the launcher)
     memory_history: str | None = None  # directory for the CUDA allocator history (comm.memhistory)
     cuda_on_cpu: bool | None = None  # map the program's CUDA calls to the CPU (prismllm.devicemap)
+    router_module: str | None = None  # the MoE router the mock router forces or observes (prismllm.routing)
+    routing: str | None = None  # the routing it forces, as JSON (routing.contract); None: observe
+    routing_observe: str | None = None  # where observed routing counts are written
+    routing_topk: int | None = None  # top-k of the router, where its module does not say
+    spin: str | None = None  # {label: ms} as JSON: spin at each span so labelled (comm.spin; prism whatif --spin)
     # ---- status reports (launch.status; set by the launcher)
     status_dir: str | None = None
     status_name: str | None = None
@@ -60,7 +65,7 @@ class ChildEnv:
     check_tensors: str | None = None  # recorded outputs the sandbox's pruned calls are compared with
     check_out: str | None = None  # where the comparison is written
     # ---- assistants (``python -m prismllm.assistant``)
-    inputs: str | None = None  # virtual ranks' inputs: recorded | generated
+    inputs: str | None = None  # virtual ranks' inputs: recorded | generated (the sandbox ranks read it too)
     replay_timing: str | None = None  # fast | real
     emulate_backend: str | None = None  # the small groups' backend: gloo | nccl
     assistants: int | None = None  # how many assistants share the pruned groups
@@ -121,7 +126,7 @@ class ChildEnv:
 _CURRENT: ChildEnv | None = None
 _BOOLS = ("native", "cuda_on_cpu")
 _RANK_LISTS = ("sandbox", "solo_batch")
-_INTS = ("assistants", "assistant_index")
+_INTS = ("assistants", "assistant_index", "routing_topk")
 
 
 def variable(field: str) -> str:

@@ -50,7 +50,7 @@ def test_the_check_sees_a_flag_that_differs():
     assert meaning(a) != meaning(b)
 
 
-@pytest.mark.parametrize("command", SUBCOMMANDS)
+@pytest.mark.parametrize("command", [m.replace("_", "-") for m in SUBCOMMANDS])  # module moe_stats: moe-stats
 def test_every_command_has_help(command, capsys):
     with pytest.raises(SystemExit) as e:
         build_parser().parse_args([command, "--help"])

@@ -380,6 +380,20 @@ def test_compute_spans_cover_the_program(runs):
     assert ar["start_ns"] == ar["issue_ns"] and ar["end_ns"] <= after["start_ns"]
 
 
+def test_mark_starts_a_labelled_compute_span(runs):
+    """``prismllm.mark("tail-allreduce")`` ends the span under way and starts a compute span of
+    that name, which the labelled all_reduce ends; the span before it is unlabelled and ends
+    where the labelled one starts."""
+    for log in runs["collectives"].logs():
+        nodes = log.nodes
+        (c1,) = [n for n in comm(log) if n["label"] == "tail-allreduce"]
+        labelled, before = nodes[c1["index"] - 1], nodes[c1["index"] - 2]
+        assert labelled["kind"] == "compute" and labelled["label"] == "tail-allreduce"
+        assert before["kind"] == "compute" and before["label"] == ""
+        assert before["end_ns"] == labelled["start_ns"] <= labelled["end_ns"] <= c1["issue_ns"]
+        assert sum(n["label"] == "tail-allreduce" for n in nodes) == 2
+
+
 # ---- DDP -------------------------------------------------------------------------------------
 def test_ddp_rows(runs):
     logs = runs["ddp"].logs()

@@ -6,8 +6,13 @@ groups (derived names in the graph) are found by members."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 from pathlib import Path
+
+import pytest
+from test_report_html import Opened, browser  # noqa: F401  (browser: a fixture used below)
 
 from prismllm.cli.main import main
 
@@ -39,17 +44,28 @@ JOB = [
 ]
 
 
-def test_run_goes_from_the_program_to_the_report_and_resumes(tmp_path, capsys):
-    out = tmp_path / "run"
-    argv = ["run", "--world", "8", "--layout", "tp=2,pp=2", "--sandbox", "7", "--devices", "cpu", "--out", str(out)]
-    assert main([*argv, *JOB]) == 0
+ARGV = ["run", "--world", "8", "--layout", "tp=2,pp=2", "--sandbox", "7", "--devices", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory) -> tuple[Path, str]:
+    """The job run once: (OUT, what it printed)."""
+    out = tmp_path_factory.mktemp("run") / "run"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main([*ARGV, "--out", str(out), *JOB]) == 0
+    return out, buf.getvalue()
+
+
+def test_run_goes_from_the_program_to_the_report_and_resumes(ran, tmp_path, capsys):
+    out, shown = ran
+    argv = [*ARGV, "--out", str(out)]
     state = json.loads((out / "run.json").read_text())
     assert [s["name"] for s in state["stages"]] == ["capture", "time", "calibrate", "emulate", "report"]
     s = state["summary"]
     assert s["predicted_iteration_ns"] > 0 and s["emulated"]["7"]["iteration_ns"] > 0
     assert 0 <= s["pipeline_bubble"] < 1 and s["critical_path_shares"]["compute"] > 0
     assert (out / "report.html").is_file() and (out / "cal" / "graph").is_dir()
-    shown = capsys.readouterr().out
     assert "predicted iteration" in shown and "report:" in shown and "{" not in shown  # no JSON unless --json
     assert len(shown.splitlines()) < 40
     # the same command again: every stage's output is there, nothing runs (capture would take seconds)
@@ -66,3 +82,17 @@ def test_run_goes_from_the_program_to_the_report_and_resumes(tmp_path, capsys):
     (tmp_path / "other" / "keep.txt").write_text("x")
     assert main(["run", "--world", "8", "--out", str(tmp_path / "other"), "--force", *JOB]) == 2
     assert (tmp_path / "other" / "keep.txt").exists()
+
+
+def test_the_report_of_a_real_run_opens_clean_and_fast(ran, browser):  # noqa: F811
+    """The page a real pipeline wrote, in Chromium: no script error, nothing fetched, every
+    section drawn, painted within 2 s."""
+    out, _ = ran
+    o = Opened(browser, out / "report.html")
+    try:
+        o.check_clean()
+        assert o.load_s < 2.0, o.load_s
+        assert o.count("#cp-chart svg rect") >= 3 and o.count("#breakdown-chart svg rect") >= 4
+        assert o.count("#timeline-chart path.span") >= 3 and o.count("#emulation") == 1
+    finally:
+        o.close()

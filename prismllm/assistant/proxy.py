@@ -229,6 +229,9 @@ class Assistant:
             grp = self.groups.get(int(g.inst_group[i]))
             if grp is not None:
                 grp.upcoming.append(int(i))
+        # a group without calls with the sandbox gets no small group: the sandbox makes its side
+        # at the group's first call, so there would be no one to meet
+        self.groups = {gid: grp for gid, grp in self.groups.items() if grp.upcoming}
         self._place = {i: k for grp in self.groups.values() for k, i in enumerate(grp.upcoming)}
         # NCCL: every member of the small communicators must launch its calls in one order (NCCL
         # kernels of different communicators on one device need not run concurrently, and a
@@ -331,9 +334,18 @@ class Assistant:
                 # on the device (a deadlock when the sandbox needs this call first)
                 torch.cuda.set_stream(torch.cuda.Stream(self.device))
             try:
-                grp.pg = C.small_group(
-                    self.connect(), grp.name, grp.pruned.proxy, grp.pruned.size, self.timeout, self.backend
-                )
+                store = self.connect()
+                # the sandbox says which backend it made its side with, at the group's first call
+                theirs = store.get(f"{C.PRUNED_PREFIX}{grp.name}/backend").decode()
+                if theirs != self.backend:
+                    raise AssistantError(
+                        f"group {grp.name} {grp.ranks}: the program runs it on {theirs} while this emulation's "
+                        f"proxies run {self.backend}; a {theirs} group with virtual members on a "
+                        f"{'GPU' if self.backend == 'nccl' else 'CPU'} run is not supported yet"
+                    )
+                grp.pg = C.small_group(store, grp.name, grp.pruned.proxy, grp.pruned.size, self.timeout, self.backend)
+            except AssistantError:
+                raise
             except BaseException as e:  # noqa: BLE001
                 raise AssistantError(
                     f"group {grp.name} {grp.ranks}: could not make the small group with the sandbox: {e}"

@@ -165,11 +165,13 @@ def build_manifest(
     gpus: list[int] | None = None,
     program: dict[str, Any] | None = None,
     cuda_on_cpu: bool = False,
+    routing: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The graph's manifest. ``program`` is the fingerprint of SCRIPT ARGS
     (``prismllm.launch.program.program_fingerprint``), best taken before the program ran;
     None: taken now. ``cuda_on_cpu``: the program's CUDA calls ran on the CPU, which every
-    later launch of the program from this graph repeats (``prismllm.devicemap``)."""
+    later launch of the program from this graph repeats (``prismllm.devicemap``); ``routing``:
+    the MoE routing the program ran with, likewise (``prismllm.routing.contract``)."""
     if program is None:
         program = program_of(script, args)
     manifest: dict[str, Any] = {
@@ -181,8 +183,9 @@ def build_manifest(
         "versions": collect_versions(device),
         "device": device,
         "cuda_on_cpu": cuda_on_cpu,
+        "routing": routing,
         "mode": "record",
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
     }
     if device == "cuda":

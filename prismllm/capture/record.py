@@ -41,6 +41,7 @@ from prismllm.launch import (
     LineSink,
     launch,
 )
+from prismllm.routing.contract import OBSERVE_DIR, child_fields, manifest_entry
 from prismllm.specs import format_ranks, parse_layout
 from prismllm.trace.assemble import assemble_spool
 from prismllm.trace.ranklog import ranklog_path
@@ -56,6 +57,8 @@ class RecordOptions:
     args: Sequence[str] = ()
     devices: str | None = None  # "cpu" | "cuda" | "cuda:0,1,..." | None: cuda if enough GPUs
     cuda_on_cpu: bool = False  # map the program's CUDA calls to the CPU (prismllm.devicemap)
+    router_module: str | None = None  # the MoE router to force (with routing) or observe (prismllm.routing)
+    routing: str | os.PathLike | None = None  # a routing file: force it; None: observe into OUT/moe
     layout: str | dict | None = None  # "tp=2,pp=2,dp=2" or a dict
     timeout: float | None = None
     force: bool = False
@@ -190,6 +193,7 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
     except ValueError as e:
         raise PrismError(str(e)) from None
     out = Path(opts.out)
+    routing = manifest_entry(opts.router_module, opts.routing, observed=True)
     check_out_dir(out, opts.force)
     store = _tensor_store(opts, out)
     device, devices = resolve_devices(opts.devices, opts.nproc, opts.cuda_on_cpu)
@@ -205,6 +209,7 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
         mode="record",
         native=recorder == "native",
         cuda_on_cpu=opts.cuda_on_cpu or None,
+        **child_fields(routing, observe_dir=str((out / OBSERVE_DIR).resolve())),
         spool=str(spool.resolve()),
         save_tensors=opts.save_tensors if store is not None else None,
         tensor_store=str(store.resolve()) if store is not None else None,
@@ -251,6 +256,7 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
         gpus=devices if isinstance(devices, list) else None,
         program=program,
         cuda_on_cpu=opts.cuda_on_cpu,
+        routing=routing,
     )
     manifest["recorder"] = recorder
     trace = assemble_spool(spool, manifest)

@@ -49,11 +49,16 @@ from prismllm.launch import (
     DEFAULT_RUNNER,
     LOGS_DIR,
     LaunchError,
+    LaunchResult,
     LaunchSpec,
     LineSink,
+    RankOutOfMemory,
+    error_line,
     launch,
+    says_out_of_memory,
 )
 from prismllm.layout import Layout, ReplicaPlan, replica_plan
+from prismllm.routing.contract import child_fields, manifest_entry
 from prismllm.specs import format_ranks, parse_devices
 from prismllm.trace.edges import group_rank_lookup
 from prismllm.trace.ranklog import ranklog_path
@@ -76,6 +81,8 @@ class CaptureOptions:
     args: Sequence[str] = ()
     devices: str = "auto"  # auto | cpu | cuda | cuda:G,G,... (prismllm.specs.DeviceSpec)
     cuda_on_cpu: bool = False  # map the program's CUDA calls to the CPU (prismllm.devicemap)
+    router_module: str | None = None  # the MoE router whose logits ``routing`` forces (prismllm.routing)
+    routing: str | os.PathLike | None = None  # a routing file
     parallel: int | None = None  # ranks at a time; None: one per listed GPU, else 1
     layout: str | dict | None = None
     rules: str | os.PathLike | None = None  # a generator rules file (ChildEnv.rules)
@@ -149,6 +156,8 @@ def fingerprint(opts: CaptureOptions, layout: Layout | None, device: str) -> dic
         "tensors": _path_digest(opts.tensors),
         "device": device,
         "cuda_on_cpu": opts.cuda_on_cpu,
+        "router_module": opts.router_module,
+        "routing": _path_digest(opts.routing),
         "runner": opts.runner,
         "prismllm": __version__,
     }
@@ -226,9 +235,15 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
         raise PrismError(f"script not found: {opts.script}")
     if not os.path.isfile(opts.script):
         raise PrismError(f"script is not a file: {opts.script}")
-    for flag, path in (("--rules", opts.rules), ("--tensors", opts.tensors)):
+    for flag, path in (("--rules", opts.rules), ("--tensors", opts.tensors), ("--routing", opts.routing)):
         if path is not None and not os.path.exists(path):
             raise PrismError(f"{flag} {path}: no such file or directory")
+    if opts.router_module is not None and opts.routing is None:
+        raise PrismError(
+            "--router-module in a capture forces a routing: give --routing FILE too (`prism moe-stats` "
+            "writes one from a recording made with --router-module)"
+        )
+    manifest_entry(opts.router_module, opts.routing)  # a bad routing file: refused before anything runs
     if opts.timeout is not None and opts.timeout <= 0:
         raise PrismError(f"--timeout must be positive, not {opts.timeout:g}")
     layout = Layout.parse(opts.layout, opts.world)
@@ -391,6 +406,23 @@ def reconcile_all_to_all(trace: Any) -> int:
 # Capture
 
 
+def _failure(result: LaunchResult, spool: Path, done: int, total: int) -> LaunchError:
+    """A failed batch: a rank that ran out of memory is a result (RankOutOfMemory: the program
+    needs more than the device at this scale), anything else a LaunchError; both say how to resume."""
+    resume = f"\n  spool kept in {spool} ({done} of {total} ranks finished); re-run the same command to resume"
+    f = result.failure
+    if f is not None and f.rank is not None and f.rank >= 0 and (f.returncode or 0) > 0:
+        if says_out_of_memory(result.stderr_tail.get(f.rank, []) or result.stdout_tail.get(f.rank, [])):
+            line = error_line(result.stderr_tail.get(f.rank, []) or result.stdout_tail.get(f.rank, []))[0]
+            return RankOutOfMemory(
+                f"rank {f.rank} ran out of memory in its solo run (a result: the program needs more at this "
+                f"scale than the device holds): {line}{resume}",
+                result,
+                f.rank,
+            )
+    return LaunchError(f"{result.message}{resume}", result)
+
+
 def capture(
     opts: CaptureOptions,
     *,
@@ -426,10 +458,12 @@ def capture(
     if on_plan is not None:
         on_plan(plan)
 
+    routing = manifest_entry(opts.router_module, opts.routing)
     child = ChildEnv(
         mode=opts.mode,
         spool=str(spool.resolve()),
         cuda_on_cpu=opts.cuda_on_cpu or None,
+        **child_fields(routing),
         rules=str(Path(opts.rules).resolve()) if opts.rules is not None else None,
         tensor_store=str(Path(opts.tensors).resolve()) if opts.tensors is not None else None,
     )
@@ -470,11 +504,7 @@ def capture(
         state["done"] = sorted(done)
         _write_state(spool, state)
         if not result.ok:
-            raise LaunchError(
-                f"{result.message}\n  spool kept in {spool} ({len(done)} of {total} ranks finished); "
-                f"re-run the same command to resume",
-                result,
-            )
+            raise _failure(result, spool, len(done), total)
         silent = [r for r in batch if r not in finished]
         if silent:
             raise PrismError(
@@ -497,6 +527,7 @@ def capture(
         gpus=plan.devices if isinstance(plan.devices, list) else None,
         program=state["program"],
         cuda_on_cpu=opts.cuda_on_cpu,
+        routing=routing,
     )
     manifest["mode"] = opts.mode
     reps = plan.replicas.representatives

@@ -19,7 +19,7 @@ from prismllm.capture.solo import CaptureOptions, CapturePlan, CaptureResult, ca
 from prismllm.cli import options
 from prismllm.cli.program import add_program_args, line_prefix, program_args
 from prismllm.cli.progress import Display, count, key_values
-from prismllm.launch import LaunchInterrupted
+from prismllm.launch import LaunchInterrupted, RankOutOfMemory
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -32,7 +32,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     p.add_argument("--mode", default="solo", choices=["solo"], help="capture mode (solo)")
     options.add(p, "world", "out", required=("world", "out"))
-    options.add(p, "layout", "devices", "cuda_on_cpu", "parallel", "rules", "tensors", "timeout", "force", "tee")
+    options.add(
+        p,
+        "layout",
+        "devices",
+        "cuda_on_cpu",
+        "router_module",
+        "routing",
+        "parallel",
+        "rules",
+        "tensors",
+        "timeout",
+        "force",
+        "tee",
+    )
     add_program_args(p)
     p.set_defaults(run=run, parser=p)
     return p
@@ -88,6 +101,8 @@ def run(args: argparse.Namespace) -> int:
         args=script_args,
         devices=args.devices,
         cuda_on_cpu=args.cuda_on_cpu,
+        router_module=args.router_module,
+        routing=args.routing,
         parallel=args.parallel,
         layout=args.layout,
         rules=args.rules,
@@ -105,6 +120,10 @@ def run(args: argparse.Namespace) -> int:
     except LaunchInterrupted as e:
         display.say(f"{e}; re-run the same command to resume")
         return 128 + e.signum
+    except RankOutOfMemory as e:  # a result of the capture: the program needs more than the device
+        display.stop()
+        display.say(str(e))
+        return 1
     finally:
         display.stop()
     _summary(res)

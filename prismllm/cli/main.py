@@ -10,7 +10,21 @@ import sys
 from prismllm import __version__
 from prismllm.errors import PrismError
 
-SUBCOMMANDS = ("run", "record", "capture", "time", "calibrate", "emulate", "report", "show", "export", "compare")
+SUBCOMMANDS = (
+    "run",
+    "record",
+    "capture",
+    "time",
+    "calibrate",
+    "emulate",
+    "report",
+    "show",
+    "export",
+    "compare",
+    "whatif",
+    "sweep",
+    "moe_stats",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,9 +41,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """Parse ARGV; for a command whose module sets ``PROGRAM_AFTER_DASHES`` (a positional of its
+    own, then an optional ``-- SCRIPT ARGS``), what follows ``--`` is ``args.program``: argparse
+    cannot give a later positional what follows ``--`` once an earlier one has matched."""
+    name = argv[0].replace("-", "_") if argv else ""
+    if name in SUBCOMMANDS and "--" in argv:
+        module = importlib.import_module(f"prismllm.cli.{name}")
+        if getattr(module, "PROGRAM_AFTER_DASHES", False):
+            i = argv.index("--")
+            args = parser.parse_args(argv[:i])
+            args.program = argv[i + 1 :]
+            return args
+    args = parser.parse_args(argv)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = _parse(parser, list(sys.argv[1:] if argv is None else argv))
     try:
         return int(args.run(args) or 0)
     except PrismError as e:

@@ -129,6 +129,25 @@ SHARED: dict[str, Option] = {
             "help": "tensor-generator rules for solo capture (a Python file, docs/commands/capture.md#rules)",
         },
     ),
+    "router_module": Option(
+        ("--router-module",),
+        {
+            "default": None,
+            "metavar": "SPEC",
+            "help": "the MoE router: a class name or a glob on the module's name, then :METHOD that returns the "
+            "logits (default forward), e.g. Router or TopKRouter:gating; with --routing its routing is forced, "
+            "else (prism record) observed (docs/commands/moe-stats.md)",
+        },
+    ),
+    "routing": Option(
+        ("--routing",),
+        {
+            "default": None,
+            "metavar": "FILE",
+            "help": "force this routing on --router-module: balance statistics per MoE layer (a JSON file, "
+            "e.g. written by prism moe-stats); kept in the graph, so time and emulate force it too",
+        },
+    ),
     "cuda_on_cpu": Option(
         ("--cuda-on-cpu",),
         {

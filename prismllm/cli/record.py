@@ -37,7 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="number of rank processes",
     )
     options.add(p, "out", required=("out",))
-    options.add(p, "devices", "cuda_on_cpu", "layout")
+    options.add(p, "devices", "cuda_on_cpu", "layout", "router_module", "routing")
     p.add_argument(
         "--save-tensors",
         default=None,
@@ -87,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         args=script_args,
         devices=args.devices,
         cuda_on_cpu=args.cuda_on_cpu,
+        router_module=args.router_module,
+        routing=args.routing,
         layout=args.layout,
         timeout=args.timeout,
         force=args.force,

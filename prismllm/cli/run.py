@@ -24,8 +24,7 @@ from rich.table import Table
 from prismllm.cli import options
 from prismllm.cli.program import add_program_args, program_args
 from prismllm.cli.progress import Display, fmt_seconds
-from prismllm.launch import LaunchInterrupted
-from prismllm.launch.sandbox import SandboxOutOfMemory
+from prismllm.launch import LaunchInterrupted, RankOutOfMemory
 from prismllm.pipeline.run import RunOptions, run_pipeline
 
 
@@ -38,23 +37,35 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         raw=True,
     )
     options.add(p, "world", "out", required=("world", "out"))
-    options.add(
-        p,
-        "layout",
-        "devices",
-        "cuda_on_cpu",
-        "parallel",
-        "sandbox",
-        "inputs",
-        "tensors",
-        "rules",
-        "timeout",
-        "force",
-        "json",
-    )
+    options.add(p, *PIPELINE_FLAGS)
     add_program_args(p, prefix=False)
     p.set_defaults(run=run)
     return p
+
+
+# the flags of a whole pipeline run (prism run; prism sweep, for each point)
+PIPELINE_FLAGS = ("layout", "devices", "cuda_on_cpu", "router_module", "routing", "parallel", "sandbox", "inputs",
+                  "tensors", "rules", "timeout", "force", "json")  # fmt: skip
+
+
+def pipeline_fields(args: argparse.Namespace) -> dict:
+    """The RunOptions fields that PIPELINE_FLAGS set, and the program."""
+    return dict(
+        script=args.script,
+        args=program_args(args),
+        layout=args.layout,
+        devices=args.devices,
+        cuda_on_cpu=args.cuda_on_cpu,
+        router_module=args.router_module,
+        routing=args.routing,
+        parallel=args.parallel,
+        sandbox=args.sandbox,
+        inputs=args.inputs,
+        tensors=args.tensors,
+        rules=args.rules,
+        timeout=args.timeout,
+        force=args.force,
+    )
 
 
 class UI:
@@ -131,29 +142,14 @@ def render(s: dict, console: Console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     display = Display("run")
-    opts = RunOptions(
-        world=args.world,
-        out=args.out,
-        script=args.script,
-        args=program_args(args),
-        layout=args.layout,
-        devices=args.devices,
-        cuda_on_cpu=args.cuda_on_cpu,
-        parallel=args.parallel,
-        sandbox=args.sandbox,
-        inputs=args.inputs,
-        tensors=args.tensors,
-        rules=args.rules,
-        timeout=args.timeout,
-        force=args.force,
-    )
+    opts = RunOptions(world=args.world, out=args.out, **pipeline_fields(args))
     try:
         s = run_pipeline(opts, UI(display))
     except LaunchInterrupted as e:
         display.stop()
         display.say(f"{e}; run the same command again to go on where it stopped")
         return 128 + e.signum
-    except SandboxOutOfMemory as e:  # a result, as for prism emulate: the job runs out of memory at this scale
+    except RankOutOfMemory as e:  # a result (capture or emulate): the job runs out of memory at this scale
         display.stop()
         display.say(str(e))
         return 1

@@ -47,12 +47,14 @@ class _Flusher:
         try:
             # only with a mode (rec set): see the module docstring
             from prismllm.comm.install import collect
+            from prismllm.comm.recording_work import hold_to_the_end
             from prismllm.trace.ranklog import write_ranklog
 
             saving = sys.modules.get("prismllm.comm.saving")
             if saving is not None:
                 saving.close()
             self.rec.finish()
+            hold_to_the_end(self.rec.groups)
             log = collect(self.rec)
             if self.spool:
                 os.makedirs(self.spool, exist_ok=True)
@@ -118,11 +120,23 @@ def main(argv: list[str] | None = None) -> None:
             from prismllm.comm.install import install
 
             rec = install(child.mode, child)
+            if child.spin:
+                # torch, only when asked: the spins of prism whatif --spin
+                from prismllm.comm.spin import install as install_spin, parse_spins
+
+                install_spin(rec, parse_spins(child.spin))
         if child.cuda_on_cpu:
             # torch, only when asked; after the interception, whose group creation it wraps
             from prismllm import devicemap
 
             devicemap.install()
+        if child.router_module:
+            # torch, only when asked: the MoE mock router (prismllm.routing)
+            from prismllm.routing.contract import routing_of
+            from prismllm.routing.router import install as install_router
+
+            routing = routing_of(child.routing) if child.routing else None
+            install_router(child.router_module, routing, child.routing_observe, child.routing_topk)
     except (PrismError, ValueError) as e:
         _stop(str(e))
     status = reporter()  # the launcher's hang diagnosis: where this rank stands, on request

@@ -139,6 +139,12 @@ def _real_device_map(backend: str) -> dict[str, str]:
 
 def _helper(*args, **kwargs):
     orig = _ORIG["helper"]
+    ranks = args[2] if len(args) > 2 else kwargs.get("global_ranks_in_group")
+    if ranks and c10d.is_initialized() and c10d._get_default_group().rank() not in ranks:
+        # Not a member: torch returns NON_GROUP_MEMBER before it looks at the backend. The fast
+        # path matters at scale: a Megatron rank of an 8192-rank job makes ~78k groups it is
+        # mostly not in, and binding the signature of each cost seconds.
+        return orig(*args, **kwargs)
     bound = _ORIG["helper_sig"].bind(*args, **kwargs)
     a = bound.arguments
     backend = str(a.get("backend"))

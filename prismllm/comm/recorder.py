@@ -168,7 +168,7 @@ class Recorder:
         self.span_start = -1
         self.span_label = ""
         self.label_pending = ""
-        self.comm_points = 0  # issue/wait points since the last boundary
+        self.comm_points = 0  # issue/wait/mark points since the last boundary
         self.explicit_steps = False
         self.optim_depth = 0
         self.coal_depth = 0
@@ -646,10 +646,21 @@ class Recorder:
 
     # ---- user API -----------------------------------------------------------------------
     def mark(self, label: str) -> None:
+        """End the compute span under way here and start one named ``label``; the call that
+        ends it carries the label too (what generator rules match on)."""
         if self.native is not None:
             self.native.mark(str(label))
             return
         self.label_pending = str(label)
+        if not self.started or self.finished:  # the first span takes it when it opens
+            return
+        if self.pending_sync is not None:
+            self._demote_sync()
+        p = self.point()
+        self._close_span(p)
+        self.comm_points += 1  # a point of the program's own: the next boundary opens an iteration
+        self.span_start = p  # not _open_span: the pending label stays for the call that ends it
+        self.span_label = self.label_pending
 
     def boundary(self, explicit: bool) -> None:
         """End of an iteration: an optimizer step finished, or the program called step()."""

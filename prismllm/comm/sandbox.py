@@ -57,7 +57,7 @@ from prismllm.comm.recording import RecordingProcessGroup
 from prismllm.errors import PrismError
 from prismllm.generate.generator import Call
 from prismllm.generate.store import TensorStore
-from prismllm.pruning import small_group
+from prismllm.pruning import PRUNED_PREFIX, small_group
 from prismllm.specs import format_ranks
 from prismllm.trace.schema import split_reduce_op
 
@@ -69,6 +69,8 @@ _STORE: Any = None  # the launcher's TCPStore, as a client
 _CHECK: OutputCheck | None = None
 _BACKENDS: list[PrunedBackend] = []  # every pruned group's backend, closed at exit
 _EXPECT: Any = None  # this rank's calls in the graph (GraphExpectation): a deviation is one error
+# the virtual ranks' inputs are generated: an all_gather's virtual slots get this rank's own input
+_GATHER_LIKE_ME = False
 
 
 def _close_small_groups() -> None:
@@ -91,10 +93,13 @@ def sandbox() -> tuple[int, ...]:
 def prepare(rank: int, child: ChildEnv) -> None:
     """Read the sandbox set; skip store-based barriers (they wait for absent ranks); set up
     the output check when asked."""
-    global _SANDBOX, _CHECK, _EXPECT
+    global _SANDBOX, _CHECK, _EXPECT, _GATHER_LIKE_ME
     if not child.sandbox:
         raise PrismError(f"{variable('mode')}=emulate needs {variable('sandbox')} (the ranks that run for real)")
     _SANDBOX = child.sandbox
+    # as solo capture's generator fills them, so that values deciding shapes (MoE routing counts)
+    # and objects equal on every rank (all_gather_object) agree with the graph
+    _GATHER_LIKE_ME = child.inputs == "generated"
     if rank not in _SANDBOX:
         raise PrismError(f"rank {rank} runs the program but is not in {variable('sandbox')}={format_ranks(_SANDBOX)}")
     if not _ORIG:
@@ -221,8 +226,17 @@ def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
     pruned = C.Pruned(size, real)
     # the graph's name of this group (the assistant makes its side under that name)
     group_name = (_EXPECT.name_of(granks, group_name) if _EXPECT is not None else None) or group_name
-    small = small_group(_store(), group_name, pruned.small(rank), pruned.size, dist_opts.timeout, backend)
-    inner = PrunedBackend(rank, size, granks, devmap, group_name, pruned, small, backend)
+    store, small_rank, timeout = _store(), pruned.small(rank), dist_opts.timeout
+
+    def make_small() -> Any:
+        # Made at the group's first call, not here: a program makes groups it never calls on
+        # (Megatron-core's gloo groups on a GPU run), and the assistant makes its side only for
+        # groups with calls ahead. The backend is said first, so that an assistant running
+        # another one stops with a message instead of waiting for a peer that never comes.
+        store.set(f"{PRUNED_PREFIX}{group_name}/backend", backend)
+        return small_group(store, group_name, small_rank, pruned.size, timeout, backend)
+
+    inner = PrunedBackend(rank, size, granks, devmap, group_name, pruned, make_small, backend)
     _BACKENDS.append(inner)
     pg = RecordingProcessGroup(
         dist_opts.store.underlying_store, rank, size, inner, group_name, granks, ctx["backend"], rec, split=_no_split
@@ -349,10 +363,11 @@ class PrunedBackend(solo.GeneratedBackend):
     pruned = True
 
     def __init__(self, rank: int, size: int, global_ranks: list[int], devmap: dict[str, str],
-                 group_name: str, group: C.Pruned, small: Any, backend: str = "gloo"):  # fmt: skip
+                 group_name: str, group: C.Pruned, make_small: Callable[[], Any], backend: str = "gloo"):  # fmt: skip
         super().__init__(rank, size, global_ranks, devmap, group_name)
         self.group = group
-        self.small = small
+        self._make_small = make_small
+        self._small: Any = None  # the small group, made at the first call (create_pg)
         self.backend = backend
         self._batch: list[PrunedWork] | None = None  # gloo: the open batch's Works
         # nccl: the open batch's calls, issued together by _end_coalescing
@@ -387,12 +402,18 @@ class PrunedBackend(solo.GeneratedBackend):
         if self.backend == "gloo":
             self.owner._rec.exclude(time.perf_counter_ns() - t0)
 
+    def small(self) -> Any:
+        """The small group, made now if this is the group's first call."""
+        if self._small is None:
+            self._small = self._make_small()
+        return self._small
+
     # -- planning --
     def _sandbox_call(self, p: C.Plan, **tensors: Any) -> C.SmallCall:
         """This member's small call; on a GPU its scratch comes from outside the program's
         allocator (``prismllm.comm.scratch.arena``; CPU tensors: PyTorch's), so the sandbox's
         peak memory is the program's."""
-        return C.sandbox_call(p, self._rank, scratch=scratch.arena, **tensors)
+        return C.sandbox_call(p, self._rank, scratch=scratch.arena, gather_like_me=_GATHER_LIKE_ME, **tensors)
 
     def _plan(self, c: Call, tag: int = 0) -> tuple[C.Plan, C.SmallCall]:
         """The plan of one call and this member's small call, from the program's tensors."""
@@ -494,7 +515,8 @@ class PrunedBackend(solo.GeneratedBackend):
             self._nccl_batch.append((smalls, solo._flat(outs), checks))
             return None
         self._leave_out(t0)
-        works = [w for sc in smalls for w in C.issue(self.small, sc)]  # the real backend's part
+        small = self.small()
+        works = [w for sc in smalls for w in C.issue(small, sc)]  # the real backend's part
         t0 = time.perf_counter_ns()
         w = PrunedWork(works, smalls, solo._flat(outs), checks, self._leave_out)
         if self._batch is not None:
@@ -536,7 +558,7 @@ class PrunedBackend(solo.GeneratedBackend):
             smalls = [sc for scs, _, _ in batch for sc in scs]
             outs = [t for _, o, _ in batch for t in o]
             checks = [ck for _, _, cks in batch for ck in cks]
-            return PrunedWork(C.issue_batch(self.small, smalls), smalls, outs, checks)
+            return PrunedWork(C.issue_batch(self.small(), smalls), smalls, outs, checks)
         batch, self._batch = self._batch or [], None
         # waits on each op's own PrunedWork, so every post step still runs exactly once
         return PrunedWork(batch, [], [t for b in batch for t in b._outputs])
@@ -548,7 +570,7 @@ class PrunedBackend(solo.GeneratedBackend):
         """Shut the small group down and drop it now (at exit, see :func:`_close_small_groups`),
         not during interpreter teardown, where destroying its threads aborted the process
         ("terminate called without an active exception", ~1 run in 20)."""
-        small, self.small = self.small, None
+        small, self._small = self._small, None
         if small is not None:
             try:
                 small.shutdown()

@@ -44,9 +44,12 @@ class SharedObjects:
         self.batch = set(batch or ())
         self.wait_s = wait_s
 
-    def _path(self, call: Call, rank: int) -> str:
+    def _prefix(self, call: Call) -> str:
         group = hashlib.sha1(",".join(map(str, call.group_ranks)).encode()).hexdigest()[:16]
-        return os.path.join(self.dir, f"{call.op}-{group}-{call.index}-r{rank}.obj")
+        return f"{call.op}-{group}-{call.index}-r"
+
+    def _path(self, call: Call, rank: int) -> str:
+        return os.path.join(self.dir, f"{self._prefix(call)}{rank}.obj")
 
     def publish(self, call: Call, obj: Any) -> None:
         if self.dir is None:
@@ -59,15 +62,33 @@ class SharedObjects:
             f.write(payload.numpy().tobytes())
         os.replace(tmp, path)  # a reader never sees half a payload
 
-    def get(self, call: Call, rank: int) -> Any:
-        """``rank``'s contribution to ``call``, or DEFAULT."""
-        if self.dir is None or rank == call.rank:
-            return DEFAULT
-        path = self._path(call, rank)
-        if rank in self.batch:
-            end = time.monotonic() + self.wait_s
-            while not os.path.exists(path) and time.monotonic() < end:
-                time.sleep(0.05)
+    def _wait_for_batch(self, call: Call, ranks: list[int]) -> None:
+        """Peers running in this batch publish soon: wait for them (at most ``wait_s``)."""
+        end = time.monotonic() + self.wait_s
+        for r in ranks:
+            if r in self.batch and r != call.rank:
+                path = self._path(call, r)
+                while not os.path.exists(path) and time.monotonic() < end:
+                    time.sleep(0.05)
+
+    def _published(self, call: Call) -> dict[int, str]:
+        """rank -> payload file of the peers that published ``call``: one directory scan, not
+        one lookup per member (a world-sized group at 8192 ranks cost ~10 s of lookups)."""
+        prefix, out = self._prefix(call), {}
+        try:
+            entries = os.scandir(self.dir)
+        except OSError:
+            return out
+        with entries:
+            for e in entries:
+                if e.name.startswith(prefix) and e.name.endswith(".obj"):
+                    rank = e.name[len(prefix) : -len(".obj")]
+                    if rank.isdigit():
+                        out[int(rank)] = e.path
+        return out
+
+    @staticmethod
+    def _read(path: str) -> Any:
         try:
             with open(path, "rb") as f:
                 data = f.read()
@@ -76,11 +97,22 @@ class SharedObjects:
         payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         return c10d._tensor_to_object(payload, payload.numel(), None)
 
+    def get(self, call: Call, rank: int) -> Any:
+        """``rank``'s contribution to ``call``, or DEFAULT."""
+        if self.dir is None or rank == call.rank:
+            return DEFAULT
+        self._wait_for_batch(call, [rank])
+        return self._read(self._path(call, rank))
+
     def slots(self, call: Call, own: Any) -> list[Any]:
         """One object per group member: each member's published one, else this rank's own."""
+        if self.dir is None:
+            return [own] * len(call.group_ranks)
+        self._wait_for_batch(call, list(call.group_ranks))
+        published = self._published(call)
         out = []
         for r in call.group_ranks:
-            v = self.get(call, r)
+            v = self._read(published[r]) if r in published and r != call.rank else DEFAULT
             out.append(own if v is DEFAULT else v)
         return out
 

@@ -14,7 +14,7 @@ from prismllm.launch.environment import (
     gpu_ids,
 )
 from prismllm.launch.launcher import launch
-from prismllm.launch.messages import describe_returncode, error_line
+from prismllm.launch.messages import describe_returncode, error_line, says_out_of_memory
 from prismllm.launch.spec import (
     DEFAULT_RUNNER,
     LAUNCHER_ID,
@@ -27,6 +27,7 @@ from prismllm.launch.spec import (
     LaunchSpec,
     LineSink,
     RankFailure,
+    RankOutOfMemory,
     status_after_default,
 )
 
@@ -42,12 +43,14 @@ __all__ = [
     "LineSink",
     "NVLS_OFF_ENV",
     "RankFailure",
+    "RankOutOfMemory",
     "STATUS_PREFIX",
     "TORCHRUN_ENV_VARS",
     "build_env",
     "describe_returncode",
     "device_env",
     "error_line",
+    "says_out_of_memory",
     "gpu_ids",
     "launch",
     "status_after_default",

@@ -39,6 +39,18 @@ _LOST_PEER = re.compile(
 )
 
 
+# What an allocation failure says: torch (CUDA, CPU allocator), Python, numpy, NCCL/cuBLAS.
+_OUT_OF_MEMORY = re.compile(
+    r"MemoryError|out of memory|can(?:'|no)t allocate memory|not enough memory|_ALLOC_FAILED",
+    re.IGNORECASE,
+)
+
+
+def says_out_of_memory(lines: Sequence[str]) -> bool:
+    """Whether the error a process reported last (:func:`error_line`) is an allocation failure."""
+    return any(_OUT_OF_MEMORY.search(ln) for ln in error_line(lines)[1])
+
+
 def error_line(lines: Sequence[str]) -> tuple[str, list[str]]:
     """The error a process reported last, from the tail of its output: the last traceback or
     prism error line (what follows it may be the exception's further lines, or noise printed

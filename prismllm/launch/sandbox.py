@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import statistics
 import sys
 import threading
@@ -41,7 +40,7 @@ from prismllm.childenv import ChildEnv
 from prismllm.errors import PrismError
 from prismllm.launch.environment import gpu_ids
 from prismllm.launch.launcher import launch
-from prismllm.launch.messages import describe_returncode, error_line
+from prismllm.launch.messages import describe_returncode, error_line, says_out_of_memory
 from prismllm.launch.spec import (
     LOGS_DIR,
     ExtraProcess,
@@ -49,8 +48,11 @@ from prismllm.launch.spec import (
     LaunchResult,
     LaunchSpec,
     LineSink,
+    RankOutOfMemory,
 )
+from prismllm.routing.contract import child_fields
 from prismllm.specs import DeviceSpec, cuda_on_cpu_devices, format_ranks, parse_devices
+from prismllm.trace.graph import read_manifest
 from prismllm.trace.ranklog import ranklog_path, read_ranklog
 from prismllm.trace.schema import TENSORS_DIR
 
@@ -63,21 +65,10 @@ ASSISTANT_MODULE = "prismllm.assistant"
 # close, may exit first; with its own exit status kept, the launcher names the cause.
 SETTLE_S = 2.0
 
-# what an allocation failure says: torch (CUDA, CPU allocator), Python, numpy, NCCL/cuBLAS
-_OUT_OF_MEMORY = re.compile(
-    r"MemoryError|out of memory|can(?:'|no)t allocate memory|not enough memory|"
-    r"_ALLOC_FAILED",
-    re.IGNORECASE,
-)
 
-
-class SandboxOutOfMemory(LaunchError):
+class SandboxOutOfMemory(RankOutOfMemory):
     """A sandbox rank ran out of memory: the emulation reproduced an OOM of the program at this
     scale. A result (what the run found), not a failure of prism; ``rank`` is the sandbox rank."""
-
-    def __init__(self, message: str, result: LaunchResult, rank: int):
-        super().__init__(message, result)
-        self.rank = rank
 
 
 @dataclasses.dataclass
@@ -107,6 +98,7 @@ class SandboxSpec:
     role: str = "all"
     handle_signals: bool = True  # the launcher's signal handlers (main thread only)
     cancel: threading.Event | None = None  # set by another thread to end the run (LaunchInterrupted)
+    spin: dict[str, float] | None = None  # {label: ms}: the sandbox ranks spin in spans so labelled (comm.spin)
 
 
 @dataclasses.dataclass
@@ -142,9 +134,12 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
         sandbox=spec.sandbox,
         graph=graph,
         cuda_on_cpu=spec.cuda_on_cpu or None,
+        **child_fields(read_manifest(spec.graph).get("routing")),  # the graph's routing, forced again
+        inputs="recorded" if tensors else "generated",
         spool=str(ranklogs.resolve()),
         check_tensors=tensors if spec.check else None,
         check_out=str(out.resolve()) if spec.check else None,
+        spin=json.dumps(spec.spin) if spec.spin else None,
     ).to_env()
     env: dict[str, str | None] = {
         **rank_env,
@@ -380,7 +375,7 @@ def classify_failure(result: LaunchResult, spec: SandboxSpec) -> LaunchError:
             msg = f"{who} {how}: {reported}" if reported else f"{who} {how}"
         return LaunchError(msg + logs, result)
     who = f"sandbox rank {f.rank}"
-    if rc > 0 and any(_OUT_OF_MEMORY.search(ln) for ln in lines):
+    if rc > 0 and says_out_of_memory(lines):
         return SandboxOutOfMemory(
             f"{who} ran out of memory, reproduced by the emulation (a result, not a failure of prism): {error}{logs}",
             result,

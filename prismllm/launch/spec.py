@@ -44,6 +44,15 @@ class LaunchError(PrismError):
         self.result = result
 
 
+class RankOutOfMemory(LaunchError):
+    """A rank of the program ran out of memory: what the program needs at this scale, found by
+    the run (a result, not a failure of prism); ``rank`` is the rank that ran out."""
+
+    def __init__(self, message: str, result: LaunchResult | None, rank: int):
+        super().__init__(message, result)
+        self.rank = rank
+
+
 class LaunchInterrupted(PrismError):
     """The launcher received SIGTERM or SIGHUP; every rank has been ended."""
 

@@ -30,7 +30,7 @@ from prismllm.calibrate import calibrate
 from prismllm.capture.solo import CaptureOptions, CapturePlan, capture
 from prismllm.emulate import EmulateOptions, emulate
 from prismllm.errors import PrismError
-from prismllm.fsutil import read_json
+from prismllm.fsutil import read_json, write_file_atomically
 from prismllm.launch import LineSink
 from prismllm.layout import Layout
 from prismllm.report import write_report
@@ -52,6 +52,8 @@ class RunOptions:
     layout: str | None = None
     devices: str = "auto"
     cuda_on_cpu: bool = False  # capture maps the program's CUDA calls to the CPU; later stages follow its graph
+    router_module: str | None = None  # the MoE router whose logits ``routing`` forces; later stages follow the graph
+    routing: str | None = None  # a routing file (prismllm.routing)
     parallel: int | None = None  # capture: ranks at a time; time: slices at a time
     sandbox: str | None = None  # emulate with these ranks real; None: stop after calibrate
     inputs: str = "auto"
@@ -60,7 +62,10 @@ class RunOptions:
     timeout: float | None = None
     force: bool = False
     stop_after: str | None = None  # "capture": peak memory only (no time, calibrate, emulate or report)
-    reuse_capture: Path | None = None  # a run directory whose bare graph is this run's (same capture job)
+    # a run directory whose stages up to ``reuse_through`` ("capture" or "calibrate") are this
+    # run's: the same capture_job (and for "calibrate" the same time_job)
+    reuse_from: Path | None = None
+    reuse_through: str = "capture"
 
     def capture_job(self) -> dict[str, Any]:
         """What decides the bare graph: two runs with the same capture job share their capture."""
@@ -70,9 +75,15 @@ class RunOptions:
             "layout": self.layout,
             "devices": self.devices,
             "cuda_on_cpu": self.cuda_on_cpu,
+            "router_module": self.router_module,
+            "routing": str(Path(self.routing).resolve()) if self.routing else None,
             "tensors": self.tensors,
             "rules": self.rules,
         }
+
+    def time_job(self) -> dict[str, Any]:
+        """What decides the timed graph and the calibration, beyond the capture."""
+        return {**self.capture_job(), "inputs": self.inputs, "parallel": self.parallel}
 
 
 class RunUI:
@@ -90,10 +101,8 @@ class RunUI:
 def _job(opts: RunOptions) -> dict[str, Any]:
     """What makes two invocations the same run (a resume) or not."""
     return {
-        **opts.capture_job(),
-        "parallel": opts.parallel,
+        **opts.time_job(),
         "sandbox": opts.sandbox,
-        "inputs": opts.inputs,
         "stop_after": opts.stop_after,
         "prismllm": __version__,
     }
@@ -132,9 +141,7 @@ def _prepare(opts: RunOptions, out: Path) -> dict[str, Any]:
 
 
 def _write_state(out: Path, state: dict[str, Any]) -> None:
-    tmp = out / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(state, indent=1) + "\n")
-    os.replace(tmp, out / RUN_FILE)
+    write_file_atomically(out / RUN_FILE, json.dumps(state, indent=1) + "\n")
 
 
 def _log_sink(path: Path) -> tuple[LineSink, Callable[[], None]]:
@@ -167,12 +174,8 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
 
     # ---- capture
     bare = out / BARE_DIR
-    shared = Path(opts.reuse_capture) / BARE_DIR if opts.reuse_capture is not None else None
-    if not (bare / MANIFEST_FILE).is_file() and shared is not None and (shared / MANIFEST_FILE).is_file():
-        t0 = time.monotonic()
-        shutil.rmtree(bare, ignore_errors=True)  # a capture of its own that stopped half-way
-        shutil.copytree(shared, bare, copy_function=os.link)  # hard links: no second copy on disk
-        done_stage("capture", t0, f"the same capture as {opts.reuse_capture}")
+    if opts.reuse_from is not None:
+        _adopt(Path(opts.reuse_from), out, opts.reuse_through, done_stage)
     if not (bare / MANIFEST_FILE).is_file():
         t0 = time.monotonic()
         sink, close = _log_sink(out / LOGS_DIR / "capture.log")
@@ -192,6 +195,8 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
                     args=list(opts.args),
                     devices=opts.devices,
                     cuda_on_cpu=opts.cuda_on_cpu,
+                    router_module=opts.router_module,
+                    routing=opts.routing,
                     parallel=opts.parallel,
                     layout=opts.layout,
                     rules=opts.rules,
@@ -292,6 +297,28 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
     state["summary"] = result
     _write_state(out, state)
     return result
+
+
+def _adopt(src: Path, out: Path, through: str, done_stage: Callable[[str, float, str], None]) -> None:
+    """Take the stages up to ``through`` from the run in ``src`` (hard links: no second copy on
+    disk), where this run has not done them itself."""
+    stages = {
+        "capture": ((BARE_DIR, BARE_DIR),),
+        "calibrate": ((BARE_DIR, BARE_DIR), (TIME_DIR, "graph"), (CAL_DIR, "graph")),
+    }
+    if through not in stages:
+        raise PrismError(f"reuse_through {through!r}: expected capture or calibrate")
+    names = {BARE_DIR: "capture", TIME_DIR: "time", CAL_DIR: "calibrate"}
+    for d, graph in stages[through]:
+        mine, theirs = out / d, src / d
+        complete = (theirs / MANIFEST_FILE if d == BARE_DIR else theirs / graph / MANIFEST_FILE).is_file()
+        done = (mine / MANIFEST_FILE if d == BARE_DIR else mine / graph / MANIFEST_FILE).is_file()
+        if done or not complete:
+            return
+        t0 = time.monotonic()
+        shutil.rmtree(mine, ignore_errors=True)  # a stage of its own that stopped half-way
+        shutil.copytree(theirs, mine, copy_function=os.link)
+        done_stage(names[d], t0, f"the same as {src}")
 
 
 def _devices_of(time_dir: Path) -> str:

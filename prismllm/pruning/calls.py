@@ -85,6 +85,7 @@ def sandbox_call(
     output: Any = None,
     tensors: Mapping[int, torch.Tensor] | None = None,
     scratch: Callable[[torch.device], Any] | None = None,
+    gather_like_me: bool = False,
 ) -> SmallCall:
     """The small-communicator call of real member ``g`` (logical group rank) for the
     program's tensors, as the program passed them:
@@ -101,6 +102,9 @@ def sandbox_call(
 
     ``scratch``: on a GPU, the arena of a device where the call's own buffers come from (see
     :class:`_Buffers`; default: PyTorch's allocator); ``SmallCall.finish`` gives them back.
+    ``gather_like_me``: an all_gather's virtual slots get this member's own input, as solo
+    capture's tensor generator fills them (the virtual ranks' inputs are generated, not
+    recorded: values that decide shapes, such as MoE routing counts, then agree with the graph).
     """
     G = p.group
     if not G.is_real(g):
@@ -116,7 +120,7 @@ def sandbox_call(
         if op == "reduce_scatter":
             return bufs.bind(_sb_reduce_scatter(p, i, output, input, bufs))
         if op == "all_gather":
-            return bufs.bind(_sb_all_gather(p, i, output, input, bufs))
+            return bufs.bind(_sb_all_gather(p, i, output, input, bufs, gather_like_me))
         if op == "reduce":
             return bufs.bind(_sb_reduce(p, g, i, tensor, bufs))
         return bufs.bind(_sb_all_to_all(p, g, i, output, input, bufs))
@@ -263,7 +267,7 @@ def _sb_reduce_scatter(p: Plan, i: int, output: Any, input: Any, bufs: _Buffers)
     return SmallCall("reduce_scatter", i, reduce_op=p.small_reduce_op, input=buf.view(-1), output=obuf, post=post)
 
 
-def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buffers) -> SmallCall:
+def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buffers, like_me: bool) -> SmallCall:
     G, c, slot = p.group, p.numel, p.slot
     if input.numel() != c:
         raise CompensationError(f"all_gather: input of {input.numel()} elements, plan says {c}")
@@ -285,7 +289,7 @@ def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buf
             src[r] = obuf[j * slot : j * slot + c]
         base = G.k * slot
         for x, v in enumerate(G.virtual):
-            src[v] = obuf[base + x * c : base + (x + 1) * c]
+            src[v] = obuf[i * slot : i * slot + c] if like_me else obuf[base + x * c : base + (x + 1) * c]
         if outs is not None:
             for r in range(G.n):
                 dst[r].copy_(src[r])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 from prismllm.replay.durations import (
     CalibrationError,
@@ -46,10 +47,12 @@ def solve(
     rule: str = "auto",
     names: tuple[str, str] = ("GRAPH", "OTHER"),
     validate_graph: bool = True,
+    adjust: Callable[[ReplayGraph, Durations], None] | None = None,
 ) -> Solution:
     """Solve ``trace`` with its own measured durations, or with those of ``durations`` (a graph
     of the same structure). ``rule``: see :func:`instance_transfer`; ``auto`` picks it from the
-    graph the durations come from (:func:`resolve_rule`)."""
+    graph the durations come from (:func:`resolve_rule`). ``adjust(graph, durations)`` may change
+    the durations in place before the replay (``prism whatif``)."""
     source = durations if durations is not None else trace
     rule = resolve_rule(rule, source)
     t = {}
@@ -72,6 +75,8 @@ def solve(
         m = measured(durations, rows)
         check_has_durations(durations, m, graph.is_comm, names[1])
     d = durations_for(graph, m, rule, slice_of_rank(source))
+    if adjust is not None:
+        adjust(graph, d)
     t["durations"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     rep = Replay(graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)

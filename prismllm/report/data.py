@@ -70,7 +70,7 @@ def collect(run_dir: str | Path, reference: str | Path | None = None, ranks: lis
         "world_size": world,
         "layout": layout.to_dict() if layout is not None else None,
         "device": _device(bare),
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "prismllm": __version__,
         "stages": run.get("stages", []),
         "prediction": {

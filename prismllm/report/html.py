@@ -23,7 +23,8 @@ MAX_TABLE_RANKS = 64  # above this, per-rank tables show the worst ranks and a s
 
 
 # ---------------------------------------------------------------------- formatting
-def _e(x: Any) -> str:
+def escape(x: Any) -> str:
+    """Any value as HTML text (quotes too: safe in an attribute)."""
     return html.escape(str(x), quote=True)
 
 
@@ -71,7 +72,7 @@ def _date(iso: str | None) -> str:
     except ValueError:
         return str(iso)
     if d.tzinfo is not None:
-        d = d.astimezone(datetime.timezone.utc)
+        d = d.astimezone(datetime.UTC)
         return d.strftime("%Y-%m-%d %H:%M UTC")
     return d.strftime("%Y-%m-%d %H:%M")
 
@@ -128,7 +129,7 @@ def json_for_script(data: Any) -> str:
     return s
 
 
-def _asset(name: str) -> str:
+def asset(name: str) -> str:
     text = (ASSETS / name).read_text(encoding="utf-8")
     if "</script" in text.lower() or "</style" in text.lower():  # our own files: a bug if so
         raise ValueError(f"report asset {name} contains a closing tag")
@@ -138,8 +139,8 @@ def _asset(name: str) -> str:
 # ---------------------------------------------------------------------- sections
 def _card(label: str, value: str, note: str, cls: str = "") -> str:
     return (
-        f'<div class="card {cls}"><div class="card-label">{_e(label)}</div>'
-        f'<div class="card-value">{_e(value)}</div><div class="card-note">{_e(note)}</div></div>'
+        f'<div class="card {cls}"><div class="card-label">{escape(label)}</div>'
+        f'<div class="card-value">{escape(value)}</div><div class="card-note">{escape(note)}</div></div>'
     )
 
 
@@ -164,9 +165,11 @@ def _header(d: dict[str, Any]) -> str:
         ("prismllm", d.get("prismllm") or "–"),
     ]
     out = [
-        f'<header id="top"><h1>{_e(d.get("title") or "prism report")}</h1>',
-        f'<p class="command"><span class="k">command</span> <code>{_e(cmd)}</code></p>',
-        '<dl class="facts">' + "".join(f"<div><dt>{_e(k)}</dt><dd>{_e(v)}</dd></div>" for k, v in facts) + "</dl>",
+        f'<header id="top"><h1>{escape(d.get("title") or "prism report")}</h1>',
+        f'<p class="command"><span class="k">command</span> <code>{escape(cmd)}</code></p>',
+        '<dl class="facts">'
+        + "".join(f"<div><dt>{escape(k)}</dt><dd>{escape(v)}</dd></div>" for k, v in facts)
+        + "</dl>",
         '<div class="cards">',
     ]
     ipred = pred.get("iteration_ns")
@@ -255,9 +258,9 @@ def _header(d: dict[str, Any]) -> str:
         longest = max((s.get("wall_s") or 0 for s in stages), default=0) or 1
         total = sum(s.get("wall_s") or 0 for s in stages)
         rows = "".join(
-            f'<tr><td>{_e(s.get("name"))}</td><td class="num">{_e(_secs(s.get("wall_s")))}</td>'
+            f'<tr><td>{escape(s.get("name"))}</td><td class="num">{escape(_secs(s.get("wall_s")))}</td>'
             f'<td class="barcell"><span class="minibar" style="width:{100 * (s.get("wall_s") or 0) / longest:.1f}%">'
-            f'</span></td><td class="what">{_e(s.get("what") or "")}</td></tr>'
+            f'</span></td><td class="what">{escape(s.get("what") or "")}</td></tr>'
             for s in stages
         )
         out.append(
@@ -265,7 +268,7 @@ def _header(d: dict[str, Any]) -> str:
             "did to make this report, and how long each step took (wall-clock time on this machine).</p>"
             '<table class="tbl"><thead><tr><th>stage</th><th class="num">wall time</th><th></th>'
             f"<th>what it did</th></tr></thead><tbody>{rows}</tbody><tfoot><tr><td>total</td>"
-            f'<td class="num">{_e(_secs(total))}</td><td></td><td></td></tr></tfoot></table></div>'
+            f'<td class="num">{escape(_secs(total))}</td><td></td><td></td></tr></tfoot></table></div>'
         )
     out.append("</header>")
     return "\n".join(out)
@@ -281,7 +284,7 @@ def _secs(s: float | None) -> str:
 
 def _section(sid: str, num: int, title: str, caption: str, body: str) -> str:
     return (
-        f'<section id="{sid}"><h2><span class="num">{num}</span> {_e(title)}</h2>'
+        f'<section id="{sid}"><h2><span class="num">{num}</span> {escape(title)}</h2>'
         f'<p class="caption">{caption}</p>{body}</section>'
     )
 
@@ -297,7 +300,7 @@ def _where(d: dict[str, Any]) -> str:
         "(<i>issue</i>). "
     )
     cap += (
-        f"All figures are for iteration {_e(it)} (the median of the steady ones), from the calibrated "
+        f"All figures are for iteration {escape(it)} (the median of the steady ones), from the calibrated "
         "prediction: every operation's time measured on the capture device, then all ranks put together."
         if it is not None
         else ""
@@ -305,8 +308,8 @@ def _where(d: dict[str, Any]) -> str:
     body = []
     if cp:
         body.append(
-            f"<h3>Critical path: {_e(fmt_ns(cp.get('total_ns')))}"
-            + (f", ending on rank {_e(cp['end_rank'])}" if cp.get("end_rank") is not None else "")
+            f"<h3>Critical path: {escape(fmt_ns(cp.get('total_ns')))}"
+            + (f", ending on rank {escape(cp['end_rank'])}" if cp.get("end_rank") is not None else "")
             + (f", through {len(cp['ranks_visited']):,} rank(s)" if cp.get("ranks_visited") else "")
             + '</h3><div class="chart" id="cp-chart"></div>'
         )
@@ -344,16 +347,20 @@ def _memory(d: dict[str, Any]) -> str:
             + (
                 "the capture ran on the CPU, which has no device memory. Capture on GPUs to see it here."
                 if cpu
-                else _e(mem.get("source") or "the capture recorded none.")
+                else escape(mem.get("source") or "the capture recorded none.")
             )
             + "</p>",
         )
     grid = mem.get("grid")
-    cap = "The most device memory each rank held at once (" + _e(mem.get("source") or "measured in the capture") + "). "
+    cap = (
+        "The most device memory each rank held at once ("
+        + escape(mem.get("source") or "measured in the capture")
+        + "). "
+    )
     if grid:
         cap += (
             "Rows are pipeline stages, columns tensor-parallel ranks; each cell is the "
-            + _e(grid.get("folded") or "max over the other dimensions")
+            + escape(grid.get("folded") or "max over the other dimensions")
             + ". Hover a cell for the exact bytes; the outlined cell holds the largest."
         )
     else:
@@ -374,7 +381,7 @@ def _timeline(d: dict[str, Any]) -> str:
     n = len(tl["ranks"])
     spans = sum(len(r.get("spans") or []) for r in tl["ranks"])
     cap = (
-        f"Iteration {_e(tl.get('iteration'))} as predicted, for {n} rank(s) ({spans:,} operations). Each rank has "
+        f"Iteration {escape(tl.get('iteration'))} as predicted, for {n} rank(s) ({spans:,} operations). Each rank has "
         "two lanes: the upper one is its program (compute, and the blocking calls it sits in), the lower one the "
         "communication it runs in the background. <i>Waiting</i> is time spent at a call until the group's last "
         "member arrives. The black tick under a span marks the critical path. Scroll to zoom, drag to pan, hover "
@@ -420,10 +427,10 @@ def _emulation_section(d: dict[str, Any]) -> str:
         }
         body.append(
             f'<h3>Ranks run for real</h3><p class="caption">Sandbox rank(s) '
-            f"{_e(', '.join(str(r) for r in emu.get('sandbox') or []))} ran the real program on "
-            f"{_e(emu.get('devices') or '?')}"
+            f"{escape(', '.join(str(r) for r in emu.get('sandbox') or []))} ran the real program on "
+            f"{escape(emu.get('devices') or '?')}"
             + (" (one shared GPU)" if emu.get("shared_gpu") else "")
-            + f"; timing <i>{_e(timing)}</i>: {_e(how.get(timing, 'as configured'))}."
+            + f"; timing <i>{escape(timing)}</i>: {escape(how.get(timing, 'as configured'))}."
             + ("" if emu.get("ok") is not False else " <b>The emulation did not finish cleanly.</b>")
             + "</p>"
         )
@@ -433,10 +440,10 @@ def _emulation_section(d: dict[str, Any]) -> str:
             med = m.get("median_steady_iteration_ns")
             its = ", ".join(fmt_ns(x) for x in (m.get("iteration_ns") or []))
             rows.append(
-                f"<tr><td>{_e(r)}</td><td>{_e(coords_text(layout, world, int(r)))}</td>"
-                f'<td class="num">{_e(fmt_ns(med))}</td><td class="num">{_e(_pct(_rel(med, pred), True))}</td>'
-                f'<td class="num">{_e(fmt_bytes(m.get("peak_memory_bytes")))}</td>'
-                f'<td class="small">{_e(its)}</td></tr>'
+                f"<tr><td>{escape(r)}</td><td>{escape(coords_text(layout, world, int(r)))}</td>"
+                f'<td class="num">{escape(fmt_ns(med))}</td><td class="num">{escape(_pct(_rel(med, pred), True))}</td>'
+                f'<td class="num">{escape(fmt_bytes(m.get("peak_memory_bytes")))}</td>'
+                f'<td class="small">{escape(its)}</td></tr>'
             )
         if rows:
             body.append(
@@ -447,7 +454,7 @@ def _emulation_section(d: dict[str, Any]) -> str:
         if emu.get("virtual_ranks_iteration_ns") is not None:
             body.append(
                 f'<p class="note">The emulated ranks\' own replay: median steady iteration '
-                f"{_e(fmt_ns(emu['virtual_ranks_iteration_ns']))}.</p>"
+                f"{escape(fmt_ns(emu['virtual_ranks_iteration_ns']))}.</p>"
             )
     if not body:
         body.append('<p class="note">No emulation in this run.</p>')
@@ -484,7 +491,7 @@ def _reference_section(d: dict[str, Any]) -> str:
 
     def err_cell(e: float | None) -> str:
         cls = "" if e is None else ("bad" if abs(e) > 0.1 else "warn" if abs(e) > 0.05 else "good")
-        return f'<td class="num {cls}">{_e(_pct(e, True))}</td>'
+        return f'<td class="num {cls}">{escape(_pct(e, True))}</td>'
 
     shown = rows
     note = ""
@@ -500,11 +507,11 @@ def _reference_section(d: dict[str, Any]) -> str:
             + "</p>"
         )
     trs = "".join(
-        f"<tr><td>{_e(r)}</td><td>{_e(coords_text(layout, world, int(r)))}</td>"
-        f'<td class="num">{_e(fmt_ns(x.get("predicted_ns")))}</td>'
-        f'<td class="num">{_e(fmt_ns(x.get("real_ns")))}</td>'
-        f'{err_cell(et)}<td class="num">{_e(fmt_bytes(x.get("predicted_bytes")))}</td>'
-        f'<td class="num">{_e(fmt_bytes(x.get("real_bytes")))}</td>{err_cell(em)}</tr>'
+        f"<tr><td>{escape(r)}</td><td>{escape(coords_text(layout, world, int(r)))}</td>"
+        f'<td class="num">{escape(fmt_ns(x.get("predicted_ns")))}</td>'
+        f'<td class="num">{escape(fmt_ns(x.get("real_ns")))}</td>'
+        f'{err_cell(et)}<td class="num">{escape(fmt_bytes(x.get("predicted_bytes")))}</td>'
+        f'<td class="num">{escape(fmt_bytes(x.get("real_bytes")))}</td>{err_cell(em)}</tr>'
         for r, x, et, em in shown
     )
     body.append(
@@ -515,7 +522,7 @@ def _reference_section(d: dict[str, Any]) -> str:
     )
     cap = (
         "The prediction beside a real run of the same job ("
-        + _e(ref.get("source") or "a recorded run")
+        + escape(ref.get("source") or "a recorded run")
         + "): per rank, the iteration time (predicted: the rank's span in the median iteration; real: the median "
         "of its iterations after the first) and the peak memory. Errors are (predicted − real) / real; "
         "within ±5 % is green, beyond ±10 % red."
@@ -526,7 +533,7 @@ def _reference_section(d: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------- the page
 def render_html(data: dict[str, Any]) -> str:
     """The whole report page for ``data`` (``data.collect``'s dict) as one string."""
-    css, js = _asset("report.css"), _asset("report.js")
+    css, js = asset("report.css"), asset("report.js")
     parts = [
         _header(data),
         _where(data),
@@ -541,10 +548,10 @@ def render_html(data: dict[str, Any]) -> str:
         # no request may leave the page: scripts and styles inline only, images as data: only
         '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
         "script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:\">"
-        f"<title>{_e(data.get('title') or 'prism report')}</title>\n<style>\n{css}\n</style></head>\n"
+        f"<title>{escape(data.get('title') or 'prism report')}</title>\n<style>\n{css}\n</style></head>\n"
         f"<body><main>\n{''.join(parts)}\n"
-        f"<footer>Written by prismllm {_e(data.get('prismllm') or '')} · prism report · "
-        f"{_e(_date(data.get('created')))}</footer></main>\n"
+        f"<footer>Written by prismllm {escape(data.get('prismllm') or '')} · prism report · "
+        f"{escape(_date(data.get('created')))}</footer></main>\n"
         '<div id="tip" role="tooltip" hidden></div>\n'
         f'<script type="application/json" id="report-data">{json_for_script(data)}</script>\n'
         f"<script>\n{js}\n</script>\n</body></html>\n"

@@ -77,6 +77,7 @@ class TimeOptions:
     force: bool = False
     # CPU: compute spans from a second pass with every rank at once (docs/commands/time.md, "Compute under load")
     compute_under_load: bool = False
+    spin: dict[str, float] | None = None  # {label: ms}: the timed ranks spin in spans so labelled (prism whatif --spin)
 
 
 @dataclasses.dataclass
@@ -260,6 +261,7 @@ def _run_slice(
                 sink=sink,
                 handle_signals=handle_signals,
                 cancel=cancel,
+                spin=opts.spin,
             )
         )
     finally:
@@ -366,6 +368,8 @@ def time_slices(
         "inputs": "recorded" if tensors is not None else "generated",
         "slices": slices,
     }
+    if opts.spin:  # a what-if's timing (prism whatif --spin) is another job
+        state["spin"] = opts.spin
     sf = out / STATE_FILE
     if sf.is_file():
         old = json.loads(sf.read_text())

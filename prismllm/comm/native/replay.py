@@ -246,7 +246,8 @@ def replay(live: Recorder, log: dict[str, Any]) -> ReplayRecorder:
             rec._feed((p0,))
             Recorder.boundary(rec, explicit=bool(flag))
         elif et == E_MARK:
-            rec.label_pending = str(labels[a])
+            rec._feed((p0,))
+            Recorder.mark(rec, str(labels[a]))
         elif et == E_START:
             rec._feed((p0,))
             rec.start()

@@ -1,0 +1,104 @@
+"""`prism run` at scale: the wall time of one command from program to report, and how fast the
+report it writes opens in Chromium.
+
+    .venv/bin/python benchmarks/run_at_scale.py [--world 1024] [--devices cpu] [--work DIR] [--tag NAME]
+
+Runs `prism run --world N --layout tp=2,pp=2 --sandbox N-1` on examples/gpt3d.py (tiny model),
+then opens OUT/report.html in headless Chromium (Debian's /usr/bin/chromium through playwright)
+twice and times each open until the first frame painted after the load event; saves a
+screenshot beside the results. Writes benchmarks/results/run_at_scale_<tag>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT3D = str(ROOT / "examples" / "gpt3d.py")
+RESULTS = ROOT / "benchmarks" / "results"
+PRISM = str(Path(sys.executable).with_name("prism"))
+CHROMIUM = "/usr/bin/chromium"
+
+
+def open_times(report: Path, screenshot: Path) -> list[float]:
+    from playwright.sync_api import sync_playwright
+
+    times = []
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            for _ in range(2):  # the first open also warms the browser's caches
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                errors: list[str] = []
+                page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+                t0 = time.perf_counter()
+                page.goto(report.as_uri(), wait_until="load")
+                page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+                times.append(round(time.perf_counter() - t0, 3))
+                if errors:
+                    raise SystemExit(f"{report}: script errors: {errors}")
+                page.screenshot(path=str(screenshot), full_page=True)
+                page.close()
+        finally:
+            browser.close()
+    return times
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--world", type=int, default=1024)
+    ap.add_argument("--devices", default="cpu")
+    ap.add_argument("--work", default="out/run_at_scale")
+    ap.add_argument("--tag", default=None)
+    a = ap.parse_args()
+    tag = a.tag or f"{a.devices.split(':')[0]}_{a.world}"
+    out = Path(a.work) / tag
+    prog = [GPT3D, "--tp", "2", "--pp", "2", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16",
+            "--vocab", "128", "--micro-batch", "1", "--global-batch", str(a.world), "--iters", "3"]  # fmt: skip
+    cmd = [PRISM, "run", "--world", str(a.world), "--layout", "tp=2,pp=2", "--sandbox", str(a.world - 1),
+           "--devices", a.devices, "--out", str(out), "--force", "--", *prog]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    t0 = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    wall = time.monotonic() - t0
+    if p.returncode != 0:
+        raise SystemExit(f"prism run failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+    state = json.loads((out / "run.json").read_text())
+    report = out / "report.html"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    shot = RESULTS / f"run_at_scale_{tag}.png"
+    times = open_times(report, shot)
+    result = {
+        "benchmark": "run_at_scale",
+        "machine": platform.node(),
+        "command": ["prism", *cmd[1:]],
+        "wall_s": round(wall, 1),
+        "stages_s": {st["name"]: st["wall_s"] for st in state.get("stages", [])},
+        "summary_lines": len(p.stdout.splitlines()),
+        "report_bytes": report.stat().st_size,
+        "report_open_s": times,
+    }
+    (RESULTS / f"run_at_scale_{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
+    md = [
+        f"# prism run at {a.world} ranks ({a.devices})",
+        "",
+        "| world | wall s | stages s | summary lines | report MB | report opens in s (cold, warm) |",
+        "|---|---|---|---|---|---|",
+        f"| {a.world} | {result['wall_s']} | {result['stages_s']} | {result['summary_lines']} | "
+        f"{result['report_bytes'] / 1e6:.2f} | {times[0]}, {times[1]} |",
+    ]
+    (RESULTS / f"run_at_scale_{tag}.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    print(p.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,313 @@
+"""The GPU checks of the stacks and the planning questions, one part per device call (under 10
+minutes each), from the repository root on the device machine:
+
+    python3 benchmarks/stacks_device.py PART [--out DIR] [--devices cuda:0,0]
+
+PART:
+  megatron     examples/megatron_gpt.py (Megatron-core) on one GPU shared by 2 ranks, per layout
+               (TP2, PP2, DP2 with the distributed optimizer, MoE EP2): the real run (`prism record`)
+               and the solo capture, structure and per-rank peak memory compared; the solo graph
+               emulated with rank 1 real (its peak memory beside the real run's)
+  megatron-scale  solo capture of megatron_gpt.py at 1024 ranks (TP8·PP8, and MoE EP8·PP8) and
+               8192 (TP8·PP8) on one GPU: wall time, ranks run, per-rank peak memory beside the
+               theoretical weights + optimizer of Megatron-LM's formula (benchmarks/megatron_memory.py)
+  moe          gpt3d EP2 with a balanced and a skewed forced routing (--routing): the real run and
+               the solo capture, per-rank peak memory to the byte; a memory cap between the two
+               peaks (gpt3d --memory-cap-mib) makes the skewed run, and its capture, run out of
+               memory at the same rank; a 1024-rank solo capture under skew: the per-rank spread
+
+Each part writes OUT/PART.json (and logs); every program keeps NVLink multicast off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MEGATRON = str(ROOT / "examples" / "megatron_gpt.py")
+GPT3D = str(ROOT / "examples" / "gpt3d.py")
+ONE_GPU_16 = "cuda:" + ",".join(["0"] * 16)  # 16 solo ranks at a time on one GPU
+ENV = {
+    **os.environ,
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+    "PYTHONUNBUFFERED": "1",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+def prism_bin() -> str:
+    p = Path(sys.executable).with_name("prism")
+    return str(p) if p.exists() else "prism"
+
+
+RESULT: dict = {}  # this part's figures, written to OUT/PART.json after every case (a timeout keeps them)
+SAVE: list[Path] = []
+
+
+def save() -> None:
+    SAVE[0].write_text(json.dumps(RESULT, indent=1) + "\n")
+
+
+def run(out: Path, name: str, *args: str, timeout: float = 300) -> dict:
+    """One prism command; its output in OUT/NAME.log; returns rc, wall time and the log's tail."""
+    t0 = time.monotonic()
+    with open(out / f"{name}.log", "w") as log:
+        try:
+            p = subprocess.run([prism_bin(), *args], stdout=log, stderr=subprocess.STDOUT, env=ENV, timeout=timeout)
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            rc = 124
+    text = (out / f"{name}.log").read_text(errors="replace")
+    r = {"rc": rc, "wall_s": round(time.monotonic() - t0, 1), "tail": text[-600:] if rc else ""}
+    print(f"{name}: rc {rc}, {r['wall_s']} s", flush=True)
+    return r
+
+
+def manifest(d: Path) -> dict:
+    try:
+        return json.loads((d / "manifest.json").read_text())
+    except OSError:
+        return {}
+
+
+def peaks(d: Path) -> dict[str, int]:
+    return {k: int(v) for k, v in (manifest(d).get("peak_memory_bytes") or {}).items()}
+
+
+def compare(out: Path, a: Path, b: Path, name: str) -> str:
+    p = subprocess.run([prism_bin(), "compare", str(a), str(b)], capture_output=True, text=True, env=ENV)
+    (out / f"{name}.log").write_text(p.stdout + p.stderr)
+    m = re.search(r"structure: (.*)", p.stdout)
+    return m.group(1).strip() if m else f"compare failed: {p.stderr[-300:]}"
+
+
+def emulated_peak(d: Path) -> dict:
+    try:
+        e = json.loads((d / "emulate.json").read_text())
+    except OSError:
+        return {}
+    return {r: m.get("peak_memory_bytes") for r, m in (e.get("sandbox_results") or {}).items()}
+
+
+# ---------------------------------------------------------------------- parts
+MEGATRON_SIZES = ["--layers", "4", "--hidden", "512", "--heads", "8", "--vocab", "8192", "--seq-len", "256",
+                  "--micro-batch", "2", "--global-batch", "8", "--iters", "3"]  # fmt: skip
+EMULATE_TIMEOUT = os.environ.get("EMULATE_TIMEOUT", "240")
+MEGATRON_LAYOUTS = {
+    "tp2": ["--tp", "2"],
+    "pp2": ["--pp", "2"],
+    "dp2-distopt": ["--dist-opt"],
+    "ep2": ["--ep", "2", "--num-experts", "4"],
+}
+
+
+def part_megatron(out: Path, devices: str, cases: list[str]) -> dict:
+    res = {}
+    for name, flags in MEGATRON_LAYOUTS.items():
+        if cases and name not in cases:
+            continue
+        prog = [MEGATRON, *flags, *MEGATRON_SIZES]
+        real, solo, emu = out / f"mg-{name}-real", out / f"mg-{name}-solo", out / f"mg-{name}-emu"
+        r = {"flags": flags}
+        r["record"] = run(out, f"mg-{name}-record", "record", "--nproc", "2", "--devices", devices, "--out", str(real),
+                          "--force", "--timeout", "240", "--", *prog)  # fmt: skip
+        r["capture"] = run(out, f"mg-{name}-capture", "capture", "--world", "2", "--devices", devices, "--parallel",
+                           "2", "--out", str(solo), "--force", "--timeout", "240", "--", *prog)  # fmt: skip
+        r["structure"] = compare(out, real, solo, f"mg-{name}-compare")
+        r["peak_real"], r["peak_solo"] = peaks(real), peaks(solo)
+        r["peak_equal"] = bool(r["peak_real"]) and r["peak_real"] == r["peak_solo"]
+        r["emulate"] = run(out, f"mg-{name}-emulate", "emulate", "--graph", str(solo), "--sandbox", "1", "--devices",
+                           devices, "--out", str(emu), "--force", "--timeout", EMULATE_TIMEOUT, "--", *prog)  # fmt: skip
+        r["peak_emulated"] = emulated_peak(emu)
+        res[name] = r
+        RESULT[name] = r
+        save()
+        print(json.dumps({k: v for k, v in r.items() if k not in ("record", "capture", "emulate")}), flush=True)
+    return res
+
+
+def part_megatron_scale(out: Path, devices: str, only: list[str]) -> dict:
+    from benchmarks.megatron_memory import Model, weights_and_optimizer_bytes
+
+    sizes = ["--layers", "16", "--hidden", "1024", "--heads", "16", "--vocab", "32768", "--seq-len", "512",
+             "--micro-batch", "1", "--global-batch", "{gb}", "--iters", "2"]  # fmt: skip
+    cases = [
+        ("dense1024", 1024, "tp=8,pp=8", ["--tp", "8", "--pp", "8"], 0, 1),
+        ("moe1024", 1024, "pp=8,ep=8", ["--pp", "8", "--ep", "8", "--num-experts", "16"], 16, 8),
+        ("dense8192", 8192, "tp=8,pp=8", ["--tp", "8", "--pp", "8"], 0, 1),
+    ]
+    res = {}
+    for name, world, layout, flags, experts, ep in cases:
+        if only and name not in only:
+            continue
+        tp = 8 if "tp=8" in layout else 1
+        dp = world // (tp * 8)
+        gb = str(dp * 8)  # 8 micro-batches per replica
+        prog = [MEGATRON, *flags, *[gb if s == "{gb}" else s for s in sizes]]
+        d = out / f"scale-{name}"
+        r = {"world": world, "layout": layout}
+        r["capture"] = run(out, f"scale-{name}", "capture", "--world", str(world), "--layout", layout, "--devices",
+                           ONE_GPU_16, "--parallel", "16", "--out", str(d), "--force", "--timeout", "400", "--", *prog,
+                           timeout=420)  # fmt: skip
+        m = manifest(d)
+        cap = m.get("capture") or {}
+        p = {int(k): v for k, v in (m.get("peak_memory_bytes") or {}).items() if v >= 0}
+        r["ranks_run"] = cap.get("ranks_run")
+        r["capture_wall_s"] = cap.get("wall_s")
+        if p:
+            r["peak_max"] = max(p.values())
+            r["peak_max_rank"] = max(p, key=p.get)
+            r["peak_min"] = min(p.values())
+            r["peak_min_rank"] = min(p, key=p.get)
+        model = Model(layers=16, hidden=1024, heads=16, vocab=32768, ffn=4096, experts=experts, seq=512,
+                      micro_batch=1, tp=tp, pp=8, ep=ep, dp=dp, bytes_weight=4, dist_opt=False)  # fmt: skip
+        r["formula_weights_optimizer_most_loaded"] = weights_and_optimizer_bytes(model)
+        res[name] = r
+        RESULT[name] = r
+        save()
+        print(json.dumps(r), flush=True)
+    return res
+
+
+def part_moe(out: Path, devices: str, cases: list[str]) -> dict:
+    skew = out / "skew.json"
+    skew.write_text(json.dumps({"default": {"br_min": 0.7, "br_max": 2.2, "br_avg": 1.0, "br_std": 0.45,
+                                            "br_med": 0.9, "br_skew": 1.5}}))  # fmt: skip
+    bal = out / "balanced.json"
+    bal.write_text(json.dumps({"default": "balanced"}))
+    prog = [GPT3D, "--ep", "2", "--num-experts", "8", "--topk", "2", "--layers", "4", "--hidden", "1024", "--heads",
+            "16", "--seq", "2048", "--micro-batch", "4", "--global-batch", "16", "--iters", "2"]  # fmt: skip
+    res: dict = {}
+    for name, routing in (("balanced", bal), ("skewed", skew)):
+        force = ["--router-module", "Router", "--routing", str(routing)]
+        r = {}
+        r["record"] = run(out, f"moe-{name}-record", "record", "--nproc", "2", "--devices", devices, *force, "--out",
+                          str(out / f"moe-{name}-real"), "--force", "--", *prog)  # fmt: skip
+        r["capture"] = run(out, f"moe-{name}-capture", "capture", "--world", "2", "--devices", devices, "--parallel",
+                           "2", *force, "--out", str(out / f"moe-{name}-solo"), "--force", "--", *prog)  # fmt: skip
+        r["structure"] = compare(out, out / f"moe-{name}-real", out / f"moe-{name}-solo", f"moe-{name}-compare")
+        r["peak_real"] = peaks(out / f"moe-{name}-real")
+        r["peak_solo"] = peaks(out / f"moe-{name}-solo")
+        r["peak_equal"] = bool(r["peak_real"]) and r["peak_real"] == r["peak_solo"]
+        res[name] = r
+        RESULT[name] = r
+        save()
+        print(json.dumps({k: v for k, v in r.items() if k not in ("record", "capture")}), flush=True)
+    # a cap between the balanced and the skewed peak: only the skewed run runs out
+    b, s = res["balanced"]["peak_real"], res["skewed"]["peak_real"]
+    if b and s and max(s.values()) > max(b.values()):
+        cap_mib = (max(b.values()) + max(s.values())) // 2 // 2**20
+        capped = [*prog, "--memory-cap-mib", str(cap_mib)]
+        oom: dict = {"cap_mib": cap_mib}
+        for name, routing in (("balanced", bal), ("skewed", skew)):
+            force = ["--router-module", "Router", "--routing", str(routing)]
+            oom[f"{name}_record"] = run(out, f"oom-{name}-record", "record", "--nproc", "2", "--devices", devices,
+                                        *force, "--out", str(out / f"oom-{name}-real"), "--force", "--", *capped)  # fmt: skip
+            oom[f"{name}_capture"] = run(out, f"oom-{name}-capture", "capture", "--world", "2", "--devices", devices,
+                                         "--parallel", "2", *force, "--out", str(out / f"oom-{name}-solo"), "--force",
+                                         "--", *capped)  # fmt: skip
+        res["oom"] = RESULT["oom"] = oom
+        save()
+        print(json.dumps({k: (v["rc"], v["tail"][-300:]) if isinstance(v, dict) else v for k, v in oom.items()}),
+              flush=True)  # fmt: skip
+    # 1024 logical ranks under skew: per-rank peak memory spread
+    big = [GPT3D, "--pp", "4", "--ep", "8", "--num-experts", "16", "--topk", "2", "--layers", "8", "--hidden", "1024",
+           "--heads", "16", "--seq", "2048", "--micro-batch", "2", "--global-batch", "2048", "--iters", "2"]  # fmt: skip
+    d = out / "moe1024"
+    r = run(out, "moe1024-capture", "capture", "--world", "1024", "--layout", "pp=4,ep=8", "--devices", ONE_GPU_16,
+            "--parallel", "16", "--router-module", "Router", "--routing", str(skew), "--out", str(d), "--force",
+            "--", *big, timeout=400)  # fmt: skip
+    p = {int(k): v for k, v in peaks(d).items() if v >= 0}
+    res["moe1024"] = {"capture": r, "ranks_run": (manifest(d).get("capture") or {}).get("ranks_run")}
+    if p:
+        res["moe1024"].update(
+            peak_max=max(p.values()), peak_max_rank=max(p, key=p.get),
+            peak_min=min(p.values()), peak_min_rank=min(p, key=p.get),
+            spread=(max(p.values()) - min(p.values())) / min(p.values()),
+        )  # fmt: skip
+    print(json.dumps({k: v for k, v in res["moe1024"].items() if k != "capture"}), flush=True)
+    return res
+
+
+def _oom_rank(log: Path) -> int | None:
+    m = re.search(r"rank (\d+) (?:ran out of memory|.*OutOfMemoryError)", log.read_text(errors="replace"))
+    return int(m.group(1)) if m else None
+
+
+def part_moe_oom(out: Path, devices: str, cases: list[str]) -> dict:
+    """EP4 with one expert a rank and a large expert MLP, so that skew moves gigabytes: the rank
+    that hosts a hot expert holds its tokens' activations. A cap between the balanced and the
+    skewed peak: the skewed run runs out of memory, the balanced one does not, real and solo alike."""
+    skew = out / "skew4.json"
+    skew.write_text(json.dumps({"default": {"br_min": 0.5, "br_max": 2.2, "br_avg": 1.0, "br_std": 0.75,
+                                            "br_med": 0.65, "br_skew": 1.1}}))  # fmt: skip
+    bal = out / "balanced.json"
+    bal.write_text(json.dumps({"default": "balanced"}))
+    dev4 = "cuda:0,0,0,0"
+    prog = [GPT3D, "--ep", "4", "--num-experts", "4", "--topk", "1", "--layers", "2", "--hidden", "1024", "--heads",
+            "16", "--ffn-hidden", "16384", "--seq", "2048", "--micro-batch", "8", "--global-batch", "32", "--iters",
+            "2"]  # fmt: skip
+    res: dict = {}
+    for name, routing in (("balanced", bal), ("skewed", skew)):
+        d = out / f"ep4-{name}-real"
+        res[name] = {"record": run(out, f"ep4-{name}-record", "record", "--nproc", "4", "--devices", dev4,
+                                   "--router-module", "Router", "--routing", str(routing), "--out", str(d), "--force",
+                                   "--", *prog), "peak_real": peaks(d)}  # fmt: skip
+        RESULT[name] = res[name]
+        save()
+    b, s_ = res["balanced"]["peak_real"], res["skewed"]["peak_real"]
+    if not (b and s_):
+        return res
+    cap = (max(b.values()) + max(s_.values())) // 2 // 2**20
+    res["cap_mib"] = cap
+    for name, routing in (("skewed", skew), ("balanced", bal)):
+        force = ["--router-module", "Router", "--routing", str(routing)]
+        capped = [*prog, "--memory-cap-mib", str(cap)]
+        r = {}
+        r["record"] = run(out, f"cap-{name}-record", "record", "--nproc", "4", "--devices", dev4, *force, "--out",
+                          str(out / f"cap-{name}-real"), "--force", "--", *capped)  # fmt: skip
+        r["capture"] = run(out, f"cap-{name}-capture", "capture", "--world", "4", "--devices", dev4, "--parallel",
+                           "4", *force, "--out", str(out / f"cap-{name}-solo"), "--force", "--", *capped)  # fmt: skip
+        r["record_oom_rank"] = _oom_rank(out / f"cap-{name}-record.log")
+        r["capture_oom_rank"] = _oom_rank(out / f"cap-{name}-capture.log")
+        res[f"capped_{name}"] = RESULT[f"capped_{name}"] = r
+        save()
+        print(json.dumps({k: (v["rc"] if isinstance(v, dict) else v) for k, v in r.items()}), flush=True)
+    return res
+
+
+PARTS = {
+    "megatron": part_megatron,
+    "megatron-scale": part_megatron_scale,
+    "moe": part_moe,
+    "moe-oom": part_moe_oom,
+}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", choices=sorted(PARTS))
+    ap.add_argument("--out", default=os.environ.get("OUT", "out/device"))
+    ap.add_argument("--devices", default="cuda:0,0")
+    ap.add_argument("--cases", default="", help="comma-separated cases of the part (default: all)")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    SAVE.append(out / f"{a.part}.json")
+    RESULT.update(PARTS[a.part](out, a.devices, [c for c in a.cases.split(",") if c]))
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
