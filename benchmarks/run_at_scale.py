@@ -71,7 +71,7 @@ def main() -> int:
     if p.returncode != 0:
         raise SystemExit(f"prism run failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     state = json.loads((out / "run.json").read_text())
-    report = out / "report.html"
+    report = (out / "report.html").resolve()
     RESULTS.mkdir(parents=True, exist_ok=True)
     shot = RESULTS / f"run_at_scale_{tag}.png"
     times = open_times(report, shot)
