@@ -32,6 +32,7 @@ from prismllm.capture.common import (
 )
 from prismllm.childenv import ChildEnv
 from prismllm.errors import PrismError
+from prismllm.fromfields import FromFields
 from prismllm.launch import (
     DEFAULT_RUNNER,
     LOGS_DIR,
@@ -50,7 +51,7 @@ from prismllm.trace.validate import validate
 
 
 @dataclasses.dataclass
-class RecordOptions:
+class RecordOptions(FromFields):
     nproc: int
     out: str | os.PathLike
     script: str
@@ -218,17 +219,13 @@ def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None =
     if device == "cuda":
         env["TORCH_NCCL_ENABLE_TIMING"] = "1"  # NCCL's own device-side start/end events
     env.update(opts.env)
-    spec = LaunchSpec(
-        nproc=opts.nproc,
+    spec = LaunchSpec.from_fields(
+        opts,
         script=script,
         args=list(opts.args),
         env=env,
         devices=devices,
-        runner=opts.runner,
-        timeout=opts.timeout,
         log_dir=out / LOGS_DIR if opts.tee else None,
-        line_prefix=opts.line_prefix,
-        sink=opts.sink,
     )
     program = program_of(script, opts.args)  # before the run: files it writes are not its inputs
     if on_start is not None:

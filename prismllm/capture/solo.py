@@ -44,6 +44,7 @@ from prismllm.capture.common import (
 )
 from prismllm.childenv import ChildEnv
 from prismllm.errors import PrismError
+from prismllm.fromfields import FromFields
 from prismllm.fsutil import sha256_file
 from prismllm.launch import (
     DEFAULT_RUNNER,
@@ -74,7 +75,7 @@ ProgressFn = Callable[[int, int, int, float], None]
 
 
 @dataclasses.dataclass
-class CaptureOptions:
+class CaptureOptions(FromFields):
     world: int
     out: str | os.PathLike
     script: str
@@ -477,21 +478,17 @@ def capture(
     pending = list(plan.pending)
     for i in range(0, len(pending), plan.parallel):
         batch = pending[i : i + plan.parallel]
-        spec = LaunchSpec(
+        spec = LaunchSpec.from_fields(
+            opts,
             nproc=len(batch),
             ranks=batch,
             world_size=plan.world,
-            script=opts.script,
             args=list(opts.args),
             # the ranks that run together wait for each other's parts of object collectives
             # (prismllm.comm.solo_objects)
             env={**dataclasses.replace(child, solo_batch=tuple(batch)).to_env(), **opts.env},
             devices=plan.devices if plan.devices == "cpu" else list(plan.devices)[: len(batch)],
-            runner=opts.runner,
-            timeout=opts.timeout,
             log_dir=out / LOGS_DIR if opts.tee else None,
-            line_prefix=opts.line_prefix,
-            sink=opts.sink,
         )
         t_batch = time.monotonic()
         try:

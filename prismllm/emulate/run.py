@@ -25,6 +25,7 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from prismllm.errors import PrismError
+from prismllm.fromfields import FromFields
 from prismllm.launch import LaunchResult, LineSink
 from prismllm.launch.program import check_program
 from prismllm.launch.sandbox import (
@@ -44,7 +45,7 @@ RESULT_FILE = "emulate.json"
 
 
 @dataclasses.dataclass
-class EmulateOptions:
+class EmulateOptions(FromFields):
     graph: str | os.PathLike  # the bare graph (a PrismTrace directory)
     sandbox: str | Sequence[int]  # ranks that run for real: "0,2-3" or a list
     out: str | os.PathLike
@@ -221,27 +222,19 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
     out.mkdir(parents=True, exist_ok=True)
 
     run = launch_sandbox(
-        SandboxSpec(
+        SandboxSpec.from_fields(
+            opts,
             graph=graph,
             world=world,
             sandbox=sandbox,
-            script=opts.script,
             args=list(opts.args),
             out=out,
             devices=devices,
             cuda_on_cpu=cuda_on_cpu,
             tensors=tensors,
             timing=timing,
-            assistants=opts.assistants,
-            check=opts.check,
-            timeout=opts.timeout,
-            tee=opts.tee,
-            line_prefix=opts.line_prefix,
-            sink=opts.sink,
             env=dict(opts.env),
-            extra_grace=opts.extra_grace,
             rdzv=rdzv,
-            role=opts.role,
         )
     )
     result, failure = run.launch, run.failure

@@ -38,6 +38,7 @@ from typing import Any
 
 from prismllm.childenv import ChildEnv
 from prismllm.errors import PrismError
+from prismllm.fromfields import FromFields
 from prismllm.launch.environment import gpu_ids
 from prismllm.launch.launcher import launch
 from prismllm.launch.messages import describe_returncode, error_line, says_out_of_memory
@@ -72,7 +73,7 @@ class SandboxOutOfMemory(RankOutOfMemory):
 
 
 @dataclasses.dataclass
-class SandboxSpec:
+class SandboxSpec(FromFields):
     graph: Path  # the graph the virtual ranks are replayed from
     world: int  # its world size
     sandbox: tuple[int, ...]  # the ranks that run for real
@@ -182,28 +183,22 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
     host, port = spec.rdzv if spec.rdzv is not None else ("127.0.0.1", 0)
     local = list(spec.sandbox) if run_sandbox else []
     result = launch(
-        LaunchSpec(
+        LaunchSpec.from_fields(
+            spec,
             nproc=len(local),
-            script=spec.script,
             args=list(spec.args),
             env=env,
             devices=sandbox_gpus if cuda else "cpu",
             own_hosts=shared,
             ranks=local,
             world_size=spec.world,
-            timeout=spec.timeout,
             log_dir=out / LOGS_DIR if spec.tee else None,
-            line_prefix=spec.line_prefix,
-            sink=spec.sink,
             extra=assistants,
-            extra_grace=spec.extra_grace,
             on_start=publish,
             settle=SETTLE_S,
             master_addr=host,
             store_port=port if run_sandbox else 0,
             master_port=None if run_sandbox else port,
-            handle_signals=spec.handle_signals,
-            cancel=spec.cancel,
         )
     )
     checks = {}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from prismllm.childenv import ChildError, user_setting
 from prismllm.errors import PrismError
+from prismllm.fromfields import FromFields
 
 DEFAULT_RUNNER = "prismllm.comm.bootstrap"
 LOGS_DIR = "logs"  # where a stage keeps the per-process logs of its launches (``--tee``)
@@ -62,7 +63,7 @@ class LaunchInterrupted(PrismError):
 
 
 @dataclasses.dataclass
-class LaunchSpec:
+class LaunchSpec(FromFields):
     nproc: int  # processes to start on this host (LOCAL_WORLD_SIZE)
     script: str  # the user's program
     args: Sequence[str] = ()

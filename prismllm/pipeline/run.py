@@ -30,6 +30,7 @@ from prismllm.calibrate import calibrate
 from prismllm.capture.solo import CaptureOptions, CapturePlan, capture
 from prismllm.emulate import EmulateOptions, emulate
 from prismllm.errors import PrismError
+from prismllm.fromfields import FromFields
 from prismllm.fsutil import read_json, write_file_atomically
 from prismllm.launch import LineSink
 from prismllm.layout import Layout
@@ -41,10 +42,13 @@ from prismllm.trace.schema import MANIFEST_FILE
 LOGS_DIR = "logs"
 REPORT_FILE = "report.html"
 STAGES = ("capture", "time", "calibrate", "emulate", "report")
+# capture and time resume inside their own directories; the run's ``force`` starts OUT over as a
+# whole (_prepare), and is not theirs
+_STAGE_FORCE = False
 
 
 @dataclasses.dataclass
-class RunOptions:
+class RunOptions(FromFields):
     world: int
     out: str | os.PathLike
     script: str
@@ -188,23 +192,7 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
 
         try:
             res = capture(
-                CaptureOptions(
-                    world=opts.world,
-                    out=bare,
-                    script=opts.script,
-                    args=list(opts.args),
-                    devices=opts.devices,
-                    cuda_on_cpu=opts.cuda_on_cpu,
-                    router_module=opts.router_module,
-                    routing=opts.routing,
-                    parallel=opts.parallel,
-                    layout=opts.layout,
-                    rules=opts.rules,
-                    tensors=opts.tensors,
-                    timeout=opts.timeout,
-                    sink=sink,
-                    argv=None,
-                ),
+                CaptureOptions.from_fields(opts, out=bare, args=list(opts.args), force=_STAGE_FORCE, sink=sink),
                 on_plan=on_plan,
                 on_progress=lambda d, t, r, e: ui.update(d, t),
             )
@@ -223,17 +211,7 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
         t0 = time.monotonic()
         ui.stage("time", unit="slices")
         res_t = time_slices(
-            TimeOptions(
-                graph=bare,
-                out=out / TIME_DIR,
-                script=opts.script,
-                args=list(opts.args),
-                devices=opts.devices,
-                parallel=opts.parallel,
-                tensors=opts.tensors,
-                inputs=opts.inputs,
-                timeout=opts.timeout,
-            ),
+            TimeOptions.from_fields(opts, graph=bare, out=out / TIME_DIR, args=list(opts.args), force=_STAGE_FORCE),
             lambda d, t, ranks, s: ui.update(d, t),
             say=lambda line: ui.say(f"time: {line}"),
         )
@@ -263,18 +241,8 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
             sink, close = _log_sink(out / LOGS_DIR / "emulate.log")
             try:
                 emulate(
-                    EmulateOptions(
-                        graph=cal / "graph",
-                        sandbox=opts.sandbox,
-                        out=out / EMULATE_DIR,
-                        script=opts.script,
-                        args=list(opts.args),
-                        devices=opts.devices,
-                        inputs=opts.inputs,
-                        tensors=opts.tensors,
-                        timeout=opts.timeout,
-                        force=True,
-                        sink=sink,
+                    EmulateOptions.from_fields(
+                        opts, graph=cal / "graph", out=out / EMULATE_DIR, args=list(opts.args), force=True, sink=sink
                     )
                 )
             finally:

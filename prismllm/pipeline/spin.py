@@ -63,18 +63,8 @@ def spin_whatif(opts: SpinOptions, say: Callable[[str], None] | None = None) -> 
             "program (prismllm.mark / prismllm.span) and capture again"
         )
     timed = time_slices(
-        TimeOptions(
-            graph=src["graph"],
-            out=out / "time",
-            script=opts.script,
-            args=list(opts.args),
-            devices=opts.devices,
-            parallel=opts.parallel,
-            inputs=opts.inputs,
-            tensors=opts.tensors,
-            timeout=opts.timeout,
-            force=opts.force,
-            spin=dict(opts.spins),
+        TimeOptions.from_fields(
+            opts, graph=src["graph"], out=out / "time", args=list(opts.args), spin=dict(opts.spins)
         ),
         say=say,
     )

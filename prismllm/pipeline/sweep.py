@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from prismllm.errors import PrismError
+from prismllm.fromfields import FromFields
 from prismllm.fsutil import read_json, write_file_atomically
 from prismllm.launch import LaunchError, RankOutOfMemory
 from prismllm.pipeline.run import RunOptions, RunUI, run_pipeline
@@ -46,7 +47,7 @@ _SPECIAL = ("world",)  # grid keys that are prism's, not the program's
 
 
 @dataclasses.dataclass
-class SweepOptions:
+class SweepOptions(FromFields):
     out: str | os.PathLike
     script: str
     grid: Sequence[tuple[str, Sequence[str]]]  # (key, values), in the order given
@@ -128,23 +129,14 @@ def plan_points(opts: SweepOptions) -> list[Point]:
             elif k not in used:
                 args += [f"--{k}"] if v == "on" else [] if v == "off" else [f"--{k}", v]
         slug = re.sub(r"[^A-Za-z0-9=.,_-]+", "_", ",".join(f"{k}={v}" for k, v in values.items()))[:80]
-        run = RunOptions(
+        run = RunOptions.from_fields(
+            opts,
             world=int(world),
             out=out / POINTS_DIR / f"{n:03d}-{slug}",
-            script=opts.script,
             args=args,
             layout=layout,
-            devices=opts.devices,
-            cuda_on_cpu=opts.cuda_on_cpu,
-            router_module=opts.router_module,
             routing=routing,
-            parallel=opts.parallel,
             sandbox=sandbox,
-            inputs=opts.inputs,
-            tensors=opts.tensors,
-            rules=opts.rules,
-            timeout=opts.timeout,
-            force=opts.force,
             stop_after="capture" if opts.memory_only else None,
         )
         points.append(Point(n, values, run))

@@ -35,6 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from prismllm.errors import PrismError
+from prismllm.fromfields import FromFields
 from prismllm.launch import LAUNCHER_ID, STATUS_PREFIX, LaunchInterrupted
 from prismllm.launch.program import check_program
 from prismllm.launch.sandbox import (
@@ -60,7 +61,7 @@ SLICE_FILE = "slice.json"  # in a slice's directory: how its run ended, what it 
 
 
 @dataclasses.dataclass
-class TimeOptions:
+class TimeOptions(FromFields):
     graph: str | os.PathLike  # the bare graph
     out: str | os.PathLike
     script: str
