@@ -12,7 +12,6 @@ skipped while ``prismllm.comm.solo`` does not exist.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import os
 import subprocess
@@ -323,7 +322,8 @@ def test_cli_capture(fake, tmp_path, monkeypatch, capsys):
     opts, script, _ = fake
     base = opts(tmp_path / "unused", 1)
     monkeypatch.setattr(
-        "prismllm.cli.capture.CaptureOptions", functools.partial(CaptureOptions, runner=base.runner, env=base.env)
+        "prismllm.cli.capture.capture",
+        lambda o, **kw: capture(dataclasses.replace(o, runner=base.runner, env=base.env), **kw),
     )
     out = tmp_path / "cli"
     rc = climain.main(

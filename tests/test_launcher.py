@@ -8,7 +8,7 @@ exist).
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import importlib.util
 import json
 import os
@@ -520,6 +520,12 @@ def prism(argv, monkeypatch) -> int:
         return e.code
 
 
+def _record_with(record, **fields):
+    """``record`` (the stage) with these RecordOptions ``fields`` replaced: how a test runs `prism
+    record` through another runner or environment."""
+    return lambda opts, **kw: record(dataclasses.replace(opts, **fields), **kw)
+
+
 def one_line_error(capsys) -> str:
     """The one error line (argparse puts its usage lines before it)."""
     err = capsys.readouterr().err
@@ -668,8 +674,8 @@ def standins(tmp_path, monkeypatch):
     pythonpath = os.pathsep.join([str(mod_dir), *filter(None, [os.environ.get("PYTHONPATH")])])
     monkeypatch.setattr(
         cli_record,
-        "RecordOptions",
-        functools.partial(cli_record.RecordOptions, runner="prism_standin_bootstrap", env={"PYTHONPATH": pythonpath}),
+        "record",
+        _record_with(cli_record.record, runner="prism_standin_bootstrap", env={"PYTHONPATH": pythonpath}),
     )
     return calls
 
@@ -750,9 +756,7 @@ def test_record_missing_ranklogs(tmp_path, monkeypatch, capsys):
     asm, val = _standin_trace_api(calls)
     monkeypatch.setitem(sys.modules, "prismllm.trace.assemble", asm)
     monkeypatch.setitem(sys.modules, "prismllm.trace.validate", val)
-    monkeypatch.setattr(
-        cli_record, "RecordOptions", functools.partial(cli_record.RecordOptions, runner="")
-    )  # run SCRIPT directly
+    monkeypatch.setattr(cli_record, "record", _record_with(cli_record.record, runner=""))  # run SCRIPT directly
     out = tmp_path / "o"
     assert prism(["record", "--nproc", "2", "--devices", "cpu", "--out", str(out), str(script)], monkeypatch) == 2
     assert "rank(s) 0-1 exited normally but wrote no rank log" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import argparse
 
 from prismllm.capture.solo import CaptureOptions, CapturePlan, CaptureResult, capture
 from prismllm.cli import options
-from prismllm.cli.program import add_program_args, line_prefix, program_args
+from prismllm.cli.program import add_program_args, graph_program_fields
 from prismllm.cli.progress import Display, count, key_values
 from prismllm.launch import LaunchInterrupted, RankOutOfMemory
 
@@ -91,30 +91,9 @@ def _summary(res: CaptureResult) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    script_args = program_args(args)
     display = Display("capture")
     progress = _CaptureProgress(display)
-    opts = CaptureOptions(
-        world=args.world,
-        out=args.out,
-        script=args.script,
-        args=script_args,
-        devices=args.devices,
-        cuda_on_cpu=args.cuda_on_cpu,
-        router_module=args.router_module,
-        routing=args.routing,
-        parallel=args.parallel,
-        layout=args.layout,
-        rules=args.rules,
-        tensors=args.tensors,
-        force=args.force,
-        timeout=args.timeout,
-        tee=args.tee,
-        line_prefix=line_prefix(args),
-        argv=options.canonical_argv(args.parser, args, "capture"),
-        sink=display.sink,
-        mode=args.mode,
-    )
+    opts = CaptureOptions.from_fields(args, **graph_program_fields(args, "capture", display.sink))
     try:
         res = capture(opts, on_plan=progress.plan, on_progress=progress.update)
     except LaunchInterrupted as e:

@@ -123,26 +123,7 @@ def _print_figures(res) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    script_args = program_args(args)
-    opts = EmulateOptions(
-        graph=args.graph,
-        sandbox=args.sandbox,
-        out=args.out,
-        script=args.script,
-        args=script_args,
-        tensors=args.tensors,
-        timeout=args.timeout,
-        force=args.force,
-        tee=args.tee,
-        line_prefix=line_prefix(args),
-        check=args.check,
-        devices=args.devices,
-        inputs=args.inputs,
-        rdzv_endpoint=args.rdzv_endpoint,
-        role=args.role,
-        timing=args.timing,
-        assistants=args.assistants,
-    )
+    opts = EmulateOptions.from_fields(args, args=program_args(args), line_prefix=line_prefix(args))
     try:
         res = emulate(opts)
     except LaunchInterrupted as e:

@@ -4,6 +4,10 @@ emulate) takes, declared and read in one place."""
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+from prismllm.cli.options import canonical_argv
+from prismllm.launch import LineSink
 
 LINE_PREFIX = "[rank{rank}]: "
 
@@ -32,3 +36,15 @@ def program_args(args: argparse.Namespace) -> list[str]:
 
 def line_prefix(args: argparse.Namespace) -> str | None:
     return LINE_PREFIX if args.prefix else None
+
+
+def graph_program_fields(args: argparse.Namespace, command: str, sink: LineSink) -> dict[str, Any]:
+    """The options of a command that writes a graph (record, capture) that say how its program runs:
+    SCRIPT's arguments, the line prefix and ``sink`` of its output, and ``prism COMMAND``'s own
+    command line for the graph's manifest."""
+    return {
+        "args": program_args(args),  # first: the manifest's command line is read back from args
+        "line_prefix": line_prefix(args),
+        "argv": canonical_argv(args.parser, args, command),
+        "sink": sink,
+    }

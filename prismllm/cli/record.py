@@ -17,7 +17,7 @@ import argparse
 from prismllm.capture.record import RECORDERS, RecordOptions, RecordResult, record
 from prismllm.childenv import user_setting
 from prismllm.cli import options
-from prismllm.cli.program import add_program_args, line_prefix, program_args
+from prismllm.cli.program import add_program_args, graph_program_fields
 from prismllm.cli.progress import Display, count, key_values
 from prismllm.launch import LaunchInterrupted
 
@@ -78,28 +78,8 @@ def _summary(res: RecordResult) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    script_args = program_args(args)
     display = Display("record")
-    opts = RecordOptions(
-        nproc=args.nproc,
-        out=args.out,
-        script=args.script,
-        args=script_args,
-        devices=args.devices,
-        cuda_on_cpu=args.cuda_on_cpu,
-        router_module=args.router_module,
-        routing=args.routing,
-        layout=args.layout,
-        timeout=args.timeout,
-        force=args.force,
-        tee=args.tee,
-        line_prefix=line_prefix(args),
-        argv=options.canonical_argv(args.parser, args, "record"),
-        save_tensors=args.save_tensors,
-        tensor_store=args.tensor_store,
-        recorder=args.recorder,
-        sink=display.sink,
-    )
+    opts = RecordOptions.from_fields(args, **graph_program_fields(args, "record", display.sink))
     try:
         res = record(
             opts, on_start=lambda device, n: display.say(f"recording {n} rank{'s' if n != 1 else ''} on {device}…")

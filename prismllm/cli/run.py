@@ -48,26 +48,6 @@ PIPELINE_FLAGS = ("layout", "devices", "cuda_on_cpu", "router_module", "routing"
                   "tensors", "rules", "timeout", "force", "json")  # fmt: skip
 
 
-def pipeline_fields(args: argparse.Namespace) -> dict:
-    """The RunOptions fields that PIPELINE_FLAGS set, and the program."""
-    return dict(
-        script=args.script,
-        args=program_args(args),
-        layout=args.layout,
-        devices=args.devices,
-        cuda_on_cpu=args.cuda_on_cpu,
-        router_module=args.router_module,
-        routing=args.routing,
-        parallel=args.parallel,
-        sandbox=args.sandbox,
-        inputs=args.inputs,
-        tensors=args.tensors,
-        rules=args.rules,
-        timeout=args.timeout,
-        force=args.force,
-    )
-
-
 class UI:
     """The run's progress (pipeline.run.RunUI) on a Display."""
 
@@ -142,7 +122,7 @@ def render(s: dict, console: Console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     display = Display("run")
-    opts = RunOptions(world=args.world, out=args.out, **pipeline_fields(args))
+    opts = RunOptions.from_fields(args, args=program_args(args))
     try:
         s = run_pipeline(opts, UI(display))
     except LaunchInterrupted as e:

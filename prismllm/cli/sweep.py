@@ -25,9 +25,9 @@ from rich.console import Console
 from rich.table import Table
 
 from prismllm.cli import options
-from prismllm.cli.program import add_program_args
+from prismllm.cli.program import add_program_args, program_args
 from prismllm.cli.progress import Display, fmt_seconds
-from prismllm.cli.run import PIPELINE_FLAGS, UI, pipeline_fields
+from prismllm.cli.run import PIPELINE_FLAGS, UI
 from prismllm.launch import LaunchInterrupted
 from prismllm.pipeline.sweep import Point, SweepOptions, parse_grid, run_sweep
 from prismllm.report.html import fmt_bytes, fmt_ns
@@ -104,9 +104,7 @@ def render(state: dict, console: Console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     display = Display("sweep")
-    opts = SweepOptions(
-        out=args.out, grid=args.grid, world=args.world, memory_only=args.memory_only, **pipeline_fields(args)
-    )
+    opts = SweepOptions.from_fields(args, args=program_args(args))
 
     def on_point(p: Point, total: int) -> None:
         display.say(f"point {p.number + 1}/{total}: {p.name}")

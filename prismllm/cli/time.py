@@ -41,21 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    opts = TimeOptions(
-        graph=args.graph,
-        out=args.out,
-        script=args.script,
-        args=program_args(args),
-        devices=args.devices,
-        slice_size=args.slice_size,
-        parallel=args.parallel,
-        tensors=args.tensors,
-        inputs=args.inputs,
-        every_rank=args.every_rank,
-        timeout=args.timeout,
-        force=args.force,
-        compute_under_load=args.compute_under_load,
-    )
+    opts = TimeOptions.from_fields(args, args=program_args(args))
     display = Display("time")
     display.stage("time", unit="slices")
     try:
