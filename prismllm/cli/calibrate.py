@@ -23,15 +23,10 @@ from rich.console import Console
 from prismllm.calibrate import TRANSFER_RULES, CalibrationError, calibrate, render
 from prismllm.cli import options
 
+SUMMARY = "solve a timed graph: consistent node times, iteration time, critical path, bubble"
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = options.command(
-        subparsers,
-        "calibrate",
-        "solve a timed graph: consistent node times, iteration time, critical path, bubble",
-        __doc__,
-        raw=True,
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "graph",
         metavar="GRAPH",
@@ -59,7 +54,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also write CAL/graph: GRAPH with the solved times (a PrismTrace, mode calibrated)",
     )
     options.add(p, "no_validate", "json")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

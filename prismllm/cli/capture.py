@@ -21,15 +21,10 @@ from prismllm.cli.program import add_program_args, graph_program_fields
 from prismllm.cli.progress import Display, count, key_values
 from prismllm.launch import LaunchInterrupted, RankOutOfMemory
 
+SUMMARY = "capture the execution graph of an N-rank job from a few ranks run alone"
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = options.command(
-        subparsers,
-        "capture",
-        "capture the execution graph of an N-rank job from a few ranks run alone",
-        __doc__,
-        raw=True,
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="solo", choices=["solo"], help="capture mode (solo)")
     options.add(p, "world", "out", required=("world", "out"))
     options.add(
@@ -47,8 +42,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "tee",
     )
     add_program_args(p)
-    p.set_defaults(run=run, parser=p)
-    return p
 
 
 class _CaptureProgress:

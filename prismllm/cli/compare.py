@@ -23,18 +23,17 @@ from prismllm.cli import options
 from prismllm.trace.compare import compare_traces
 from prismllm.trace.summary import fmt_ns
 
+SUMMARY = "compare two graphs (structure and timing)"
 WORST = 10
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = options.command(subparsers, "compare", "compare two graphs (structure and timing)", __doc__, raw=True)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", metavar="A", help="reference graph directory")
     p.add_argument("b", metavar="B", help="graph directory to judge against A")
     options.add(p, "json")
     only = p.add_mutually_exclusive_group()
     only.add_argument("--timing-only", action="store_true", help="compare timing only (exit 0)")
     only.add_argument("--structure-only", action="store_true", help="compare structure only")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

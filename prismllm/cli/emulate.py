@@ -24,15 +24,10 @@ from prismllm.cli.program import add_program_args, line_prefix, program_args
 from prismllm.emulate.run import EmulateOptions, SandboxOutOfMemory, emulate
 from prismllm.launch import LaunchInterrupted
 
+SUMMARY = "run a few ranks for real inside the virtual world of a recorded graph"
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = options.command(
-        subparsers,
-        "emulate",
-        "run a few ranks for real inside the virtual world of a recorded graph",
-        __doc__,
-        raw=True,
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add(p, "graph", "sandbox", "out", required=("graph", "sandbox", "out"))
     options.add(p, "devices", "tensors", "inputs", "timeout")
     p.add_argument(
@@ -74,8 +69,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     options.add(p, "force", "tee")
     add_program_args(p)
-    p.set_defaults(run=run)
-    return p
 
 
 def _ms(ns: int | None) -> str:

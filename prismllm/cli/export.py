@@ -23,18 +23,16 @@ from prismllm.trace.chakra import export_chakra
 from prismllm.trace.kineto import export_kineto
 from prismllm.trace.perfetto import export_perfetto, parse_ranks
 
+SUMMARY = "export a graph for Perfetto, Holistic Trace Analysis or Chakra"
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = options.command(
-        subparsers, "export", "export a graph for Perfetto, Holistic Trace Analysis or Chakra", __doc__, raw=True
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("graph", metavar="DIR", help="graph directory")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--perfetto", metavar="OUT.json", help="write Chrome trace-event JSON for Perfetto")
     fmt.add_argument("--hta", metavar="OUT_DIR", help="write Kineto traces for Holistic Trace Analysis")
     fmt.add_argument("--chakra", metavar="OUT_DIR", help="write Chakra execution traces (ASTRA-sim)")
     options.add(p, "ranks", "no_validate")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,5 +1,7 @@
 """`prism`: the command-line entry point. Each subcommand lives in its own module exposing
-``add_parser(subparsers)`` and ``run(args) -> int``."""
+``SUMMARY`` (its line in ``prism --help``), ``add_arguments(parser)`` and ``run(args) -> int``; its
+docstring is its ``--help`` description, kept as written unless the module sets
+``RAW_DESCRIPTION = False``."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import importlib
 import sys
 
 from prismllm import __version__
+from prismllm.cli import options
 from prismllm.errors import PrismError
 
 SUBCOMMANDS = (
@@ -37,7 +40,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"prismllm.cli.{name}")
-        module.add_parser(sub)
+        p = options.command(
+            sub, name.replace("_", "-"), module.SUMMARY, module.__doc__, raw=getattr(module, "RAW_DESCRIPTION", True)
+        )
+        module.add_arguments(p)
+        # ``parser``: what a command's manifest rebuilds its command line from (options.canonical_argv)
+        p.set_defaults(run=module.run, parser=p)
     return parser
 
 

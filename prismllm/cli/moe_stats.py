@@ -26,19 +26,13 @@ from prismllm.routing import measure
 from prismllm.routing.contract import OBSERVE_DIR
 from prismllm.routing.stats import FIELDS, RoutingError
 
+SUMMARY = "the routing skew of a recorded MoE run: balance statistics, and a routing file to replay it"
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = options.command(
-        subparsers,
-        "moe-stats",
-        "the routing skew of a recorded MoE run: balance statistics, and a routing file to replay it",
-        __doc__,
-        raw=True,
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("graph", metavar="GRAPH", help="a recording made with --router-module (and no --routing)")
     p.add_argument("--write", metavar="FILE", default=None, help="write the statistics as a routing file")
     options.add(p, "json")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,11 +21,10 @@ from prismllm.cli.program import add_program_args, graph_program_fields
 from prismllm.cli.progress import Display, count, key_values
 from prismllm.launch import LaunchInterrupted
 
+SUMMARY = "run a program like torchrun and record its execution graph"
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = options.command(
-        subparsers, "record", "run a program like torchrun and record its execution graph", __doc__, raw=True
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nproc",
         "--nproc-per-node",
@@ -59,8 +58,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     options.add(p, "timeout", "force", "tee")
     add_program_args(p)
-    p.set_defaults(run=run, parser=p)
-    return p
 
 
 def _summary(res: RecordResult) -> None:

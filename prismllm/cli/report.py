@@ -10,9 +10,11 @@ from prismllm.errors import PrismError
 from prismllm.report import write_report
 from prismllm.specs import parse_ranks
 
+SUMMARY = "write the HTML report of a `prism run` directory"
+RAW_DESCRIPTION = False  # a docstring in prose, wrapped to the terminal
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = options.command(subparsers, "report", "write the HTML report of a `prism run` directory", __doc__)
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("run_dir", metavar="DIR", help="a `prism run` directory (calibrated at least)")
     p.add_argument("--html", default=None, metavar="FILE", help="where to write the page (default DIR/report.html)")
     p.add_argument(
@@ -22,8 +24,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="a real run of the same job (a `prism record` graph): shown beside the prediction, rank by rank",
     )
     options.add(p, "ranks")
-    p.set_defaults(run=run)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,20 +27,13 @@ from prismllm.cli.progress import Display, fmt_seconds
 from prismllm.launch import LaunchInterrupted, RankOutOfMemory
 from prismllm.pipeline.run import RunOptions, run_pipeline
 
+SUMMARY = "capture, time, calibrate (and emulate) a job of N ranks, then write its report"
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = options.command(
-        subparsers,
-        "run",
-        "capture, time, calibrate (and emulate) a job of N ranks, then write its report",
-        __doc__,
-        raw=True,
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add(p, "world", "out", required=("world", "out"))
     options.add(p, *PIPELINE_FLAGS)
     add_program_args(p, prefix=False)
-    p.set_defaults(run=run)
-    return p
 
 
 # the flags of a whole pipeline run (prism run; prism sweep, for each point)

@@ -13,14 +13,14 @@ from prismllm.cli import options
 from prismllm.trace.graph import ranks_text
 from prismllm.trace.summary import fmt_bytes, fmt_ns, summarize
 
+SUMMARY = "summarise a recorded graph"
+RAW_DESCRIPTION = False  # a docstring in prose, wrapped to the terminal
 MAX_ROWS = 20
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = options.command(subparsers, "show", "summarise a recorded graph", __doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("graph", metavar="DIR", help="graph directory")
     options.add(p, "json")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

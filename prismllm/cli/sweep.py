@@ -33,15 +33,10 @@ from prismllm.pipeline.sweep import Point, SweepOptions, parse_grid, run_sweep
 from prismllm.report.html import fmt_bytes, fmt_ns
 from prismllm.report.sweep import best_point
 
+SUMMARY = "run the pipeline for every point of a grid of configurations: time and memory per point"
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = options.command(
-        subparsers,
-        "sweep",
-        "run the pipeline for every point of a grid of configurations: time and memory per point",
-        __doc__,
-        raw=True,
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grid",
         action="append",
@@ -59,8 +54,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     options.add(p, "world", "out", required=("out",))
     options.add(p, *PIPELINE_FLAGS)
     add_program_args(p, prefix=False)
-    p.set_defaults(run=run)
-    return p
 
 
 def render(state: dict, console: Console) -> None:

@@ -17,11 +17,10 @@ from prismllm.cli.program import add_program_args, program_args
 from prismllm.cli.progress import Display
 from prismllm.time import TimeOptions, time_slices
 
+SUMMARY = "time every rank of a bare graph for real, a slice of ranks at a time"
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    p = options.command(
-        subparsers, "time", "time every rank of a bare graph for real, a slice of ranks at a time", __doc__, raw=True
-    )
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
     options.add(p, "graph", "out", required=("graph", "out"))
     options.add(p, "devices")
     p.add_argument("--slice-size", type=int, default=1, metavar="K", help="sandbox ranks per slice (default 1)")
@@ -36,8 +35,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     options.add(p, "timeout", "force")
     add_program_args(p, prefix=False)
-    p.set_defaults(run=run)
-    return p
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,17 +36,11 @@ from prismllm.cli import options
 from prismllm.pipeline.spin import SpinOptions, parse_spin, spin_whatif
 from prismllm.report.html import fmt_ns
 
+SUMMARY = "re-solve a calibration with spans scaled or another network: the new iteration time"
 PROGRAM_AFTER_DASHES = True  # `-- SCRIPT ARGS` after CAL and the options (cli.main)
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = options.command(
-        subparsers,
-        "whatif",
-        "re-solve a calibration with spans scaled or another network: the new iteration time",
-        __doc__,
-        raw=True,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("cal", metavar="CAL", help="a calibration (`prism calibrate --out CAL`, or OUT/cal of `prism run`)")
     p.add_argument(
         "--scale",
@@ -71,7 +65,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     options.add(p, "graph", "layout", "out", "devices", "parallel", "inputs", "tensors", "timeout", "force", "json")
     p.add_argument("--", dest="_program", metavar="SCRIPT ARGS", help="the program, with --spin", default=None)
-    p.set_defaults(run=run, program=[])
+    p.set_defaults(program=[])
 
 
 def run(args: argparse.Namespace) -> int:
