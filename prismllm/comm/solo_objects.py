@@ -168,6 +168,18 @@ def _check_list(call: Call, val, n: int, what: str) -> list:
     return list(val)
 
 
+def _member_objects(call: Call, own: Any) -> list:
+    """A gathering call's object per group member, ``own`` in this rank's slot: the rule's, else
+    what the capture's other ranks published (``own`` where one did not)."""
+    val = _GEN.objects(call)
+    if val is DEFAULT:
+        objs = _SHARED.slots(call, own)
+    else:
+        objs = _check_list(call, val, call.group_size, "one per group member")
+    objs[call.group_rank] = own
+    return objs
+
+
 def _broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None, **kwargs):
     orig = _ORIG["broadcast_object_list"]
     g = _global_src(group, src, group_src)
@@ -195,11 +207,7 @@ def _all_gather_object(object_list, obj, group=None, **kwargs):
     if call is None:
         return orig(object_list, obj, group=group, **kwargs)
     _SHARED.publish(call, obj)
-    val = _GEN.objects(call)
-    n = call.group_size
-    objs = _SHARED.slots(call, obj) if val is DEFAULT else _check_list(call, val, n, "one per group member")
-    objs[call.group_rank] = obj
-    _GEN.begin_payload(objs, per_slot=True)
+    _GEN.begin_payload(_member_objects(call, obj), per_slot=True)
     try:
         return orig(object_list, obj, group=group, **kwargs)
     finally:
@@ -213,11 +221,7 @@ def _gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst
         _SHARED.publish(call, obj)
     if call is None or not call.is_root:
         return orig(obj, object_gather_list, dst=dst, group=group, group_dst=group_dst, **kwargs)
-    val = _GEN.objects(call)
-    n = call.group_size
-    objs = _SHARED.slots(call, obj) if val is DEFAULT else _check_list(call, val, n, "one per group member")
-    objs[call.group_rank] = obj
-    _GEN.begin_payload(objs, per_slot=True)
+    _GEN.begin_payload(_member_objects(call, obj), per_slot=True)
     try:
         return orig(obj, object_gather_list, dst=dst, group=group, group_dst=group_dst, **kwargs)
     finally:
