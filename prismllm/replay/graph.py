@@ -13,7 +13,7 @@ import pyarrow.compute as pc
 from prismllm.errors import PrismError
 from prismllm.trace.edges import match_p2p
 from prismllm.trace.graph import PrismTrace, TraceError
-from prismllm.trace.schema import COLLECTIVE_OPS, KIND_COMM, P2P_OPS
+from prismllm.trace.schema import CALL_COLUMNS, COLLECTIVE_OPS, KIND_COMM, P2P_OPS
 
 # Instance kinds.
 INST_COLLECTIVE = 0
@@ -112,13 +112,7 @@ class ReplayGraph:
         sub = trace.nodes.select(
             [
                 "rank",
-                "index",
-                "iteration",
-                "kind",
-                "op",
-                "group",
-                "seq",
-                "peer",
+                *CALL_COLUMNS,
                 "coalesced",
                 "async_op",
                 "wait_index",

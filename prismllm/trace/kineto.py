@@ -57,7 +57,7 @@ import numpy as np
 import pyarrow as pa
 
 from prismllm.trace.graph import PrismTrace, group_desc, ranks_text
-from prismllm.trace.schema import KIND_COMM
+from prismllm.trace.schema import CALL_COLUMNS, KIND_COMM
 from prismllm.trace.spans import measured_spans, rank_rows, write_atomically
 
 DEVICE = 0
@@ -281,13 +281,7 @@ def _write_rank(
         steps += 1
 
     cols = [
-        "index",
-        "iteration",
-        "kind",
-        "op",
-        "group",
-        "seq",
-        "peer",
+        *CALL_COLUMNS,
         "dtype",
         "in_bytes",
         "out_bytes",

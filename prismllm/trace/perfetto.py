@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from prismllm import specs
 from prismllm.trace.graph import PrismTrace, TraceError, group_desc, ranks_text
-from prismllm.trace.schema import EDGE_SYNC
+from prismllm.trace.schema import CALL_COLUMNS, EDGE_SYNC
 from prismllm.trace.spans import node_spans, select_ranks
 
 TID_ITERATIONS = 0
@@ -178,13 +178,7 @@ def _write(trace: PrismTrace, f: TextIO) -> dict[str, Any]:
     glabel = {gid: f"{gid} ({group_desc(g) or ranks_text(g['ranks'])})" for gid, g in info.items()}
     cols = [
         "node_id",
-        "index",
-        "iteration",
-        "kind",
-        "op",
-        "group",
-        "seq",
-        "peer",
+        *CALL_COLUMNS,
         "dtype",
         "shape",
         "in_bytes",

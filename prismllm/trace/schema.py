@@ -113,6 +113,11 @@ ITERATION_SCHEMA = pa.schema(
     ]
 )
 
+# The node columns that say which call a node is: its place in its rank's program, its iteration,
+# and what it calls (op on group, its seq there, its peer), which tells a collective instance or a
+# send/recv pair. What a reader of calls (an export, the replay) selects first.
+CALL_COLUMNS = ("index", "iteration", "kind", "op", "group", "seq", "peer")
+
 # Default values for node columns a producer may leave out.
 NODE_DEFAULTS: dict[str, object] = {
     "iteration": -1,
