@@ -5,12 +5,16 @@ minutes each), from the repository root on the device machine:
 
 PART:
   megatron     examples/megatron_gpt.py (Megatron-core) on one GPU shared by 2 ranks, per layout
-               (TP2, PP2, DP2 with the distributed optimizer, MoE EP2): the real run (`prism record`)
-               and the solo capture, structure and per-rank peak memory compared; the solo graph
-               emulated with rank 1 real (its peak memory beside the real run's)
+               (TP2, PP2, DP2 with the distributed optimizer, MoE EP2 three ways: plain, its solo
+               capture answered with the recording's tensors, a forced skewed routing): the real run
+               (`prism record --save-tensors`) and the solo capture, structure and per-rank peak
+               memory compared; the real graph emulated with rank 1 real and --check: its losses
+               and gradient norms against the real run's, its peak memory
   megatron-scale  solo capture of megatron_gpt.py at 1024 ranks (TP8·PP8, and MoE EP8·PP8) and
                8192 (TP8·PP8) on one GPU: wall time, ranks run, per-rank peak memory beside the
                theoretical weights + optimizer of Megatron-LM's formula (benchmarks/megatron_memory.py)
+  torchtitan   examples/torchtitan/train.py (torchtitan's trainer, Llama 3 debugmodel) as megatron, at
+               FSDP2 and TP2 (install the carried wheels first: docs/stacks/torchtitan.md)
   moe          gpt3d EP2 with a balanced and a skewed forced routing (--routing): the real run and
                the solo capture, per-rank peak memory to the byte; a memory cap between the two
                peaks (gpt3d --memory-cap-mib) makes the skewed run, and its capture, run out of
@@ -28,6 +32,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,6 +42,8 @@ GPT3D = str(ROOT / "examples" / "gpt3d.py")
 ONE_GPU_16 = "cuda:" + ",".join(["0"] * 16)  # 16 solo ranks at a time on one GPU
 ENV = {
     **os.environ,
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
@@ -50,6 +57,7 @@ def prism_bin() -> str:
     return str(p) if p.exists() else "prism"
 
 
+CAP_MIB = 0  # moe-oom's memory cap when given (--cap-mib)
 RESULT: dict = {}  # this part's figures, written to OUT/PART.json after every case (a timeout keeps them)
 SAVE: list[Path] = []
 
@@ -108,31 +116,110 @@ MEGATRON_LAYOUTS = {
     "pp2": ["--pp", "2"],
     "dp2-distopt": ["--dist-opt"],
     "ep2": ["--ep", "2", "--num-experts", "4"],
+    "ep2-tensors": ["--ep", "2", "--num-experts", "4"],
+    "ep2-routed": ["--ep", "2", "--num-experts", "4"],
 }
+SKEW = {"default": {"br_min": 0.7, "br_max": 2.2, "br_avg": 1.0, "br_std": 0.45, "br_med": 0.9, "br_skew": 1.5}}
+
+
+def megatron_prism_flags(name: str, out: Path, real: Path) -> tuple[list[str], list[str]]:
+    """The prism flags of a case's record and capture: ep2-tensors answers the solo capture's
+    collectives with the recording's tensors (the router's real choices); ep2-routed forces a
+    skewed routing on Megatron-core's TopKRouter in both."""
+    if name == "ep2-tensors":
+        return [], ["--tensors", str(real / "tensors")]
+    if name == "ep2-routed":
+        (out / "skew.json").write_text(json.dumps(SKEW))
+        routed = ["--router-module", "TopKRouter:gating", "--routing", str(out / "skew.json")]
+        return routed, routed
+    return [], []
+
+
+def losses(log: Path) -> list[list[str]]:
+    """``lm loss`` and ``grad norm`` of every iteration examples/megatron_gpt.py's last rank printed."""
+    return [list(m) for m in re.findall(r"lm loss: (\S+) \| grad norm: (\S+)", log.read_text(errors="replace"))]
 
 
 def part_megatron(out: Path, devices: str, cases: list[str]) -> dict:
+    """Per layout: the real 2-rank run recorded with its tensors, the solo capture (structure and
+    per-rank peak memory against the real run), and the real graph emulated with rank 1 real
+    (``--check``: its losses and gradient norms against the real run's, and its peak memory)."""
     res = {}
     for name, flags in MEGATRON_LAYOUTS.items():
         if cases and name not in cases:
             continue
-        prog = [MEGATRON, *flags, *MEGATRON_SIZES]
-        real, solo, emu = out / f"mg-{name}-real", out / f"mg-{name}-solo", out / f"mg-{name}-emu"
-        r = {"flags": flags}
-        r["record"] = run(out, f"mg-{name}-record", "record", "--nproc", "2", "--devices", devices, "--out", str(real),
-                          "--force", "--timeout", "240", "--", *prog)  # fmt: skip
-        r["capture"] = run(out, f"mg-{name}-capture", "capture", "--world", "2", "--devices", devices, "--parallel",
-                           "2", "--out", str(solo), "--force", "--timeout", "240", "--", *prog)  # fmt: skip
-        r["structure"] = compare(out, real, solo, f"mg-{name}-compare")
-        r["peak_real"], r["peak_solo"] = peaks(real), peaks(solo)
-        r["peak_equal"] = bool(r["peak_real"]) and r["peak_real"] == r["peak_solo"]
-        r["emulate"] = run(out, f"mg-{name}-emulate", "emulate", "--graph", str(solo), "--sandbox", "1", "--devices",
-                           devices, "--out", str(emu), "--force", "--timeout", EMULATE_TIMEOUT, "--", *prog)  # fmt: skip
-        r["peak_emulated"] = emulated_peak(emu)
-        res[name] = r
-        RESULT[name] = r
-        save()
-        print(json.dumps({k: v for k, v in r.items() if k not in ("record", "capture", "emulate")}), flush=True)
+        real = out / f"mg-{name}-real"
+        for_record, for_capture = megatron_prism_flags(name, out, real)
+        res[name] = stack_case(
+            out, f"mg-{name}", [MEGATRON, *flags, *MEGATRON_SIZES], devices, for_record, for_capture,
+            lambda side: losses(out / f"mg-{name}-{side}.log"),
+        )  # fmt: skip
+        res[name]["flags"] = flags
+    return res
+
+
+def stack_case(out: Path, name: str, prog: list[str], devices: str, for_record: list[str], for_capture: list[str],
+               losses_of: Callable[[str], list], dump: Callable[[str], list[str]] = lambda side: []) -> dict:  # fmt: skip
+    """One layout of a stack: the real 2-rank run recorded with its tensors, the solo capture
+    (structure, per-rank peak memory), the real graph emulated with rank 1 real and ``--check``
+    (its losses, from ``losses_of("record")`` and ``losses_of("emulate")``, and its peak memory).
+    ``dump(side)``: the program's arguments naming that run's own output folder."""
+    real, solo, emu = out / f"{name}-real", out / f"{name}-solo", out / f"{name}-emu"
+    r: dict = {"prism_flags": [for_record, for_capture]}
+    r["record"] = run(out, f"{name}-record", "record", "--nproc", "2", "--devices", devices, "--out", str(real),
+                      "--save-tensors", "all,inputs", *for_record, "--force", "--timeout", "240", "--", *prog,
+                      *dump("record"))  # fmt: skip
+    r["capture"] = run(out, f"{name}-capture", "capture", "--world", "2", "--devices", devices, "--parallel", "2",
+                       "--out", str(solo), *for_capture, "--force", "--timeout", "240", "--", *prog,
+                       *dump("capture"))  # fmt: skip
+    r["structure"] = compare(out, real, solo, f"{name}-compare")
+    r["peak_real"], r["peak_solo"] = peaks(real), peaks(solo)
+    r["peak_equal"] = bool(r["peak_real"]) and r["peak_real"] == r["peak_solo"]
+    r["emulate"] = run(out, f"{name}-emulate", "emulate", "--graph", str(real), "--sandbox", "1", "--devices",
+                       devices, "--check", "--out", str(emu), "--force", "--timeout", EMULATE_TIMEOUT, "--", *prog,
+                       *dump("emulate"))  # fmt: skip
+    r["peak_emulated"] = emulated_peak(emu)
+    r["losses_real"], r["losses_emulated"] = losses_of("record"), losses_of("emulate")
+    r["losses_equal"] = bool(r["losses_real"]) and r["losses_real"] == r["losses_emulated"]
+    m = re.search(r"max abs diff [^\n]*", (out / f"{name}-emulate.log").read_text(errors="replace"))
+    r["check"] = m.group(0) if m else None
+    RESULT[name] = r
+    save()
+    print(json.dumps({k: v for k, v in r.items() if k not in ("record", "capture", "emulate")}), flush=True)
+    return r
+
+
+TORCHTITAN = str(ROOT / "examples" / "torchtitan" / "train.py")
+TORCHTITAN_LAYOUTS = {
+    "fsdp2": ["--parallelism.data-parallel-shard-degree", "2"],
+    "tp2": ["--parallelism.tensor-parallel-degree", "2"],
+}
+
+
+def part_torchtitan(out: Path, devices: str, cases: list[str]) -> dict:
+    """torchtitan's own trainer (examples/torchtitan/train.py, Llama 3 debugmodel, local assets)
+    per layout, as part megatron: structure, peak memory, and rank 1's full-precision losses and
+    gradient norms (TensorBoard, examples/torchtitan/losses.py) emulated against the real run's."""
+    assets = out / "tt-assets"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "torchtitan" / "make_assets.py"), str(assets)], check=True,
+                   env=ENV, stdout=subprocess.DEVNULL)  # fmt: skip
+    base = [TORCHTITAN, "--module", "prism_configs", "--config", "llama3_debugmodel_cpu", "--hf-assets-path",
+            str(assets / "tokenizer"), "--dataloader.dataset-path", str(assets / "c4_test")]  # fmt: skip
+
+    def tt_losses(name: str, side: str) -> list:
+        p = subprocess.run([sys.executable, str(ROOT / "examples" / "torchtitan" / "losses.py"),
+                            str(out / f"tt-{name}-{side}-dump"), "1"], capture_output=True, text=True, env=ENV)  # fmt: skip
+        return p.stdout.split()
+
+    res = {}
+    for name, flags in TORCHTITAN_LAYOUTS.items():
+        if cases and name not in cases:
+            continue
+        res[name] = stack_case(
+            out, f"tt-{name}", [*base, *flags], devices, [], [],
+            lambda side, name=name: tt_losses(name, side),
+            lambda side, name=name: ["--dump-folder", str(out / f"tt-{name}-{side}-dump")],
+        )  # fmt: skip
     return res
 
 
@@ -181,8 +268,7 @@ def part_megatron_scale(out: Path, devices: str, only: list[str]) -> dict:
 
 def part_moe(out: Path, devices: str, cases: list[str]) -> dict:
     skew = out / "skew.json"
-    skew.write_text(json.dumps({"default": {"br_min": 0.7, "br_max": 2.2, "br_avg": 1.0, "br_std": 0.45,
-                                            "br_med": 0.9, "br_skew": 1.5}}))  # fmt: skip
+    skew.write_text(json.dumps(SKEW))
     bal = out / "balanced.json"
     bal.write_text(json.dumps({"default": "balanced"}))
     prog = [GPT3D, "--ep", "2", "--num-experts", "8", "--topk", "2", "--layers", "4", "--hidden", "1024", "--heads",
@@ -258,6 +344,8 @@ def part_moe_oom(out: Path, devices: str, cases: list[str]) -> dict:
             "16", "--ffn-hidden", "16384", "--seq", "2048", "--micro-batch", "8", "--global-batch", "32", "--iters",
             "2"]  # fmt: skip
     res: dict = {}
+    if CAP_MIB:  # the cap is known from an earlier run of this part: the capped runs only
+        return _moe_oom_capped(out, res, prog, CAP_MIB, skew, bal)
     for name, routing in (("balanced", bal), ("skewed", skew)):
         d = out / f"ep4-{name}-real"
         res[name] = {"record": run(out, f"ep4-{name}-record", "record", "--nproc", "4", "--devices", dev4,
@@ -268,8 +356,12 @@ def part_moe_oom(out: Path, devices: str, cases: list[str]) -> dict:
     b, s_ = res["balanced"]["peak_real"], res["skewed"]["peak_real"]
     if not (b and s_):
         return res
-    cap = (max(b.values()) + max(s_.values())) // 2 // 2**20
-    res["cap_mib"] = cap
+    return _moe_oom_capped(out, res, prog, (max(b.values()) + max(s_.values())) // 2 // 2**20, skew, bal)
+
+
+def _moe_oom_capped(out: Path, res: dict, prog: list[str], cap: int, skew: Path, bal: Path) -> dict:
+    dev4 = "cuda:0,0,0,0"
+    res["cap_mib"] = RESULT["cap_mib"] = cap
     for name, routing in (("skewed", skew), ("balanced", bal)):
         force = ["--router-module", "Router", "--routing", str(routing)]
         capped = [*prog, "--memory-cap-mib", str(cap)]
@@ -280,14 +372,16 @@ def part_moe_oom(out: Path, devices: str, cases: list[str]) -> dict:
                            "4", *force, "--out", str(out / f"cap-{name}-solo"), "--force", "--", *capped)  # fmt: skip
         r["record_oom_rank"] = _oom_rank(out / f"cap-{name}-record.log")
         r["capture_oom_rank"] = _oom_rank(out / f"cap-{name}-capture.log")
+        r["peak_real"], r["peak_solo"] = peaks(out / f"cap-{name}-real"), peaks(out / f"cap-{name}-solo")
         res[f"capped_{name}"] = RESULT[f"capped_{name}"] = r
         save()
-        print(json.dumps({k: (v["rc"] if isinstance(v, dict) else v) for k, v in r.items()}), flush=True)
+        print(json.dumps({k: (v.get("rc", v) if isinstance(v, dict) else v) for k, v in r.items()}), flush=True)
     return res
 
 
 PARTS = {
     "megatron": part_megatron,
+    "torchtitan": part_torchtitan,
     "megatron-scale": part_megatron_scale,
     "moe": part_moe,
     "moe-oom": part_moe_oom,
@@ -300,7 +394,10 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "out/device"))
     ap.add_argument("--devices", default="cuda:0,0")
     ap.add_argument("--cases", default="", help="comma-separated cases of the part (default: all)")
+    ap.add_argument("--cap-mib", type=int, default=0, help="moe-oom: the memory cap, skipping the uncapped runs")
     a = ap.parse_args()
+    global CAP_MIB
+    CAP_MIB = a.cap_mib
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     SAVE.append(out / f"{a.part}.json")

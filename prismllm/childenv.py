@@ -159,16 +159,19 @@ def _parse(name: str, raw: str) -> Any:
 @dataclasses.dataclass(frozen=True)
 class ChildError:
     """Why a child stopped. ``kind``: ``prism`` (prism stopped the program: a message that
-    names the rank, the call and the fix) or ``assistant`` (an assistant cannot play its part)."""
+    names the rank, the call and the fix), ``assistant`` (an assistant cannot play its part) or
+    ``out_of_memory`` (the program's allocation failed; ``calls``: the communication calls the
+    rank had made, where in the program it ran out)."""
 
     kind: str
     message: str
+    calls: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
 
 
-def report_error(kind: str, message: str, path: str | None = None) -> None:
+def report_error(kind: str, message: str, path: str | None = None, calls: int | None = None) -> None:
     """Write the child's error where its parent reads it (``PRISM_ERROR_FILE``); nothing
     without one. Never raises: the child is on its way out."""
     path = path if path is not None else os.environ.get(variable("error_file"))
@@ -177,7 +180,7 @@ def report_error(kind: str, message: str, path: str | None = None) -> None:
     try:
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
-            f.write(ChildError(kind, message).to_json())
+            f.write(ChildError(kind, message, calls).to_json())
         os.replace(tmp, path)
     except OSError:
         pass
@@ -190,7 +193,8 @@ def read_error(path: str | os.PathLike | None) -> ChildError | None:
     try:
         with open(path) as f:
             d = json.load(f)
-        return ChildError(str(d["kind"]), str(d["message"]))
+        calls = d.get("calls")
+        return ChildError(str(d["kind"]), str(d["message"]), int(calls) if calls is not None else None)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

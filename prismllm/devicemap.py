@@ -356,6 +356,8 @@ _CUDA: dict[str, Any] = {
     "device": _DeviceContext,
     "device_of": lambda obj: _DeviceContext(None),
     "synchronize": _nothing,
+    # torch 2.11's optimizers ask it whenever CUDA is available (2.13 asks torch.accelerator)
+    "is_current_stream_capturing": lambda: False,
     "ipc_collect": _nothing,
     "empty_cache": _nothing,
     "get_device_name": lambda device=None: _properties().name,

@@ -659,3 +659,29 @@ def test_solo_ranks_share_object_collectives_and_take_numpy_splits(tmp_path, par
         [PRISM, "compare", str(tmp_path / "rec"), str(tmp_path / "solo")], capture_output=True, text=True, timeout=120
     )
     assert "structure: equal" in cmp.stdout, cmp.stdout
+
+
+def test_a_gpu_list_is_a_pool(monkeypatch):
+    """--parallel G takes the first G of a longer --devices list (prism run hands capture, time and
+    emulate the same list); a shorter list is refused."""
+    import prismllm.capture.common as common
+    from prismllm.capture.solo import _parallel_and_devices
+
+    monkeypatch.setattr(common, "cuda_info", lambda: (True, 1))
+    opts = CaptureOptions(world=8, out="o", script="s", devices="cuda:0,0,0,0", parallel=2)
+    assert _parallel_and_devices(opts) == (2, "cuda", [0, 0])
+    with pytest.raises(PrismError, match=r"lists 1 GPU\(s\) for --parallel 2"):
+        _parallel_and_devices(CaptureOptions(world=8, out="o", script="s", devices="cuda:0", parallel=2))
+
+
+def test_the_rank_that_runs_out_of_memory_first_in_the_program_is_named(tmp_path):
+    """Two solo ranks run out of memory: rank 0 in its second iteration, at once, rank 1 in its
+    first, two seconds later. Rank 1 is named, with the calls each had made (a real run, whose
+    ranks keep step at the all_reduces, runs out on rank 1)."""
+    hungry = str(Path(__file__).parent / "programs" / "memory_hungry.py")
+    argv = ["capture", "--world", "2", "--parallel", "2", "--devices", "cpu", "--out", str(tmp_path / "g")]
+    p = subprocess.run([PRISM, *argv, "--", hungry, "--hungry-rank", "1", "--delay", "2", "--hungry-late", "0"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode != 0
+    assert "rank 1 ran out of memory in its solo run after 2 communication call(s)" in p.stderr, p.stderr[-2000:]
+    assert "also out of memory: rank 0 after 4 call(s)" in p.stderr, p.stderr[-2000:]

@@ -47,6 +47,18 @@ def test_premul_sum_keeps_its_factor_in_the_graph():
     assert split_reduce_op("avg") == ("avg", None)
 
 
+def test_premul_factor_without_the_factor_attribute():
+    """torch 2.11's ReduceOp has no ``.factor``: the factor is read from its pickled state."""
+    from prismllm.comm.recorder import premul_factor
+
+    class ReduceOpOf211:  # what torch 2.11 gives: no .factor, the state (RedOpType, factor)
+        def __getstate__(self):
+            return (dist.ReduceOp.RedOpType.PREMUL_SUM, 0.75)
+
+    assert premul_factor(ReduceOpOf211()) == 0.75
+    assert premul_factor(dist.ReduceOp.PREMUL_SUM(0.25)) == 0.25
+
+
 def test_a_gpu_is_refused_and_the_python_recorder_taken(tmp_path):
     for devices in ("cuda", "cuda:0,1"):
         with pytest.raises(PrismError, match="--cuda-on-cpu"):

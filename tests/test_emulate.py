@@ -336,6 +336,12 @@ def test_gpu_lists_of_sandbox_and_assistants(monkeypatch):
         _gpus("cuda:0", 1, 1)
     with pytest.raises(PrismError, match="GPU 1 does not exist"):
         _gpus("cuda:0,1", 1, 1)
+    # a longer list is a pool: prism run hands capture, time and emulate the same --devices
+    assert _gpus("cuda:0,0,0,0", 1, 1) == ([0], [0])
+    (a, b) = slice_devices(TimeOptions(graph="g", out="o", script="s", args=[], devices="cuda:0,0,0,0,0"), 2)
+    assert a.text == b.text == "cuda:0,0"
+    (one,) = slice_devices(TimeOptions(graph="g", out="o", script="s", args=[], devices="cuda:0,0,0,0"), 1)
+    assert one.text == "cuda:0,0"
     # prism time: a listed slice of 2 sandbox GPUs and the assistant's; a short last slice
     opts = TimeOptions(graph="g", out="o", script="s", args=[], devices="cuda:0,1,0", slice_size=2)
     (dev,) = slice_devices(opts, 1)

@@ -1,5 +1,5 @@
 """The recording backend on GPUs (NCCL, device-side timing). Run on the device machine:
-``pytest -m gpu tests/test_recording_gpu.py`` (needs 2+ GPUs; torch 2.11 there)."""
+``pytest -m gpu tests/test_recording_gpu.py`` (torch 2.11 there; most tests need 2 GPUs)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,8 @@ torch = pytest.importorskip("torch")
 
 from test_recording import PROGRAMS, Launch, check_structure, comm  # noqa: E402
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs"),
-]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 ENV = {"TORCH_NCCL_ENABLE_TIMING": "1"}
 
@@ -41,6 +39,7 @@ def smoke(request, tmp_path_factory):
     return launch
 
 
+@two_gpus
 def test_nccl_smoke_records(smoke):
     res = smoke.ok()
     logs = smoke.logs()
@@ -71,6 +70,7 @@ def test_nccl_smoke_records(smoke):
         assert {c["op"] for c in fs} >= {"all_gather", "reduce_scatter"}
 
 
+@two_gpus
 def test_iterations_device_times(smoke):
     for log in smoke.logs():
         its = log.iterations
@@ -80,6 +80,7 @@ def test_iterations_device_times(smoke):
         assert all(it["end_ns"] - it["start_ns"] < 5e9 for it in its[2:])
 
 
+@two_gpus
 def test_solo_work_lifetimes_match_nccl(tmp_path):
     """What a Work keeps alive (and for how long) is ProcessGroupNCCL's in solo mode too:
     memory_allocated at each point of tests/programs/work_lifetimes.py equals the real run's
@@ -96,3 +97,43 @@ def test_solo_work_lifetimes_match_nccl(tmp_path):
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
         got = [ln for ln in p.stdout.splitlines() if ln.startswith("MEM ")]
         assert len(want) == 8 and got == want, (want, got)
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_premul_sum_keeps_its_factor(tmp_path, native):
+    """NCCL's PREMUL_SUM is recorded with its factor, a float's and a device tensor's, by both
+    recorders: the emulation replays the call with it. Two ranks share GPU 0."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+
+    prism = str(Path(sys.executable).with_name("prism"))
+    env = {**os.environ, "PRISM_NATIVE": native}
+    p = subprocess.run([prism, "record", "--nproc", "2", "--devices", "cuda:0,0", "--out", str(tmp_path / "g"),
+                        "--", str(PROGRAMS / "premul_sum.py")], capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "rank 0: [1.5, 1.5, 1.5, 1.5] [0.5, 0.5, 0.5, 0.5]" in p.stdout
+    ops = [x for x in pq.read_table(tmp_path / "g" / "nodes.parquet").column("reduce_op").to_pylist() if x]
+    assert ops == ["premul_sum:0.5", "premul_sum:0.25"] * 2
+
+
+def test_nccl_leaves_the_same_memory_in_solo_capture(tmp_path):
+    """What NCCL's calls leave allocated (its barrier's one-element tensor, kept by the group) is
+    held by solo capture too: the allocated bytes after every call are the real run's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    prism = str(Path(sys.executable).with_name("prism"))
+    program = str(PROGRAMS / "nccl_memory.py")
+    lines = {}
+    for name, argv in (("real", ["record", "--nproc", "2"]), ("solo", ["capture", "--world", "2", "--parallel", "2"])):
+        p = subprocess.run([prism, *argv, "--devices", "cuda:0,0", "--out", str(tmp_path / name), "--", program],
+                           capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        lines[name] = sorted(ln for ln in p.stdout.splitlines() if ln.startswith("rank "))
+    assert len(lines["real"]) == 2 and "barrier=512" in lines["real"][0]
+    assert lines["solo"] == lines["real"]

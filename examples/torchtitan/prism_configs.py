@@ -10,7 +10,8 @@ make the run large:
 * ``training.disable_cuda_graphs`` (CUDA graphs cannot be mapped to a CPU);
 * ``parallelism.spmd_backend = "partial_dtensor"`` (the default ``spmd_types`` needs a torch whose
   ``fully_shard`` turns spmd_types annotations into DTensors; torch 2.13.0's does not: "When
-  dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh");
+  dp_mesh_dims is provided, all parameters must be DTensors on the full SPMD mesh", and torch
+  2.11.0's takes no ``dp_mesh_dims`` at all: ``torch_compat.py``);
 * the local assets made by ``make_assets.py`` (tokenizer, c4_test-like data; its default
   directory, out/torchtitan/assets, or the one ``--hf-assets-path`` and
   ``--dataloader.dataset-path`` name), seq_len 128,

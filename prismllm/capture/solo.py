@@ -216,12 +216,12 @@ def _parallel_and_devices(opts: CaptureOptions) -> tuple[int, str, str | list[in
         raise PrismError(f"--parallel must be at least 1, not {g}")
     if opts.cuda_on_cpu:
         return g, *resolve_devices(dev.text, g, cuda_on_cpu=True)
-    if dev.gpus is not None and len(dev.gpus) != g:
+    if dev.gpus is not None and len(dev.gpus) < g:
         raise PrismError(
             f"--devices {dev.text} lists {len(dev.gpus)} GPU(s) for --parallel {g}: one rank runs on "
             f"each listed GPU (list a GPU twice to run two ranks on it)"
         )
-    device, devices = resolve_devices(dev.text, g)
+    device, devices = resolve_devices(dev.text, g)  # the first G of a longer list
     return g, device, devices
 
 
@@ -407,21 +407,44 @@ def reconcile_all_to_all(trace: Any) -> int:
 # Capture
 
 
+# After a rank of a batch fails, how long the others may run on: solo ranks run apart, so one that
+# runs out of memory earlier in the program may do so later in time (_failure names it); a rank
+# waiting on the failed one's part of an object collective ends at this bound.
+FAILURE_SETTLE_S = 10.0
+
+
 def _failure(result: LaunchResult, spool: Path, done: int, total: int) -> LaunchError:
     """A failed batch: a rank that ran out of memory is a result (RankOutOfMemory: the program
-    needs more than the device at this scale), anything else a LaunchError; both say how to resume."""
+    needs more than the device at this scale), anything else a LaunchError; both say how to resume.
+    Solo ranks run apart, so the first to fail in time need not be the first in the program: of the
+    ranks that ran out, the one with the fewest communication calls made is named (where a real
+    run, whose ranks keep step at every collective, runs out first), the others after it."""
     resume = f"\n  spool kept in {spool} ({done} of {total} ranks finished); re-run the same command to resume"
-    f = result.failure
-    if f is not None and f.rank is not None and f.rank >= 0 and (f.returncode or 0) > 0:
-        if says_out_of_memory(result.stderr_tail.get(f.rank, []) or result.stdout_tail.get(f.rank, [])):
-            line = error_line(result.stderr_tail.get(f.rank, []) or result.stdout_tail.get(f.rank, []))[0]
-            return RankOutOfMemory(
-                f"rank {f.rank} ran out of memory in its solo run (a result: the program needs more at this "
-                f"scale than the device holds): {line}{resume}",
-                result,
-                f.rank,
-            )
+    oom = {r: _out_of_memory(result, r) for r in result.ranks if (result.returncodes.get(r) or 0) > 0}
+    oom = {r: v for r, v in oom.items() if v is not None}
+    if oom:
+        first, *others = sorted(oom, key=lambda r: (oom[r][1] is None, oom[r][1] or 0, r))
+        line, calls = oom[first]
+        where = f" after {calls} communication call(s)" if calls is not None else ""
+        also = "; ".join(f"rank {r}" + (f" after {oom[r][1]} call(s)" if oom[r][1] is not None else "") for r in others)
+        return RankOutOfMemory(
+            f"rank {first} ran out of memory in its solo run{where} (a result: the program needs more at this "
+            f"scale than the device holds): {line}" + (f"\n  also out of memory: {also}" if also else "") + resume,
+            result,
+            first,
+        )
     return LaunchError(f"{result.message}{resume}", result)
+
+
+def _out_of_memory(result: LaunchResult, rank: int) -> tuple[str, int | None] | None:
+    """(the error line, the calls the rank had made) when ``rank`` ran out of memory, else None."""
+    err = result.errors.get(rank)
+    tail = result.stderr_tail.get(rank, []) or result.stdout_tail.get(rank, [])
+    if err is not None and err.kind == "out_of_memory":
+        return error_line(tail)[0] if tail else err.message, err.calls
+    if says_out_of_memory(tail):
+        return error_line(tail)[0], None
+    return None
 
 
 def capture(
@@ -489,6 +512,7 @@ def capture(
             env={**dataclasses.replace(child, solo_batch=tuple(batch)).to_env(), **opts.env},
             devices=plan.devices if plan.devices == "cpu" else list(plan.devices)[: len(batch)],
             log_dir=out / LOGS_DIR if opts.tee else None,
+            settle=FAILURE_SETTLE_S,
         )
         t_batch = time.monotonic()
         try:

@@ -27,6 +27,7 @@ import traceback
 
 from prismllm.childenv import ChildEnv, report_error
 from prismllm.errors import PrismError
+from prismllm.launch.messages import is_out_of_memory
 from prismllm.launch.status import reporter
 
 USAGE = "usage: python -m prismllm.comm.bootstrap SCRIPT [ARGS...]"
@@ -167,6 +168,9 @@ def main(argv: list[str] | None = None) -> None:
         perr = _prism_error(e)
         if perr is not None:  # prism's own error (e.g. the tensor generator): one line
             _stop(str(perr))
+        text = f"{type(e).__name__}: {e}"
+        if is_out_of_memory(text):  # with where in the program: solo ranks, run apart, are compared by it
+            report_error("out_of_memory", text.splitlines()[0], calls=rec.calls() if rec else None)
         tb = _program_traceback(e.__traceback__, script)
         e.__traceback__ = tb
         sys.excepthook(type(e), e, tb)

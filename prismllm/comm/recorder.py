@@ -73,6 +73,13 @@ def dtype_name(dt: torch.dtype) -> str:
 _REDOP_NAMES: dict[Any, str] = {}
 
 
+def premul_factor(op: Any) -> Any:
+    """A PREMUL_SUM ``ReduceOp``'s factor (a float or a tensor). torch 2.13 has ``op.factor``;
+    earlier releases keep it only in the pickled state, ``(RedOpType, factor)``, as 2.13 also does."""
+    factor = getattr(op, "factor", None)
+    return op.__getstate__()[1] if factor is None else factor
+
+
 def redop_name(op: Any) -> str:
     """``ReduceOp`` (or its ``RedOpType``) -> "sum", "avg", ...; a PREMUL_SUM ReduceOp ->
     ``"premul_sum:<factor>"`` (``trace.schema.split_reduce_op``; a tensor factor by its value),
@@ -84,7 +91,7 @@ def redop_name(op: Any) -> str:
     if n is None:
         name = getattr(key, "name", None) or str(key).rsplit(".", 1)[-1]
         n = _REDOP_NAMES[key] = name.lower()
-    factor = getattr(op, "factor", None) if n == "premul_sum" and key is not op else None
+    factor = premul_factor(op) if n == "premul_sum" and key is not op else None
     if factor is None:
         return n
     return f"premul_sum:{float(factor.item() if isinstance(factor, torch.Tensor) else factor)!r}"
@@ -518,6 +525,12 @@ class Recorder:
             self.m_async[j] = 1
 
     # ---- status (prismllm.launch.status: read from the reporter's thread, under the GIL) -------
+    def calls(self) -> int:
+        """The communication calls made so far."""
+        if self.native is not None:
+            return int(self.native.self_time()["calls"])
+        return len(self.m_op)
+
     def progress(self) -> int:
         """A count that moves with every call, wait and boundary."""
         if self.native is not None:

@@ -125,6 +125,9 @@ _AG_COAL = _inner_method("all_gather_single_coalesced", "allgather_into_tensor_c
 RS_COAL = _inner_method("reduce_scatter_single_coalesced", "reduce_scatter_tensor_coalesced")
 
 
+LAST_WORKS_HELD = 8  # per gloo group: see RecordingProcessGroup._last_works
+
+
 class RecordingProcessGroup(dist.ProcessGroup):
     def __init__(
         self,
@@ -155,8 +158,12 @@ class RecordingProcessGroup(dist.ProcessGroup):
         self._seq = 0
         self._p2p: dict[tuple[int, str], int] = {}
         # gloo's last Works, held (comm.recording_work.hold_to_the_end): gloo's worker threads
-        # drop their own reference after completing a Work, at most one each (two by default)
-        self._last_works: collections.deque | None = collections.deque(maxlen=2) if "nccl" not in real_backend else None
+        # drop their own reference after completing a Work, at most one each (two by default),
+        # but they complete Works out of the order they were issued in: the two a worker still
+        # holds need not be the last two (an 8-rank test aborted about 1 run in 4 with two held)
+        self._last_works: collections.deque | None = (
+            collections.deque(maxlen=LAST_WORKS_HELD) if "nccl" not in real_backend else None
+        )
 
     # ---- identity ----------------------------------------------------------------------
     @property

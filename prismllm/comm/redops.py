@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from prismllm.comm.recorder import premul_factor
 from prismllm.comm.recording import RS_BASE, RS_COAL
 
 _C = torch._C._distributed_c10d
@@ -151,14 +152,15 @@ class GlooReduceOps:
             if name == "reduce" and opts.rootRank != real.rank():
                 results = []  # only the root's buffer holds the result
             if kind == _PREMUL:
+                factor = premul_factor(red)
                 with torch.no_grad():
                     if name in _SCATTER:  # into copies: the program's inputs stay as they are
-                        inputs = [_scaled(inputs[0], red.factor)]
+                        inputs = [_scaled(inputs[0], factor)]
                     elif results:  # in place: the input is the output
                         for t in results:
-                            t.mul_(red.factor)
+                            t.mul_(factor)
                     else:  # a reduce's non-root: its input is not an output
-                        outputs = _scaled(outputs, red.factor)
+                        outputs = _scaled(outputs, factor)
                 return method(outputs, *inputs, _with_sum(opts))
             work = method(outputs, *inputs, _with_sum(opts))
             size = real.size()

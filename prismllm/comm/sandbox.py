@@ -526,6 +526,7 @@ class PrunedBackend(solo.GeneratedBackend):
 
     # -- calls GeneratedBackend answers without a Call, or without the tag --
     def barrier(self, opts=None):
+        self._hold_barrier_tensor(opts)
         return self._run([self._call(1, 0)], [], [])
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):

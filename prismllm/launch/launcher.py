@@ -546,6 +546,11 @@ class _Launcher:
             stdout_tail=stdout_tail,
             stderr_tail=stderr_tail,
             names=dict(self.names),
+            errors={
+                c.rank: e
+                for c in self.children
+                if (c.returncode or 0) > 0 and (e := read_error(c.prism_error_file)) is not None
+            },
         )
 
 

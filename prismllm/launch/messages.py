@@ -48,7 +48,12 @@ _OUT_OF_MEMORY = re.compile(
 
 def says_out_of_memory(lines: Sequence[str]) -> bool:
     """Whether the error a process reported last (:func:`error_line`) is an allocation failure."""
-    return any(_OUT_OF_MEMORY.search(ln) for ln in error_line(lines)[1])
+    return any(is_out_of_memory(ln) for ln in error_line(lines)[1])
+
+
+def is_out_of_memory(text: str) -> bool:
+    """Whether an error's text (``"Type: message"``) says an allocation failed."""
+    return _OUT_OF_MEMORY.search(text) is not None
 
 
 def error_line(lines: Sequence[str]) -> tuple[str, list[str]]:

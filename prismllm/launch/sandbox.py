@@ -271,7 +271,7 @@ def cuda_count() -> int:
 def gpus_of(devices: DeviceSpec, n_sandbox: int, n_assistants: int) -> tuple[list[int], list[int]]:
     """GPU indices of a run's sandbox ranks and assistants: ``cuda`` gives each its own GPU in
     that order (sandbox ranks first); ``cuda:G,G,...`` lists them in that order, a GPU named twice
-    being shared (its processes each NCCL's own host)."""
+    being shared (its processes each NCCL's own host), the first of a longer list taken."""
     if devices.kind == "cpu":
         return [], []
     if devices.kind != "cuda":
@@ -288,7 +288,7 @@ def gpus_of(devices: DeviceSpec, n_sandbox: int, n_assistants: int) -> tuple[lis
         gpus = list(range(need))
     else:
         gpus = list(devices.gpus)
-        if len(gpus) != need:
+        if len(gpus) < need:
             raise PrismError(
                 f"--devices {devices.text}: {len(gpus)} GPU(s) listed for {n_sandbox} sandbox "
                 f"rank(s) and {n_assistants} assistant(s) (one each, in that order)"
@@ -296,6 +296,7 @@ def gpus_of(devices: DeviceSpec, n_sandbox: int, n_assistants: int) -> tuple[lis
         bad = [g for g in gpus if not 0 <= g < have]
         if bad:
             raise PrismError(f"--devices {devices.text}: GPU {bad[0]} does not exist ({have} visible)")
+        gpus = gpus[:need]  # a longer list is a pool (prism run hands every stage the same one)
     return gpus[:n_sandbox], gpus[n_sandbox:]
 
 

@@ -165,6 +165,8 @@ class LaunchResult:
     stdout_tail: dict[int, list[str]]
     stderr_tail: dict[int, list[str]]
     names: dict[int, str] = dataclasses.field(default_factory=dict)  # extra id -> its name
+    # what each failed rank reported of its own error (prismllm.childenv.report_error)
+    errors: dict[int, ChildError] = dataclasses.field(default_factory=dict)
 
     def raise_for_failure(self) -> None:
         if not self.ok:

@@ -145,12 +145,12 @@ def slice_devices(opts: TimeOptions, at_once: int, cuda_on_cpu: bool = False) ->
             )
         gpus: tuple[int, ...] = tuple(range(per * at_once))
     else:
-        gpus = dev.gpus
-        if len(gpus) != per * at_once:
+        if len(dev.gpus) < per * at_once:
             raise PrismError(
                 f"--devices {dev.text}: a slice is {opts.slice_size} sandbox GPU(s) and one assistant GPU, "
-                f"{at_once} slice(s) at a time need {per * at_once}, {len(gpus)} listed"
+                f"{at_once} slice(s) at a time need {per * at_once}, {len(dev.gpus)} listed"
             )
+        gpus = dev.gpus[: per * at_once]  # the first of a longer list (fewer slices than it holds)
     return [DeviceSpec("cuda", gpus[k * per : (k + 1) * per]) for k in range(at_once)]
 
 

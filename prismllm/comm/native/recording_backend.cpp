@@ -20,6 +20,7 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -72,10 +73,24 @@ struct Entry {
   int64_t p0, p1, p2;
 };
 
+// A row's reduction: the ReduceOp's code (-1: none) and a PREMUL_SUM's factor (NaN otherwise).
+// A tensor factor is read on the host (a device sync, where the program passed a device tensor).
+struct Red {
+  int8_t code = -1;
+  double factor = std::nan("");
+  Red(int c) : code(static_cast<int8_t>(c)) {}
+  Red(const c10d::ReduceOp& op) : code(static_cast<int8_t>(op.op_)) {
+    if (op.op_ != c10d::ReduceOp::PREMUL_SUM) return;
+    auto* s = dynamic_cast<c10d::NCCLPreMulSumSupplement*>(op.supplement_.get());
+    if (s) factor = s->tensor_factor.defined() ? s->tensor_factor.item<double>() : s->double_factor;
+  }
+};
+
 // One row per tensor (pair) of a call.
 struct Row {
   int16_t op, api;
   int8_t red, dtype, cuda;
+  double factor;  // a PREMUL_SUM's factor (NaN for every other row): the emulation replays it
   int32_t gid, peer, tag;
   int64_t inb, outb;
   int32_t shape0, shape_n, insp0, insp_n, outsp0, outsp_n;
@@ -140,12 +155,12 @@ class Log {
     entries_.push_back(Entry{type, flag, a, b, c, p0, p1, p2});
   }
 
-  int32_t add_row(int16_t op, int16_t api, int8_t red, const at::Tensor* t, int32_t gid,
+  int32_t add_row(int16_t op, int16_t api, Red red, const at::Tensor* t, int32_t gid,
                   int32_t peer, int32_t tag, int64_t inb, int64_t outb, bool cuda,
                   const std::vector<int64_t>* insp = nullptr,
                   const std::vector<int64_t>* outsp = nullptr) {
     Row r{};
-    r.op = op; r.api = api; r.red = red; r.cuda = cuda ? 1 : 0;
+    r.op = op; r.api = api; r.red = red.code; r.factor = red.factor; r.cuda = cuda ? 1 : 0;
     r.gid = gid; r.peer = peer; r.tag = tag; r.inb = inb; r.outb = outb;
     r.dtype = t ? static_cast<int8_t>(t->scalar_type()) : -1;
     r.shape0 = static_cast<int32_t>(ints_.size());
@@ -456,6 +471,10 @@ class Log {
     }
     d["rows"] = rows;
     d["lists"] = lists;
+    py::dict factors;  // row -> PREMUL_SUM factor
+    for (size_t k = 0; k < rows_.size(); ++k)
+      if (!std::isnan(rows_[k].factor)) factors[py::int_(k)] = rows_[k].factor;
+    d["factors"] = factors;
     std::vector<std::tuple<int64_t, int64_t>> works;
     for (auto& w : works_) works.emplace_back(w.done.load(), w.dur_ns);
     d["works"] = works;
@@ -607,7 +626,6 @@ class RecordedWork : public Work {
   std::vector<int>* granks_;
 };
 
-static int8_t red_code(const c10d::ReduceOp& op) { return static_cast<int8_t>(op.op_); }
 
 template <typename T, typename = void>
 struct has_async_op : std::false_type {};
@@ -689,13 +707,13 @@ class RecordingBackend : public Backend {
   // ---- collectives ----
   intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& o) override {
     int64_t nb = nbytes(ts);
-    return call({{ALL_REDUCE, A_ALLREDUCE, red_code(o.reduceOp), &ts[0], -1, 0, nb, nb}},
+    return call({{ALL_REDUCE, A_ALLREDUCE, Red(o.reduceOp), &ts[0], -1, 0, nb, nb}},
                 is_sync(o), [&] { return inner_->allreduce(ts, o); });
   }
   intrusive_ptr<Work> allreduce_coalesced(std::vector<at::Tensor>& ts,
                                           const c10d::AllreduceCoalescedOptions& o) override {
     std::vector<RowSpec> specs;
-    for (auto& t : ts) specs.push_back({ALL_REDUCE, A_ALLREDUCE_COAL, red_code(o.reduceOp), &t, -1, 0,
+    for (auto& t : ts) specs.push_back({ALL_REDUCE, A_ALLREDUCE_COAL, Red(o.reduceOp), &t, -1, 0,
                                         (int64_t)t.nbytes(), (int64_t)t.nbytes()});
     return call(specs, is_sync(o), [&] { return inner_->allreduce_coalesced(ts, o); });
   }
@@ -734,12 +752,12 @@ class RecordingBackend : public Backend {
                                      const c10d::ReduceScatterOptions& o) override {
     int64_t ib = 0;
     for (auto& l : ins) ib += nbytes(l);
-    return call({{REDUCE_SCATTER, A_RS, red_code(o.reduceOp), &ins[0][0], -1, 0, ib, nbytes(outs)}},
+    return call({{REDUCE_SCATTER, A_RS, Red(o.reduceOp), &ins[0][0], -1, 0, ib, nbytes(outs)}},
                 is_sync(o), [&] { return inner_->reduce_scatter(outs, ins, o); });
   }
   intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                            const c10d::ReduceScatterOptions& o) override {
-    return call({{REDUCE_SCATTER, A_RS_BASE, red_code(o.reduceOp), &in, -1, 0, (int64_t)in.nbytes(),
+    return call({{REDUCE_SCATTER, A_RS_BASE, Red(o.reduceOp), &in, -1, 0, (int64_t)in.nbytes(),
                   (int64_t)out.nbytes()}},
                 is_sync(o), [&] { return inner_->_reduce_scatter_base(out, in, o); });
   }
@@ -748,7 +766,7 @@ class RecordingBackend : public Backend {
                                                       const c10d::ReduceScatterOptions& o) override {
     std::vector<RowSpec> specs;
     for (size_t i = 0; i < ins.size() && i < outs.size(); ++i)
-      specs.push_back({REDUCE_SCATTER, A_RS_COAL, red_code(o.reduceOp), &ins[i], -1, 0,
+      specs.push_back({REDUCE_SCATTER, A_RS_COAL, Red(o.reduceOp), &ins[i], -1, 0,
                        (int64_t)ins[i].nbytes(), (int64_t)outs[i].nbytes()});
     return call(specs, is_sync(o),
                 [&] { return inner_->reduce_scatter_tensor_coalesced(outs, ins, o); });
@@ -778,7 +796,7 @@ class RecordingBackend : public Backend {
   }
   intrusive_ptr<Work> reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOptions& o) override {
     int64_t nb = nbytes(ts);
-    return call({{REDUCE, A_REDUCE, red_code(o.reduceOp), &ts[0], global(o.rootRank), 0, nb,
+    return call({{REDUCE, A_REDUCE, Red(o.reduceOp), &ts[0], global(o.rootRank), 0, nb,
                   o.rootRank == getRank() ? nb : 0}},
                 is_sync(o), [&] { return inner_->reduce(ts, o); });
   }
@@ -842,7 +860,7 @@ class RecordingBackend : public Backend {
  private:
   struct RowSpec {
     int16_t op, api;
-    int8_t red;
+    Red red;
     const at::Tensor* t;
     int32_t peer, tag;
     int64_t inb, outb;

@@ -25,6 +25,15 @@ F_SYNC, F_FIRST_BWD = 1, 2
 _RED_NAMES = {int(v.value): k.lower() for k, v in dist.ReduceOp.RedOpType.__members__.items()}
 
 
+def red_name(code: int, factor: float | None) -> str:
+    """A row's reduction as the graph names it: "" for none, "premul_sum:<factor>" with its factor
+    (recorder.redop_name's form)."""
+    if code < 0:
+        return ""
+    name = _RED_NAMES.get(code, "")
+    return f"{name}:{factor!r}" if factor is not None else name
+
+
 class NativeLogError(RuntimeError):
     """The log and the Recorder's rules disagree (a defect of prism, not of the program)."""
 
@@ -152,6 +161,7 @@ def replay(live: Recorder, log: dict[str, Any]) -> ReplayRecorder:
     rec = ReplayRecorder(live, log)
     groups = group_table(live.groups)
     rows, lists, works_log, labels = log["rows"], log["lists"], log["works"], log["labels"]
+    factors = log["factors"]
     works: dict[int, _Work] = {}
     seq: dict[str, int] = {}
     p2p: dict[tuple[str, int, str], int] = {}
@@ -186,7 +196,7 @@ def replay(live: Recorder, log: dict[str, Any]) -> ReplayRecorder:
                     seq[gname] = s + 1
                 rec._feed((p0,), (p1,) if first < 0 else ())
                 j = rec.issue(
-                    op, api, gname, s, peer, tag, _RED_NAMES.get(red, "") if red >= 0 else "",
+                    op, api, gname, s, peer, tag, red_name(red, factors.get(k)),
                     dtype_name(dt) if dt is not None else "", shape, inb, outb, insp, outsp,
                     bool(cuda), first,
                 )  # fmt: skip
