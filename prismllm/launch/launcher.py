@@ -511,6 +511,8 @@ class _Launcher:
         stderr_tail = {s.rank: list(s.tail) for s in streams if s.name == "stderr"}
         stdout_tail = {s.rank: list(s.tail) for s in streams if s.name == "stdout"}
         ended = sorted(c.rank for c in self.children if c.ended_by_launcher)
+        # what each child reported of its own error (prismllm.childenv.report_error), read once
+        errors = {c.rank: e for c in self.children if (e := read_error(c.prism_error_file)) is not None}
         message = ""
         if failure is not None:
             efm = None
@@ -519,7 +521,7 @@ class _Launcher:
                 failure.stderr_tail = stderr_tail.get(failure.rank, [])
                 child = next(c for c in self.children if c.rank == failure.rank)
                 efm = error_file_message(child.error_file)
-                failure.error = read_error(child.prism_error_file)
+                failure.error = errors.get(failure.rank)
             message = failure_message(
                 failure,
                 timeout=spec.timeout,
@@ -546,11 +548,7 @@ class _Launcher:
             stdout_tail=stdout_tail,
             stderr_tail=stderr_tail,
             names=dict(self.names),
-            errors={
-                c.rank: e
-                for c in self.children
-                if (c.returncode or 0) > 0 and (e := read_error(c.prism_error_file)) is not None
-            },
+            errors={c.rank: errors[c.rank] for c in self.children if c.rank in errors and (c.returncode or 0) > 0},
         )
 
 
