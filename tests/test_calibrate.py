@@ -148,6 +148,25 @@ def make_trace(programs: list[list[dict]], iterations: int) -> PrismTrace:
     return assemble(logs, {"mode": "record", "command": ["test"]})
 
 
+def hand_made_pipeline(**rank0_compute) -> tuple[list[dict], list[dict]]:
+    """The two-stage programs of test_hand_made_pipeline_bubble_and_critical_path (rank 0's
+    compute nodes take ``rank0_compute`` too, e.g. a label)."""
+    prog0, prog1 = [], []
+    for k in range(2):
+        t = 215 * k
+        prog0 += [
+            C(t, 100, iteration=k, **rank0_compute),
+            M("send", t + 100, 10, peer=1, iteration=k),
+            M("all_reduce", t + 110, 105, reduce_op="sum", iteration=k),
+        ]
+        prog1 += [
+            M("recv", t, 110, peer=0, iteration=k),
+            C(t + 110, 100, iteration=k),
+            M("all_reduce", t + 210, 5, reduce_op="sum", iteration=k),
+        ]
+    return prog0, prog1
+
+
 def test_hand_made_pipeline_bubble_and_critical_path():
     """Two stages, one micro-batch, an all-reduce closing each iteration. Per iteration k,
     rank 0: compute 100, send to 1 (measured 10: it arrived last), all_reduce (measured 105,
@@ -162,20 +181,7 @@ def test_hand_made_pipeline_bubble_and_critical_path():
     P2P on rank 1 only: bubble fraction 100 / 430 over both ranks. Critical path from rank 0's
     end: all_reduce transfer 5 (rank 1 arrived last), rank 1's compute 100, the pair's transfer
     10 (the send arrived last), rank 0's compute 100: 215."""
-    prog0, prog1 = [], []
-    for k in range(2):
-        t = 215 * k
-        prog0 += [
-            C(t, 100, iteration=k),
-            M("send", t + 100, 10, peer=1, iteration=k),
-            M("all_reduce", t + 110, 105, reduce_op="sum", iteration=k),
-        ]
-        prog1 += [
-            M("recv", t, 110, peer=0, iteration=k),
-            C(t + 110, 100, iteration=k),
-            M("all_reduce", t + 210, 5, reduce_op="sum", iteration=k),
-        ]
-    s = summarize(solve(make_trace([prog0, prog1], 2)))
+    s = summarize(solve(make_trace(list(hand_made_pipeline()), 2)))
     assert [x["predicted_ns"] for x in s["iterations"]] == [215, 215]
     assert [x["recorded_ns"] for x in s["iterations"]] == [215, 215]
     assert s["predicted_iteration_ns"] == 215 and s["median_iteration"] == 1 and s["rel_error"] == 0

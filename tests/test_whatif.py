@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from test_calibrate import ENV, PRISM, C, M, make_trace
+from test_calibrate import ENV, PRISM, hand_made_pipeline, make_trace
 
 from prismllm.calibrate import calibrate
 from prismllm.calibrate.whatif import WhatIfError, load_network, parse_change, whatif
@@ -24,21 +24,8 @@ from prismllm.calibrate.whatif import WhatIfError, load_network, parse_change, w
 @pytest.fixture(scope="module")
 def cal(tmp_path_factory) -> Path:
     """The hand-made PP graph (labels on rank 0's compute: ``fwd``), saved and calibrated."""
-    prog0, prog1 = [], []
-    for k in range(2):
-        t = 215 * k
-        prog0 += [
-            C(t, 100, iteration=k, label="fwd"),
-            M("send", t + 100, 10, peer=1, iteration=k),
-            M("all_reduce", t + 110, 105, reduce_op="sum", iteration=k),
-        ]
-        prog1 += [
-            M("recv", t, 110, peer=0, iteration=k),
-            C(t + 110, 100, iteration=k),
-            M("all_reduce", t + 210, 5, reduce_op="sum", iteration=k),
-        ]
     base = tmp_path_factory.mktemp("whatif")
-    make_trace([prog0, prog1], 2).save(base / "graph")
+    make_trace(list(hand_made_pipeline(label="fwd")), 2).save(base / "graph")
     summary = calibrate(base / "graph", base / "cal")
     assert summary["predicted_iteration_ns"] == 215
     return base / "cal"
