@@ -230,7 +230,6 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
             args=list(opts.args),
             out=out,
             devices=devices,
-            cuda_on_cpu=cuda_on_cpu,
             tensors=tensors,
             timing=timing,
             env=dict(opts.env),

@@ -81,7 +81,6 @@ class SandboxSpec(FromFields):
     args: Sequence[str]
     out: Path  # an existing directory (see the module docstring)
     devices: DeviceSpec  # cpu, cuda (a GPU each, sandbox ranks first) or cuda:G,... (theirs, in order)
-    cuda_on_cpu: bool = False  # the program's CUDA calls run on the CPU (the graph's manifest says so)
     tensors: Path | None = None  # the virtual ranks' recorded inputs (:func:`recorded_inputs`); None: zeros
     timing: str = "fast"  # how the assistants replay: "fast" (slice timing) or "real" (calibrated durations)
     assistants: int = 1  # each plays the proxy of a share of the pruned groups
@@ -130,12 +129,13 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
     ranklogs.mkdir(parents=True, exist_ok=True)
     graph = str(spec.graph.resolve())
     tensors = str(spec.tensors.resolve()) if spec.tensors is not None else None
+    manifest = read_manifest(spec.graph)  # what the capture fixed, the sandbox ranks run the same way
     rank_env = ChildEnv(
         mode="emulate",
         sandbox=spec.sandbox,
         graph=graph,
-        cuda_on_cpu=spec.cuda_on_cpu or None,
-        **child_fields(read_manifest(spec.graph).get("routing")),  # the graph's routing, forced again
+        cuda_on_cpu=bool(manifest.get("cuda_on_cpu")) or None,  # the program's CUDA calls on the CPU
+        **child_fields(manifest.get("routing")),  # the graph's routing, forced again
         inputs="recorded" if tensors else "generated",
         spool=str(ranklogs.resolve()),
         check_tensors=tensors if spec.check else None,

@@ -255,7 +255,6 @@ def _run_slice(
                 args=list(opts.args),
                 out=so,
                 devices=devices,
-                cuda_on_cpu=bool(read_manifest(graph).get("cuda_on_cpu")),  # as the graph was captured
                 tensors=recorded_inputs(graph, opts.tensors, opts.inputs),
                 timing="fast",
                 timeout=opts.timeout,
