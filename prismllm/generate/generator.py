@@ -132,6 +132,31 @@ def _desc(t: torch.Tensor) -> str:
     return f"shape {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}"
 
 
+def _fill_slots(slots: list[torch.Tensor], rows: torch.Tensor) -> None:
+    """Slot i of ``slots`` (tensors of the same size) takes row i of ``rows`` (on the host).
+    torch's object all-gather hands one slot per group member, each a view of one buffer: those
+    are filled with one copy, since a copy a slot is an 8192-long run of tiny device copies at
+    8192 ranks (on a GPU shared by many solo ranks, each waits its turn on the device)."""
+    whole = _one_buffer(slots, rows.shape[1])
+    if whole is not None:
+        whole.copy_(rows.view(-1))
+        return
+    for t, row in zip(slots, rows):
+        t.copy_(row.view_as(t))
+
+
+def _one_buffer(slots: list[torch.Tensor], k: int) -> torch.Tensor | None:
+    """The flat view covering ``slots`` where they lie back to back in one storage (each
+    contiguous, ``k`` elements, in order), else None."""
+    first = slots[0]
+    ptr, start = first.untyped_storage().data_ptr(), first.storage_offset()
+    for i, t in enumerate(slots):
+        if (t.numel() != k or not t.is_contiguous() or t.storage_offset() != start + i * k
+                or t.untyped_storage().data_ptr() != ptr or t.dtype != first.dtype):  # fmt: skip
+            return None
+    return first.as_strided((len(slots) * k,), (1,), start)
+
+
 class _Payload:
     """Sizes then bytes of pickled objects, answering torch's object-collective protocol."""
 
@@ -149,8 +174,7 @@ class _Payload:
             if self.per_slot:
                 if len(ts) != len(self.sizes):
                     return False
-                for t, v in zip(ts, vals):
-                    t.copy_(v.expand_as(t))
+                _fill_slots(ts, vals.view(-1, 1).expand(-1, ts[0].numel()).contiguous())
             else:
                 if ts[0].numel() != len(self.sizes):
                     return False
@@ -159,9 +183,10 @@ class _Payload:
             return True
         if self.stage == 1 and ts and ts[0].dtype == torch.uint8:
             if self.per_slot:
-                for t, b in zip(ts, self.tensors):
-                    t.zero_()
-                    t.view(-1)[: b.numel()].copy_(b)
+                rows = torch.zeros(len(ts), ts[0].numel(), dtype=torch.uint8)
+                for row, b in zip(rows, self.tensors):
+                    row[: b.numel()] = b
+                _fill_slots(ts, rows)
             else:
                 flat = torch.cat(self.tensors) if self.tensors else torch.empty(0, dtype=torch.uint8)
                 if flat.numel() != ts[0].numel():
