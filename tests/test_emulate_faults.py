@@ -385,3 +385,24 @@ def test_a_stuck_slice_of_prism_time_is_not_silent(setup, tmp_path):
     assert re.search(r"^  rank 1: at faulty_gpt3d\.py:\d+ in faulty_step$", report, re.M), err
     info = json.loads((tmp_path / "timed" / "slices" / "slice-00001" / "slice.json").read_text())
     assert not info["ok"] and info["message"].startswith("timed out after 16 s")
+
+
+def test_a_call_emulation_cannot_run_is_one_clear_error(tmp_path):
+    """A receive from any source (``dist.recv`` without ``src``) records and runs for real, but
+    emulation cannot replay it (the sender must be known in advance): one line naming the rank,
+    the call, the group and the fix; no traceback, nothing left behind."""
+    program = str(Path(__file__).resolve().parent / "programs" / "recv_anysource.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    rec = tmp_path / "rec"
+    p = subprocess.run([PRISM, "record", "--nproc", "2", "--devices", "cpu", "--out", str(rec), "--", program],
+                       capture_output=True, text=True, timeout=150, env=env)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = tmp_path / "emu"
+    p = subprocess.run([PRISM, "emulate", "--graph", str(rec), "--sandbox", "1", "--devices", "cpu", "--out", str(out),
+                        "--timeout", "120", "--", program], capture_output=True, text=True, timeout=150, env=env)  # fmt: skip
+    assert p.returncode != 0
+    line = verdict(p.stderr)
+    assert "rank 1: recv from any source (src=None) on group 0 (ranks 0-1) is not supported in emulation" in line, line
+    assert "dist.recv(tensor, src=...)" in line, line
+    assert "Traceback" not in p.stderr, p.stderr
+    assert_all_ended(all_pids(out))

@@ -541,7 +541,10 @@ class PrunedBackend(solo.GeneratedBackend):
         return self._run([self._call(1, 0, output=_one(tensors, "recv"), peer=g)], [], tensors, tag)
 
     def recv_anysource(self, tensors, tag=0):
-        raise EmulateError("recv from any source is not supported in emulation")
+        raise _unsupported(
+            self.owner, "recv from any source (src=None)", "the sender of each receive must be known to replay it; "
+            "name the source rank (dist.recv(tensor, src=...))"
+        )  # fmt: skip
 
     # -- coalescing: gloo posts ops one by one and the batch's Work waits for all of them;
     # -- NCCL issues the batch's calls together (one NCCL group) --
@@ -579,12 +582,21 @@ class PrunedBackend(solo.GeneratedBackend):
                 pass
 
     def split_group(self, *a, **k):  # the RecordingProcessGroup splits (_no_split), never its inner
-        raise EmulateError("split_group is not supported in emulation yet")
+        raise _unsupported(self.owner, "split_group", _SPLIT_FIX)
 
 
-def _no_split(*a, **k):
+_SPLIT_FIX = "create the subgroup with dist.new_group(ranks) (DeviceMesh: without a bound device_id)"
+
+
+def _no_split(parent, *a, **k):
     """``split_group`` of a group with virtual members."""
-    raise EmulateError("split_group is not supported in emulation yet")
+    raise _unsupported(parent, "split_group", _SPLIT_FIX)
+
+
+def _unsupported(pg, what: str, fix: str) -> EmulateError:
+    """One line naming the sandbox rank, the call and the group that emulation cannot run."""
+    where = f"rank {pg._rec.rank}: {what} on group {pg._prism_group_name} (ranks {format_ranks(pg._global_ranks)})"
+    return EmulateError(f"{where} is not supported in emulation: {fix}")
 
 
 __all__ = ["OutputCheck", "PrunedBackend", "PrunedWork", "EmulateError", "create_pg", "prepare"]
