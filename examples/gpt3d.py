@@ -85,7 +85,7 @@ class Config:
     labels: bool = opt(False, "name the attention and mlp compute spans with prismllm.mark (a no-op outside prism)")
     spin: str = opt(
         "",
-        "LABEL=MS: each attention or mlp span first spins MS ms (a busy CPU, or a GPU spin kernel): a known slowdown",
+        "LABEL=MS: each attention or mlp span is first longer by MS ms of device time (prismllm.comm.spin: a GPU timer kernel, or a wait on the CPU): a known slowdown",
     )
     device: str = opt("auto", "auto = cuda if available", ["auto", "cpu", "cuda"])
     dtype: str = opt("auto", "parameter dtype; auto = fp32 on cpu, bf16 on cuda", ["auto", "fp32", "bf16"])
@@ -400,29 +400,6 @@ def stable_seed(*parts) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def spinner(ms: float, device: torch.device):
-    """A function that keeps the device busy for ``ms`` ms: on a GPU a spin kernel on the current
-    stream (its cycles per ms measured here once), on CPU a busy loop."""
-    if device.type == "cuda":
-        torch.cuda._sleep(1_000_000)  # warm-up: the kernel's first launch loads it
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        probe = 50_000_000
-        start.record()
-        torch.cuda._sleep(probe)
-        end.record()
-        end.synchronize()
-        cycles = round(ms * probe / start.elapsed_time(end))
-        return lambda: torch.cuda._sleep(cycles)
-    ns = round(ms * 1e6)
-
-    def busy() -> None:
-        end = time.perf_counter_ns() + ns
-        while time.perf_counter_ns() < end:
-            pass
-
-    return busy
-
-
 class Builder:
     """Creates this rank's parameters: the full tensor is drawn on CPU from a generator seeded by
     (seed, global parameter name), then the shard this rank owns is sliced out. Any layout thus
@@ -436,8 +413,13 @@ class Builder:
             import prismllm  # only when asked: the example runs without prismllm otherwise
 
             self.named = prismllm.span
-        label, _, ms = cfg.spin.partition("=")
-        self.spins = {label: spinner(float(ms), device)} if cfg.spin else {}
+        self.spins = {}
+        if cfg.spin:
+            from prismllm.comm.spin import Spinner  # only when asked, as for --labels
+
+            label, _, ms = cfg.spin.partition("=")
+            spin = Spinner()
+            self.spins = {label: lambda: spin(float(ms))}
 
     def span(self, label: str, compute, x: torch.Tensor) -> torch.Tensor:
         """``compute(x)`` as the span ``label``: named (--labels) and, with --spin LABEL=MS,
