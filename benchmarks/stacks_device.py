@@ -58,6 +58,7 @@ def prism_bin() -> str:
 
 
 CAP_MIB = 0  # moe-oom's memory cap when given (--cap-mib)
+PROFILED: list[str] = []  # megatron-scale --profile-rank: the program runs under profile_rank.py
 RESULT: dict = {}  # this part's figures, written to OUT/PART.json after every case (a timeout keeps them)
 SAVE: list[Path] = []
 
@@ -224,7 +225,7 @@ def part_torchtitan(out: Path, devices: str, cases: list[str]) -> dict:
 
 
 def part_megatron_scale(out: Path, devices: str, only: list[str]) -> dict:
-    from benchmarks.megatron_memory import Model, weights_and_optimizer_bytes
+    from benchmarks.megatron_memory import Model, activation_bytes_per_layer, weights_and_optimizer_bytes
 
     sizes = ["--layers", "16", "--hidden", "1024", "--heads", "16", "--vocab", "32768", "--seq-len", "512",
              "--micro-batch", "1", "--global-batch", "{gb}", "--iters", "2"]  # fmt: skip
@@ -240,7 +241,7 @@ def part_megatron_scale(out: Path, devices: str, only: list[str]) -> dict:
         tp = 8 if "tp=8" in layout else 1
         dp = world // (tp * 8)
         gb = str(dp * 8)  # 8 micro-batches per replica
-        prog = [MEGATRON, *flags, *[gb if s == "{gb}" else s for s in sizes]]
+        prog = [*PROFILED, MEGATRON, *flags, *[gb if s == "{gb}" else s for s in sizes]]
         d = out / f"scale-{name}"
         r = {"world": world, "layout": layout}
         r["capture"] = run(out, f"scale-{name}", "capture", "--world", str(world), "--layout", layout, "--devices",
@@ -259,6 +260,11 @@ def part_megatron_scale(out: Path, devices: str, only: list[str]) -> dict:
         model = Model(layers=16, hidden=1024, heads=16, vocab=32768, ffn=4096, experts=experts, seq=512,
                       micro_batch=1, tp=tp, pp=8, ep=ep, dp=dp, bytes_weight=4, dist_opt=False)  # fmt: skip
         r["formula_weights_optimizer_most_loaded"] = weights_and_optimizer_bytes(model)
+        # 1F1B: the first stage holds the activations of pp micro-batches, each of its layers' share
+        r["formula_activations_first_stage_1f1b"] = activation_bytes_per_layer(model, 4) * (16 // 8) * 8
+        r["formula_total_first_stage"] = (
+            r["formula_weights_optimizer_most_loaded"] + r["formula_activations_first_stage_1f1b"]
+        )
         res[name] = r
         RESULT[name] = r
         save()
@@ -395,11 +401,16 @@ def main() -> int:
     ap.add_argument("--devices", default="cuda:0,0")
     ap.add_argument("--cases", default="", help="comma-separated cases of the part (default: all)")
     ap.add_argument("--cap-mib", type=int, default=0, help="moe-oom: the memory cap, skipping the uncapped runs")
+    ap.add_argument("--profile-rank", type=int, default=None,
+                    help="megatron-scale: profile this rank's program (OUT/profile/rankR.txt)")  # fmt: skip
     a = ap.parse_args()
     global CAP_MIB
     CAP_MIB = a.cap_mib
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if a.profile_rank is not None:
+        PROFILED.append(str(ROOT / "benchmarks" / "programs" / "profile_rank.py"))
+        ENV.update(PROFILE_RANK=str(a.profile_rank), PROFILE_OUT=str((out / "profile").resolve()))
     SAVE.append(out / f"{a.part}.json")
     RESULT.update(PARTS[a.part](out, a.devices, [c for c in a.cases.split(",") if c]))
     save()

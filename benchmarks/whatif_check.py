@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.tracing_overhead import machine  # noqa: E402
+
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
 RESULTS = ROOT / "benchmarks" / "results"
 PRISM = str(Path(sys.executable).with_name("prism"))
@@ -103,7 +104,7 @@ def main() -> int:
     ) / statistics.median(p["real_change_ns"] for p in pairs)
     result = {
         "benchmark": "whatif_check",
-        "machine": platform.node(),
+        "machine": machine(),  # host, CPUs, torch, GPU
         "devices": a.devices,
         "nproc": a.nproc,
         "program": ["examples/gpt3d.py", *args],
