@@ -378,7 +378,8 @@ def classify_failure(result: LaunchResult, spec: SandboxSpec) -> LaunchError:
             f.rank,
         )
     if rc > 0 and f.error is not None:  # prism stopped the program: its message names the call
-        return LaunchError(f"{who}: {f.error.message}{logs}", result)
+        message = f.error.message.removeprefix(f"rank {f.rank}: ")  # the rank, said once
+        return LaunchError(f"{who}: {message}{logs}", result)
     return LaunchError((f"{who} {how}: {error}" if error else f"{who} {how}") + logs, result)
 
 
