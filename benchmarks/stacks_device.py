@@ -260,8 +260,8 @@ def part_megatron_scale(out: Path, devices: str, only: list[str]) -> dict:
         model = Model(layers=16, hidden=1024, heads=16, vocab=32768, ffn=4096, experts=experts, seq=512,
                       micro_batch=1, tp=tp, pp=8, ep=ep, dp=dp, bytes_weight=4, dist_opt=False)  # fmt: skip
         r["formula_weights_optimizer_most_loaded"] = weights_and_optimizer_bytes(model)
-        # 1F1B: the first stage holds the activations of pp micro-batches, each of its layers' share
-        r["formula_activations_first_stage_1f1b"] = activation_bytes_per_layer(model, 4) * (16 // 8) * 8
+        # 1F1B: the first stage holds pp micro-batches in flight, each through its layers/pp layers
+        r["formula_activations_first_stage_1f1b"] = activation_bytes_per_layer(model, 4) * model.layers
         r["formula_total_first_stage"] = (
             r["formula_weights_optimizer_most_loaded"] + r["formula_activations_first_stage_1f1b"]
         )
