@@ -6,10 +6,9 @@ its points for real and put the real iteration time and peak memory beside the s
 
 The grid (6 points): gpt3d (world 2, pp=2): micro-batch 1, 2, 4 x recompute off, on;
 megatron (examples/megatron_gpt.py, world 2: DP 2): micro-batch 1, 2, 4 x Megatron's
-distributed optimizer off, on (a real run of N ranks is fair on the CPU while N <= cores). On the CPU Megatron-core runs with --cuda-on-cpu. Then
-`prism record --nproc N` of K points (the first, the middle and the last by default), with the
-same arguments as the point:
-the real run's median steady iteration (slowest rank) and per-rank peak memory
+distributed optimizer off, on (a real run of N ranks is fair on the CPU while N <= cores). On
+the CPU Megatron-core runs with --cuda-on-cpu. Then `prism record --nproc N` of K points (the
+first, the middle and the last by default), with the same arguments as the point: the real run's median steady iteration (slowest rank) and per-rank peak memory
 (`torch.cuda.max_memory_allocated`, on a GPU) beside the sweep's. Writes
 benchmarks/results/sweep_check_<tag>.json and .md; the sweep's own table and report stay in
 WORK/sweep (sweep.json, sweep.html).
@@ -90,8 +89,8 @@ def main() -> int:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
 
     t0 = time.monotonic()
-    layout = ["--layout", a.layout] if a.layout else []
-    prism("sweep", *grid, "--world", str(a.world), *layout, "--devices", a.devices, *on_cpu,
+    layout_flag = ["--layout", a.layout] if a.layout else []
+    prism("sweep", *grid, "--world", str(a.world), *layout_flag, "--devices", a.devices, *on_cpu,
           "--out", str(work / "sweep"), "--force", "--", script, *args, env=env)  # fmt: skip
     sweep_s = time.monotonic() - t0
     sweep = json.loads((work / "sweep" / "sweep.json").read_text())
