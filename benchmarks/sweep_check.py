@@ -8,7 +8,8 @@ The grid (6 points): gpt3d (world 2, pp=2): micro-batch 1, 2, 4 x recompute off,
 megatron (examples/megatron_gpt.py, world 2: DP 2): micro-batch 1, 2, 4 x Megatron's
 distributed optimizer off, on (a real run of N ranks is fair on the CPU while N <= cores). On
 the CPU Megatron-core runs with --cuda-on-cpu. Then `prism record --nproc N` of K points (the
-first, the middle and the last by default), with the same arguments as the point: the real run's median steady iteration (slowest rank) and per-rank peak memory
+first, the middle and the last by default), with the same arguments as the point: the real
+run's median steady iteration (slowest rank) and per-rank peak memory
 (`torch.cuda.max_memory_allocated`, on a GPU) beside the sweep's. Writes
 benchmarks/results/sweep_check_<tag>.json and .md; the sweep's own table and report stay in
 WORK/sweep (sweep.json, sweep.html).
