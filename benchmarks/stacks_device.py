@@ -18,7 +18,10 @@ PART:
   moe          gpt3d EP2 with a balanced and a skewed forced routing (--routing): the real run and
                the solo capture, per-rank peak memory to the byte; a memory cap between the two
                peaks (gpt3d --memory-cap-mib) makes the skewed run, and its capture, run out of
-               memory at the same rank; a 1024-rank solo capture under skew: the per-rank spread
+               memory at the same rank
+  moe-1024     `prism run` of gpt3d PP4·EP8 at 1024 ranks under the skewed routing on one GPU (solo
+               capture 16 at a time, time, calibrate, report): the per-rank peak memory spread and
+               the report's heat map over pipeline stage x expert-parallel rank
 
 Each part writes OUT/PART.json (and logs); every program keeps NVLink multicast off.
 """
@@ -312,22 +315,34 @@ def part_moe(out: Path, devices: str, cases: list[str]) -> dict:
         save()
         print(json.dumps({k: (v["rc"], v["tail"][-300:]) if isinstance(v, dict) else v for k, v in oom.items()}),
               flush=True)  # fmt: skip
-    # 1024 logical ranks under skew: per-rank peak memory spread
+    return res
+
+
+def part_moe_1024(out: Path, devices: str, cases: list[str]) -> dict:
+    """1024 logical ranks (PP4·EP8, 16 experts) under the skewed routing: `prism run` (solo capture
+    16 at a time on one GPU, time, calibrate, report): the per-rank peak memory spread, and the
+    report's heat map of it over pipeline stage x expert-parallel rank."""
+    skew = out / "skew.json"
+    skew.write_text(json.dumps(SKEW))
     big = [GPT3D, "--pp", "4", "--ep", "8", "--num-experts", "16", "--topk", "2", "--layers", "8", "--hidden", "1024",
            "--heads", "16", "--seq", "2048", "--micro-batch", "2", "--global-batch", "2048", "--iters", "2"]  # fmt: skip
-    d = out / "moe1024"
-    r = run(out, "moe1024-capture", "capture", "--world", "1024", "--layout", "pp=4,ep=8", "--devices", ONE_GPU_16,
+    d = out / "moe1024-run"
+    # 16 at a time: a capture rank takes one device entry, a time slice two (sandbox, assistant)
+    r = run(out, "moe1024-run", "run", "--world", "1024", "--layout", "pp=4,ep=8", "--devices", ONE_GPU_16 + ",0" * 16,
             "--parallel", "16", "--router-module", "Router", "--routing", str(skew), "--out", str(d), "--force",
-            "--", *big, timeout=400)  # fmt: skip
-    p = {int(k): v for k, v in peaks(d).items() if v >= 0}
-    res["moe1024"] = {"capture": r, "ranks_run": (manifest(d).get("capture") or {}).get("ranks_run")}
+            "--", *big, timeout=540)  # fmt: skip
+    res: dict = {"run": r, "ranks_run": (manifest(d / "bare").get("capture") or {}).get("ranks_run")}
+    p = {int(k): v for k, v in peaks(d / "bare").items() if v >= 0}
     if p:
-        res["moe1024"].update(
+        res.update(
             peak_max=max(p.values()), peak_max_rank=max(p, key=p.get),
             peak_min=min(p.values()), peak_min_rank=min(p, key=p.get),
             spread=(max(p.values()) - min(p.values())) / min(p.values()),
         )  # fmt: skip
-    print(json.dumps({k: v for k, v in res["moe1024"].items() if k != "capture"}), flush=True)
+    summary = d / "cal" / "summary.json"
+    if summary.is_file():
+        res["predicted_iteration_ns"] = json.loads(summary.read_text()).get("predicted_iteration_ns")
+    print(json.dumps({k: v for k, v in res.items() if k != "run"}), flush=True)
     return res
 
 
@@ -391,6 +406,7 @@ PARTS = {
     "megatron-scale": part_megatron_scale,
     "moe": part_moe,
     "moe-oom": part_moe_oom,
+    "moe-1024": part_moe_1024,
 }
 
 

@@ -499,3 +499,42 @@ def test_reduce_op_kept_as_its_name():
     o = torch._C._distributed_c10d.AllreduceOptions()
     o.reduceOp = dist.ReduceOp.SUM
     assert _red(o) == "sum"
+
+
+def _device_clock_recorder(times: list[int]):
+    """A Recorder whose every point takes the next of ``times`` as its device time (as resolved
+    CUDA events would give): the node model of a GPU recording without a GPU."""
+    from prismllm.comm.recorder import Recorder
+
+    rec = Recorder(0, 2)
+    rec.cuda = rec.cuda_live = True
+    clock = iter(times)
+    rec._cuda_point = lambda _t: rec._host_point(next(clock))
+    rec.start()
+    return rec
+
+
+@pytest.mark.parametrize("coalesced", [False, True])
+def test_a_call_without_a_work_ends_the_compute_span_where_it_completed(coalesced):
+    """A synchronous call whose backend returns no Work (NCCL in torch 2.11 runs a synchronous
+    collective on the program's stream and returns none; a coalesced batch may end without one)
+    completed where it returned, on the device clock the point after the return: the next compute
+    span starts there. Opened at the issue point instead, that span counted the collective's
+    time a second time (a TP2 recording on two H200s calibrated 36 % above its own iteration)."""
+    from prismllm.comm.rows import node_rows
+
+    # points: start 0, issue 100, completed 900, next issue 1000
+    rec = _device_clock_recorder([0, 100, 900, 1000])
+    args = ("all_reduce", "allreduce", "g", 0, -1, 0, "sum", "float32", [4], 16, 16, [], [], True)
+    if coalesced:
+        rec.begin_coalesce()
+        j = rec.issue(*args)
+        rec.issued(None, (j,), True)
+        rec.complete_rows(rec.end_coalesce())
+    else:
+        j = rec.issue(*args)
+        rec.issued(None, (j,), True)
+    rec.issue("all_reduce", "allreduce", "g", 1, -1, 0, "sum", "float32", [4], 16, 16, [], [], True)
+    rows = node_rows(rec)
+    kinds = [(r["kind"], r["start_ns"], r["end_ns"]) for r in rows]
+    assert kinds[:3] == [("compute", 0, 100), ("comm", 100, 900), ("compute", 900, 1000)], kinds

@@ -68,6 +68,12 @@ def test_nccl_smoke_records(smoke):
         assert {c["iteration"] for c in ddp} == {1, 2, 3}
         fs = [c for c in cs if c["iteration"] >= 4]
         assert {c["op"] for c in fs} >= {"all_gather", "reduce_scatter"}
+        # a synchronous collective (torch 2.11's NCCL runs it on the program's stream and
+        # returns no Work): the compute span after it starts where it ended, not at its issue
+        nodes = log.nodes
+        for a, b in zip(nodes, nodes[1:]):
+            if a["kind"] == "comm" and not a["async_op"] and a["coalesced"] < 0 and b["kind"] == "compute":
+                assert b["start_ns"] >= a["end_ns"] >= 0, (a, b)
 
 
 @two_gpus

@@ -16,8 +16,11 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from prismllm.layout import Layout
+from prismllm.report.data import _memory, memory_grid
 from prismllm.report.html import fmt_bytes, fmt_ns, json_for_script, render_html
 
 DATA = Path(__file__).resolve().parent / "data" / "report"
@@ -74,10 +77,6 @@ def make_large(sample: dict, tp: int = 8, pp: int = 8, dp: int = 16, spans_per_r
     for r in range(world):
         t, _, s = coords(r)
         per.append(int((20.0 - 1.1 * s + 0.05 * t + 0.2 * rng.random()) * 2**30))
-    grid = [[-1] * tp for _ in range(pp)]
-    for r, v in enumerate(per):
-        t, _, s = coords(r)
-        grid[s][t] = max(grid[s][t], v)
     m = max(range(world), key=per.__getitem__)
     t, q, s = coords(m)
     d["memory"] = {
@@ -85,7 +84,7 @@ def make_large(sample: dict, tp: int = 8, pp: int = 8, dp: int = 16, spans_per_r
         "known": True,
         "source": "solo capture: torch.cuda.max_memory_allocated of each rank run alone",
         "max": {"rank": m, "bytes": per[m], "where": f"pp {s} · tp {t} · dp {q}"},
-        "grid": {"rows": "pp", "cols": "tp", "values": grid, "folded": "max over the data-parallel replicas"},
+        "grid": memory_grid(Layout(world=world, tp=tp, pp=pp), np.asarray(per, dtype=np.int64)),
     }
     src = sample["timeline"]["ranks"]
     end = sample["timeline"]["end_ns"]
@@ -141,6 +140,20 @@ def make_large(sample: dict, tp: int = 8, pp: int = 8, dp: int = 16, spans_per_r
     return d
 
 
+def make_moe(sample: dict, tp: int = 2, pp: int = 4, ep: int = 32, dp: int = 128) -> dict:
+    """A 1024-rank MoE job (pp=4, tp=2, ep=32 carved out of dp=128: 64 columns a stage) whose
+    peak memory is skewed by expert rank (a few hot experts), its grid made by ``_memory``."""
+    d = make_large(sample, tp=tp, pp=pp, dp=dp, spans_per_rank=200)
+    layout = Layout(world=tp * pp * dp, tp=tp, pp=pp, ep=ep)
+    c = layout.coords_array()
+    hot = (c["ep"] % 7 == 3).astype(np.float64)  # the experts the router favours hold more
+    per = ((20.0 - 1.1 * c["pp"] + 0.05 * c["tp"] + 3.0 * hot + 0.01 * c["dp"]) * 2**30).astype(np.int64)
+    d["title"] = f"moe.py: {layout.world} ranks (tp={tp}, pp={pp}, ep={ep}, dp={dp})"
+    d["layout"] = layout.to_dict()
+    d["memory"] = _memory({"peak_memory_bytes": {str(r): int(v) for r, v in enumerate(per)}}, layout.world, layout)
+    return d
+
+
 def make_sparse(sample: dict) -> dict:
     """A run that got only as far as calibrate, without a layout: every optional part missing."""
     d = copy.deepcopy(sample)
@@ -167,6 +180,7 @@ def samples() -> dict[str, dict]:
         "gpu-8ranks": load("gpu-8ranks"),
         "large-1024ranks": large,
         "large-no-layout": make_unlaid(large),
+        "moe-skew": make_moe(cpu),
         "sparse": make_sparse(cpu),
     }
 
@@ -324,7 +338,9 @@ def screenshot(o: Opened, name: str, tmp: Path, suffix: str = "") -> None:
         pass
 
 
-@pytest.mark.parametrize("name", ["cpu-8ranks", "gpu-8ranks", "large-1024ranks", "large-no-layout", "sparse"])
+@pytest.mark.parametrize(
+    "name", ["cpu-8ranks", "gpu-8ranks", "large-1024ranks", "large-no-layout", "moe-skew", "sparse"]
+)
 def test_page_draws(browser, files, pages, tmp_path, name):
     d = pages[name][0]
     o = Opened(browser, files[name])
@@ -415,6 +431,31 @@ def test_hover_and_zoom(browser, files):
     try:
         o.page.hover("#memory-chart rect.cell >> nth=0")
         assert "bytes" in o.page.inner_text("#tip") and "pp 0 · tp 0" in o.page.inner_text("#tip")
+        o.check_clean()
+    finally:
+        o.close()
+
+
+def test_memory_columns_of_an_moe_layout(browser, files, pages):
+    """The MoE grid's 64 (ep, tp) columns: their labels as ticks, thinned so that none overlap,
+    and in each cell's tip; the caption names the column dimensions."""
+    d, page = pages["moe-skew"]
+    labels = d["memory"]["grid"]["col_labels"]
+    assert len(labels) == 64 and labels[:3] == ["ep 0 · tp 0", "ep 0 · tp 1", "ep 1 · tp 0"]
+    assert "columns the (expert-parallel, tensor-parallel) ranks" in page
+    o = Opened(browser, files["moe-skew"])
+    try:
+        o.check_clean()
+        ticks = o.page.eval_on_selector_all(
+            "#memory-chart text.col-tick",
+            "ts => ts.map(t => { const b = t.getBBox(); return [t.textContent, b.x, b.width]; })",
+        )
+        assert 2 <= len(ticks) <= 32 and ticks[0][0] == "ep 0 · tp 0"
+        assert all(t[0] in labels and t[0].endswith("tp 0") for t in ticks)  # at expert-rank starts
+        for a, b in zip(ticks, ticks[1:], strict=False):
+            assert a[1] + a[2] <= b[1], (a, b)  # no two labels overlap
+        o.page.hover("#memory-chart rect.cell >> nth=5")  # stage 0, column 5
+        assert "pp 0 · ep 2 · tp 1" in o.page.inner_text("#tip")
         o.check_clean()
     finally:
         o.close()

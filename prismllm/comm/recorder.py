@@ -418,11 +418,17 @@ class Recorder:
         if work is None:
             if self.coal_depth:  # rows complete with the batch's Work
                 return
-            # No Work (e.g. monitored_barrier): the call returned when it completed.
+            # No Work: the call returned when it completed (monitored_barrier; NCCL in torch
+            # 2.11 runs a synchronous collective on the program's stream and returns none). The
+            # next compute span starts there too -- on the device, the event after the return,
+            # which the stream reaches once the collective ran -- else the span would count
+            # the collective a second time.
+            end = self.point() if self.cuda else p
             for j in rows:
                 self.m_async[j] = 0
-                self.m_p1[j] = p if not self.cuda else self.point()
+                self.m_p1[j] = end
                 self.m_state[j] = ST_WAITED
+            self._open_span(end)
             return
         if sync:
             self.pending_sync = work
@@ -482,7 +488,8 @@ class Recorder:
                 self.dur_works.append((j, work._inner))
 
     def complete_rows(self, rows) -> None:
-        """Rows whose batch ended without a Work (nothing to wait on): done now, sync."""
+        """Rows whose batch ended without a Work (nothing to wait on): done now, sync; the next
+        compute span starts where they completed (as ``issued`` does for a call without a Work)."""
         p = -1
         for j in rows:
             if self.m_state[j] == ST_PENDING:
@@ -491,6 +498,8 @@ class Recorder:
                 self.m_async[j] = 0
                 self.m_p1[j] = p
                 self.m_state[j] = ST_WAITED
+        if p >= 0:
+            self._open_span(p)
 
     def cancel(self, rows: tuple) -> None:
         """The backend refused the call just issued (it raised): forget its rows, and the

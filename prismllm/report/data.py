@@ -11,8 +11,9 @@ wall times). It returns one JSON-able dict, the report's data model (``docs/comm
 - ``breakdown``: per rank of the median iteration, compute / exposed communication / P2P wait /
   idle and the span (the calibration's per_rank);
 - ``bubble``, ``critical_path`` (total, shares by kind, end rank, ranks visited);
-- ``memory``: peak bytes per rank (-1 unknown), the largest and where, and a grid PP stage x TP
-  rank with the other dimensions folded (max over them);
+- ``memory``: peak bytes per rank (-1 unknown), the largest and where, and a grid PP stage x
+  model-parallel coordinate (ep, cp, tp, those of size > 1; ``cols``, ``col_labels``) with the
+  data-parallel replicas folded (max over them);
 - ``timeline``: a few ranks' spans in the median iteration, ``[lane, kind, start_ns, end_ns,
   name, critical]``: lane 0 the rank's program (compute, and the blocking calls it waits in),
   lane 1 its asynchronous communication; kinds ``compute``, ``wait`` (arrived, waiting for the
@@ -25,6 +26,7 @@ wall times). It returns one JSON-able dict, the report's data model (``docs/comm
 from __future__ import annotations
 
 import datetime
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,8 @@ BARE_DIR, TIME_DIR, CAL_DIR, EMULATE_DIR = "bare", "time", "cal", "emulate"
 RUN_FILE = "run.json"
 FORMAT = "prism-report"
 MAX_TIMELINE_RANKS = 8
+# The memory grid's column dimensions, slowest first (tp fastest, as in the rank order).
+GRID_COLS = ("ep", "cp", "tp")
 
 
 def collect(run_dir: str | Path, reference: str | Path | None = None, ranks: list[int] | None = None) -> dict[str, Any]:
@@ -151,16 +155,34 @@ def _memory(bare: dict[str, Any], world: int, layout: Layout | None) -> dict[str
     r = int(np.argmax(per_rank))
     out["max"] = {"rank": r, "bytes": per_rank[r], "where": coords_text(layout, r)}
     if layout is not None:
-        c = layout.coords_array()
-        grid = np.full((layout.pp, layout.tp), -1, dtype=np.int64)
-        np.maximum.at(grid, (c["pp"], c["tp"]), np.asarray(per_rank, dtype=np.int64))
-        out["grid"] = {
-            "rows": "pp",
-            "cols": "tp",
-            "values": grid.tolist(),
-            "folded": "max over the data-parallel replicas" + (" and cp, ep" if layout.cp * layout.ep > 1 else ""),
-        }
+        out["grid"] = memory_grid(layout, np.asarray(per_rank, dtype=np.int64))
     return out
+
+
+def memory_grid(layout: Layout, per_rank: np.ndarray) -> dict[str, Any]:
+    """Peak bytes per pipeline stage (rows) x model-parallel coordinate within the stage
+    (columns: the ep, cp, tp coordinates of size > 1, tp fastest; tp alone when none is), max
+    over the data-parallel replicas (-1: none known). Only the replicas fold: they run the same
+    program, while expert ranks route different tokens, so folding ep would hide MoE skew."""
+    sizes = layout.to_dict()
+    dims = [d for d in GRID_COLS if sizes[d] > 1] or ["tp"]
+    c = layout.coords_array()
+    col = np.zeros(layout.world, dtype=np.int64)
+    for d in dims:  # mixed radix, the last dimension fastest
+        col = col * sizes[d] + c[d]
+    grid = np.full((layout.pp, int(np.prod([sizes[d] for d in dims]))), -1, dtype=np.int64)
+    np.maximum.at(grid, (c["pp"], col), per_rank)
+    labels = [
+        " · ".join(f"{d} {k}" for d, k in zip(dims, ks, strict=True))
+        for ks in itertools.product(*(range(sizes[d]) for d in dims))
+    ]
+    if layout.edp == 1:
+        folded = "peak of its one rank (no data-parallel replicas to fold)"
+    elif layout.ep > 1:  # the ranks of one (pp, ep, cp, tp) coordinate differ in edp alone
+        folded = f"max over the {layout.edp} expert-data-parallel replicas"
+    else:
+        folded = f"max over the {layout.edp} data-parallel replicas"
+    return {"rows": "pp", "cols": " · ".join(dims), "col_labels": labels, "values": grid.tolist(), "folded": folded}
 
 
 def default_ranks(world: int, layout: Layout | None) -> list[int]:

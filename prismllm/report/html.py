@@ -342,7 +342,7 @@ def _memory(d: dict[str, Any]) -> str:
             "memory",
             3,
             "Peak memory over the layout",
-            "The most device memory each rank held at once, laid out by pipeline stage and tensor-parallel rank.",
+            "The most device memory each rank held at once, laid out by pipeline stage and model-parallel rank.",
             '<p class="note">Peak memory was not measured: '
             + (
                 "the capture ran on the CPU, which has no device memory. Capture on GPUs to see it here."
@@ -359,13 +359,29 @@ def _memory(d: dict[str, Any]) -> str:
     )
     if grid:
         cap += (
-            "Rows are pipeline stages, columns tensor-parallel ranks; each cell is the "
+            "Rows are pipeline stages, columns "
+            + escape(_grid_cols_text(grid.get("cols") or "tp"))
+            + "; each cell is the "
             + escape(grid.get("folded") or "max over the other dimensions")
             + ". Hover a cell for the exact bytes; the outlined cell holds the largest."
         )
     else:
         cap += "Without a layout, one cell per rank."
     return _section("memory", 3, "Peak memory over the layout", cap, '<div class="chart" id="memory-chart"></div>')
+
+
+# What each memory-grid column dimension is, for the caption.
+_DIM_NAMES = {"tp": "tensor-parallel", "cp": "context-parallel", "ep": "expert-parallel"}
+
+
+def _grid_cols_text(cols: str) -> str:
+    """ "ep · tp" -> "the (expert-parallel, tensor-parallel) ranks, tp fastest"; "tp" -> "the
+    tensor-parallel ranks" (older data names no more)."""
+    dims = [d.strip() for d in cols.split("·") if d.strip()] or ["tp"]
+    names = [_DIM_NAMES.get(d, d) for d in dims]
+    if len(dims) == 1:
+        return f"the {names[0]} ranks"
+    return f"the ({', '.join(names)}) ranks, {dims[-1]} fastest"
 
 
 def _timeline(d: dict[str, Any]) -> str:

@@ -285,11 +285,13 @@
   // ------------------------------------------------------------------ 3. memory heat map
   function drawMemory(box) {
     const m = D.memory;
-    // the grid (pp x tp), or without a layout the ranks in rows of 32
+    // the grid (pp x the model-parallel coordinates ep, cp, tp), or without a layout the ranks in
+    // rows of 32; data without col_labels (older reports) has tp columns
     const per = 32;
     const values = m.grid ? m.grid.values : Array.from({ length: Math.ceil(m.per_rank.length / per) },
       (_, i) => m.per_rank.slice(i * per, (i + 1) * per));
-    const cellName = (i, j) => (m.grid ? `pp ${i} · tp ${j}` : `rank ${i * per + j}`);
+    const colName = (j) => (m.grid ? (m.grid.col_labels ? m.grid.col_labels[j] : `tp ${j}`) : `+${j}`);
+    const cellName = (i, j) => (m.grid ? `pp ${i} · ${colName(j)}` : `rank ${i * per + j}`);
     const nr = values.length, nc = Math.max(...values.map((r) => r.length));
     const known = values.flat().filter((v) => v != null && v >= 0);
     const lo = Math.min(...known), hi = Math.max(...known);
@@ -316,10 +318,23 @@
         if (ok && v === hi && maxCell === null) maxCell = [x, yy];
       });
     });
-    for (let j = 0; j < nc; j++) {
-      if (nc <= 32 || j % Math.ceil(nc / 32) === 0) {
-        text(svg, left + j * cw + cw / 2, top - 8, m.grid ? `tp ${j}` : `+${j}`, { class: 'tick', 'text-anchor': 'middle' });
+    // a tick on every k-th column: at most 32, and each label its width (about 6.5 px a character
+    // at the ticks' 11.5 px; "ep 7 · tp 1" is ~70 px) plus a gap, so none overlap
+    let longest = 0;
+    for (let j = 0; j < nc; j++) longest = Math.max(longest, String(colName(j)).length);
+    let every = Math.max(Math.ceil(nc / 32), Math.ceil((longest * 6.5 + 8) / cw), 1);
+    // thinned, round up to a multiple of a slower dimension's stride: "ep 0 · tp 0", "ep 4 · tp 0", ...
+    if (every > 1 && m.grid && m.grid.cols && D.layout) {
+      let stride = 1, step = 1;
+      for (const d of m.grid.cols.split(' · ').reverse()) {
+        if (stride <= every) step = stride;
+        stride *= D.layout[d] || 1;
       }
+      every = Math.ceil(every / step) * step;
+    }
+    const half = (longest * 6.5) / 2; // keep the first label inside the picture
+    for (let j = 0; j < nc; j += every) {
+      text(svg, Math.max(left + j * cw + cw / 2, half + 2), top - 8, colName(j), { class: 'tick col-tick', 'text-anchor': 'middle' });
     }
     if (maxCell) svgEl('rect', { x: maxCell[0] - 1, y: maxCell[1] - 1, width: cw + 1, height: ch + 1, class: 'max-cell' }, svg);
     // legend: the colour ramp from the least to the most memory
