@@ -178,3 +178,19 @@ def test_compute_under_load_takes_compute_from_every_rank_at_once(bare, tmp_path
         *ARGS,
     )
     assert p.returncode == 2 and "--compute-under-load is for CPU timing" in p.stderr, p.stderr
+
+
+def test_time_devices_that_cannot_hold_the_slices_are_refused_up_front():
+    """`prism run` asks the time stage, before its capture runs, whether the listed devices hold
+    its slices (seen: a 1024-rank run listed 16 shared GPUs with --parallel 16, captured for 30 s,
+    then the time stage refused them). The message says both ways out."""
+    import dataclasses
+
+    from prismllm.errors import PrismError
+    from prismllm.time import TimeOptions, check_time_devices
+
+    opts = TimeOptions(graph="g", out="o", script="s", args=[], devices="cuda:0,0,0", parallel=2)
+    with pytest.raises(PrismError, match=r"need 4, 3 listed: list 4 .* or lower --parallel to 1"):
+        check_time_devices(opts, 32)
+    check_time_devices(opts, 1)  # one slice: one sandbox and one assistant GPU
+    check_time_devices(dataclasses.replace(opts, parallel=None), 32)  # as many at a time as fit

@@ -36,7 +36,7 @@ from prismllm.launch import LineSink
 from prismllm.layout import Layout
 from prismllm.report import write_report
 from prismllm.report.data import BARE_DIR, CAL_DIR, EMULATE_DIR, RUN_FILE, TIME_DIR, coords_text
-from prismllm.time import TimeOptions, time_slices
+from prismllm.time import TimeOptions, check_time_devices, time_slices
 from prismllm.trace.schema import MANIFEST_FILE
 
 LOGS_DIR = "logs"
@@ -178,6 +178,10 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
 
     # ---- capture
     bare = out / BARE_DIR
+
+    def time_options() -> TimeOptions:
+        return TimeOptions.from_fields(opts, graph=bare, out=out / TIME_DIR, args=list(opts.args), force=_STAGE_FORCE)
+
     if opts.reuse_from is not None:
         _adopt(Path(opts.reuse_from), out, opts.reuse_through, done_stage)
     if not (bare / MANIFEST_FILE).is_file():
@@ -187,6 +191,8 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
 
         def on_plan(p: CapturePlan) -> None:
             plan.append(p)
+            if opts.stop_after is None:  # the time stage's devices, before the capture's minutes
+                check_time_devices(time_options(), len(p.replicas.representatives), opts.cuda_on_cpu)
             ui.say(f"capture: {p.replicas.describe()}; {p.parallel} at a time on {p.device}")
             ui.stage("capture", total=len(p.replicas.representatives), unit="ranks", done=len(p.resumed))
 
@@ -211,7 +217,7 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
         t0 = time.monotonic()
         ui.stage("time", unit="slices")
         res_t = time_slices(
-            TimeOptions.from_fields(opts, graph=bare, out=out / TIME_DIR, args=list(opts.args), force=_STAGE_FORCE),
+            time_options(),
             lambda d, t, ranks, s: ui.update(d, t),
             say=lambda line: ui.say(f"time: {line}"),
         )

@@ -147,11 +147,18 @@ def slice_devices(opts: TimeOptions, at_once: int, cuda_on_cpu: bool = False) ->
     else:
         if len(dev.gpus) < per * at_once:
             raise PrismError(
-                f"--devices {dev.text}: a slice is {opts.slice_size} sandbox GPU(s) and one assistant GPU, "
-                f"{at_once} slice(s) at a time need {per * at_once}, {len(dev.gpus)} listed"
+                f"--devices {dev.text}: a time slice is {opts.slice_size} sandbox GPU(s) and one assistant GPU, "
+                f"{at_once} slice(s) at a time need {per * at_once}, {len(dev.gpus)} listed: list "
+                f"{per * at_once} (a GPU listed twice is shared) or lower --parallel to {max(1, len(dev.gpus) // per)}"
             )
         gpus = dev.gpus[: per * at_once]  # the first of a longer list (fewer slices than it holds)
     return [DeviceSpec("cuda", gpus[k * per : (k + 1) * per]) for k in range(at_once)]
+
+
+def check_time_devices(opts: TimeOptions, n_ranks: int, cuda_on_cpu: bool = False) -> None:
+    """Refuse devices that cannot hold the slices of ``n_ranks`` timed ranks, before anything
+    runs (``prism run`` asks before its capture, which may take minutes)."""
+    slice_devices(opts, min(_parallel(opts), -(-n_ranks // opts.slice_size)), cuda_on_cpu)
 
 
 def _parallel(opts: TimeOptions) -> int:
