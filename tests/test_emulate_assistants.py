@@ -115,3 +115,27 @@ def _nth(trace, row) -> int:
         & (trace.column("index") < idx)
     )
     return int(m.sum())
+
+
+def test_each_worker_serves_its_calls_in_the_launch_order(gpt3d_recording):
+    """With the sandbox's launch order (NCCL), each group's worker must also be handed its calls
+    in that order: handed by peer, a middle pipeline stage's P2P group queued every send to the
+    previous stage before the receives from the next, and the worker waited for the turn of a
+    call its own queue held behind it (every middle-stage slice of a 1024-rank PP4·EP8 run on
+    one GPU hung). Checked on the PP4 recording at N = 8 with a middle stage's rank real."""
+    from test_record_gpt3d import recording
+
+    from prismllm.assistant.proxy import Assistant
+    from prismllm.trace.graph import PrismTrace
+
+    trace = PrismTrace.load(recording(gpt3d_recording, "pp4").out)
+    a = Assistant(trace, (2,), None, connect=lambda: None, backend="gloo", sandbox_order=True)
+    turn = a._turn
+    queued: dict[int, list[int]] = {}
+    for jobs in a.schedule():
+        queued.setdefault(jobs[0].event.group, []).append(min(turn[j.event.instance] for j in jobs))
+    p2p = [gid for gid, grp in a.groups.items() if len(grp.ranks) == 4]  # the pipeline group
+    assert p2p and all(len(queued[gid]) > 4 for gid in p2p)
+    for gid, turns in queued.items():
+        assert turns == sorted(turns), (a.trace.group_label(gid), turns[:12])
+        assert [turn[i] for i in a.groups[gid].upcoming] == sorted(turn[i] for i in a.groups[gid].upcoming)

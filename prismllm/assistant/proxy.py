@@ -52,7 +52,8 @@ What it does (docs/internals/assistant.md):
 Per group the proxy enters calls in the group's call order (seq; point-to-point in the
 virtual rank's program order; the ops of one coalesced batch together, in one NCCL group as
 the sandbox's ``batch_isend_irecv`` does): gloo and NCCL match collectives by their order on
-a group, and the sandbox issues them in that same order. Calls on different groups run
+a group, and the sandbox issues them in that same order. On NCCL every call, on every group,
+is launched in the sandbox ranks' program order (``_turn``). Calls on different groups run
 concurrently (one worker each), so a sandbox rank that waits on group A while an op on
 group B is outstanding does not deadlock the assistant.
 
@@ -153,7 +154,10 @@ class Assistant:
         stage_ahead: int = 1,
         index: int = 0,
         count: int = 1,
+        sandbox_order: bool | None = None,
     ) -> None:
+        """``sandbox_order``: launch every call in the sandbox ranks' program order (default: on
+        NCCL, which needs it; see ``_turn`` below)."""
         if timing not in TIMINGS:
             raise AssistantError(f"replay timing {timing!r}: expected one of {', '.join(TIMINGS)}")
         if stage_ahead < 0:
@@ -240,7 +244,16 @@ class Assistant:
         # in the sandbox ranks' program order (seen: a TP2-PP2 slice on one GPU hung with the
         # proxy 17 calls ahead on the TP group and the sandbox in its first pipeline recv).
         # gloo makes its small groups up front and runs each call on its own threads: no order.
-        self._turn = self._sandbox_order() if backend == "nccl" else None
+        # Each group's worker then serves its calls in that order too: sorted by peer (the order
+        # above, for gloo), a pipeline stage's P2P group queued all sends to the previous stage
+        # before the receives from the next, and the worker waited for its turn on a call that its
+        # own queue held behind (seen: every middle stage's slice of a PP4 run on NCCL hung).
+        in_order = backend == "nccl" if sandbox_order is None else sandbox_order
+        self._turn = self._sandbox_order() if in_order else None
+        if self._turn is not None:
+            for grp in self.groups.values():
+                grp.upcoming.sort(key=self._turn.__getitem__)
+            self._place = {i: k for grp in self.groups.values() for k, i in enumerate(grp.upcoming)}
         self._turn_next = 0
         self._turn_done: set[int] = set()
         self._turn_cv = threading.Condition()
@@ -656,6 +669,23 @@ class Assistant:
         and each worker enters its group's calls back to back (``fast``), or each at its time
         (``real``), where the sandbox's real completions move the clock (``_complete``)."""
         self.start()
+        for jobs in self.schedule():
+            self.groups[jobs[0].event.group].jobs.put(jobs)
+        for grp in self.groups.values():
+            grp.jobs.put(None)
+        left = len(self.groups)
+        while left:
+            grp, err = self._done.get()
+            if err is not None:
+                if isinstance(err, PrismError):
+                    raise err
+                raise AssistantError(f"group {grp.name} {grp.ranks}: {err}") from err
+            left -= 1
+
+    def schedule(self) -> list[list[_Job]]:
+        """Replay the virtual ranks to the end; every call with the sandbox, as the jobs (one
+        call, or the calls of a coalesced batch) in the order the workers enter them: per group
+        its call order, or with ``_turn`` the sandbox ranks' program order."""
         rep = self.replay
         g = self.graph
         plan: list[list[_Job]] = []
@@ -678,18 +708,10 @@ class Assistant:
             plan.extend(batches[k] for k in sorted(batches, key=lambda k: self._order(batches[k][0].event)))
             if st.finished:
                 break
-        for jobs in plan:
-            self.groups[jobs[0].event.group].jobs.put(jobs)
-        for grp in self.groups.values():
-            grp.jobs.put(None)
-        left = len(self.groups)
-        while left:
-            grp, err = self._done.get()
-            if err is not None:
-                if isinstance(err, PrismError):
-                    raise err
-                raise AssistantError(f"group {grp.name} {grp.ranks}: {err}") from err
-            left -= 1
+        if self._turn is not None:
+            turn = self._turn
+            plan.sort(key=lambda jobs: min(turn[j.event.instance] for j in jobs))
+        return plan
 
     def write_result(self, path: str) -> None:
         """The virtual ranks' iteration times as the replay ran them (``real`` timing: with

@@ -146,10 +146,11 @@ def slice_devices(opts: TimeOptions, at_once: int, cuda_on_cpu: bool = False) ->
         gpus: tuple[int, ...] = tuple(range(per * at_once))
     else:
         if len(dev.gpus) < per * at_once:
+            fewer = f"lower --parallel to {len(dev.gpus) // per}" if len(dev.gpus) >= per else "lower --slice-size"
             raise PrismError(
-                f"--devices {dev.text}: a time slice is {opts.slice_size} sandbox GPU(s) and one assistant GPU, "
+                f"--devices {dev.text}: a slice is {opts.slice_size} sandbox GPU(s) and one assistant GPU, "
                 f"{at_once} slice(s) at a time need {per * at_once}, {len(dev.gpus)} listed: list "
-                f"{per * at_once} (a GPU listed twice is shared) or lower --parallel to {max(1, len(dev.gpus) // per)}"
+                f"{per * at_once} (a GPU listed twice is shared) or {fewer}"
             )
         gpus = dev.gpus[: per * at_once]  # the first of a longer list (fewer slices than it holds)
     return [DeviceSpec("cuda", gpus[k * per : (k + 1) * per]) for k in range(at_once)]
