@@ -192,5 +192,5 @@ def test_time_devices_that_cannot_hold_the_slices_are_refused_up_front():
     opts = TimeOptions(graph="g", out="o", script="s", args=[], devices="cuda:0,0,0", parallel=2)
     with pytest.raises(PrismError, match=r"need 4, 3 listed: list 4 .* or lower --parallel to 1"):
         check_time_devices(opts, 32)
-    check_time_devices(opts, 1)  # one slice: one sandbox and one assistant GPU
-    check_time_devices(dataclasses.replace(opts, parallel=None), 32)  # as many at a time as fit
+    assert len(check_time_devices(opts, 1)) == 1  # one slice: one sandbox and one assistant GPU
+    assert len(check_time_devices(dataclasses.replace(opts, parallel=None), 32)) == 1  # as many as fit

@@ -236,7 +236,6 @@ class Assistant:
         # a group without calls with the sandbox gets no small group: the sandbox makes its side
         # at the group's first call, so there would be no one to meet
         self.groups = {gid: grp for gid, grp in self.groups.items() if grp.upcoming}
-        self._place = {i: k for grp in self.groups.values() for k, i in enumerate(grp.upcoming)}
         # NCCL: every member of the small communicators must launch its calls in one order (NCCL
         # kernels of different communicators on one device need not run concurrently, and a
         # communicator is made by a blocking collective at its first call): the proxy, which
@@ -253,7 +252,7 @@ class Assistant:
         if self._turn is not None:
             for grp in self.groups.values():
                 grp.upcoming.sort(key=self._turn.__getitem__)
-            self._place = {i: k for grp in self.groups.values() for k, i in enumerate(grp.upcoming)}
+        self._place = {i: k for grp in self.groups.values() for k, i in enumerate(grp.upcoming)}
         self._turn_next = 0
         self._turn_done: set[int] = set()
         self._turn_cv = threading.Condition()

@@ -414,10 +414,7 @@ class Recorder:
             p = self.m_p0[rows[0]]
         else:
             p = self._ret_point()
-        self._open_span(p)
-        if work is None:
-            if self.coal_depth:  # rows complete with the batch's Work
-                return
+        if work is None and not self.coal_depth:  # in a batch, rows complete with its Work
             # No Work: the call returned when it completed (monitored_barrier; NCCL in torch
             # 2.11 runs a synchronous collective on the program's stream and returns none). The
             # next compute span starts there too -- on the device, the event after the return,
@@ -429,6 +426,9 @@ class Recorder:
                 self.m_p1[j] = end
                 self.m_state[j] = ST_WAITED
             self._open_span(end)
+            return
+        self._open_span(p)
+        if work is None:
             return
         if sync:
             self.pending_sync = work

@@ -36,7 +36,7 @@ from prismllm.launch import LineSink
 from prismllm.layout import Layout
 from prismllm.report import write_report
 from prismllm.report.data import BARE_DIR, CAL_DIR, EMULATE_DIR, RUN_FILE, TIME_DIR, coords_text
-from prismllm.time import TimeOptions, check_time_devices, time_slices
+from prismllm.time import TimeOptions, check_time_devices, plan_slices, time_slices
 from prismllm.trace.schema import MANIFEST_FILE
 
 LOGS_DIR = "logs"
@@ -192,7 +192,8 @@ def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
         def on_plan(p: CapturePlan) -> None:
             plan.append(p)
             if opts.stop_after is None:  # the time stage's devices, before the capture's minutes
-                check_time_devices(time_options(), len(p.replicas.representatives), opts.cuda_on_cpu)
+                t = time_options()
+                check_time_devices(t, len(plan_slices(p.replicas.representatives, t.slice_size)), opts.cuda_on_cpu)
             ui.say(f"capture: {p.replicas.describe()}; {p.parallel} at a time on {p.device}")
             ui.stage("capture", total=len(p.replicas.representatives), unit="ranks", done=len(p.resumed))
 

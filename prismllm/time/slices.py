@@ -156,10 +156,11 @@ def slice_devices(opts: TimeOptions, at_once: int, cuda_on_cpu: bool = False) ->
     return [DeviceSpec("cuda", gpus[k * per : (k + 1) * per]) for k in range(at_once)]
 
 
-def check_time_devices(opts: TimeOptions, n_ranks: int, cuda_on_cpu: bool = False) -> None:
-    """Refuse devices that cannot hold the slices of ``n_ranks`` timed ranks, before anything
-    runs (``prism run`` asks before its capture, which may take minutes)."""
-    slice_devices(opts, min(_parallel(opts), -(-n_ranks // opts.slice_size)), cuda_on_cpu)
+def check_time_devices(opts: TimeOptions, n_slices: int, cuda_on_cpu: bool = False) -> list[DeviceSpec]:
+    """The devices of the slices run together to time ``n_slices`` slices; a PrismError before
+    anything runs when the listed ones cannot hold them (``prism run`` asks before its capture,
+    which may take minutes)."""
+    return slice_devices(opts, min(_parallel(opts), n_slices), cuda_on_cpu)
 
 
 def _parallel(opts: TimeOptions) -> int:
@@ -366,7 +367,7 @@ def time_slices(
         raise PrismError(f"--slice-size {opts.slice_size}: a slice must leave some of the {world} ranks virtual")
     slices = plan_slices(ranks, opts.slice_size)
     tensors = recorded_inputs(graph, opts.tensors, opts.inputs)  # the virtual ranks' inputs, if recorded
-    devices = slice_devices(opts, min(_parallel(opts), len(slices)), cuda_on_cpu)  # checked before anything runs
+    devices = check_time_devices(opts, len(slices), cuda_on_cpu)
     out = Path(opts.out)
     state = {
         "graph": str(graph.resolve()),
