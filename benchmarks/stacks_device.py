@@ -335,8 +335,9 @@ def part_moe_1024(out: Path, devices: str, cases: list[str]) -> dict:
     p = {int(k): v for k, v in peaks(d / "bare").items() if v >= 0}
     if p:
         res.update(
-            peak_max=max(p.values()), peak_max_rank=max(p, key=p.get),
-            peak_min=min(p.values()), peak_min_rank=min(p, key=p.get),
+            # the lowest rank holding it, as the report names it (replicas share their peak)
+            peak_max=max(p.values()), peak_max_rank=min(r for r, v in p.items() if v == max(p.values())),
+            peak_min=min(p.values()), peak_min_rank=min(r for r, v in p.items() if v == min(p.values())),
             spread=(max(p.values()) - min(p.values())) / min(p.values()),
         )  # fmt: skip
     summary = d / "cal" / "summary.json"

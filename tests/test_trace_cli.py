@@ -352,3 +352,31 @@ def test_compare_count_difference():
     d = compare_traces(a, b).first_difference
     assert (d["rank"], d["comm_index"], d["field"], d["a"], d["b"]) == (0, 6, "count", 12, 6)
     assert d["node_b"] is None and d["node_a"]["op"] == "all_reduce"
+
+
+def test_compare_names_a_rank_host_bound_in_one_graph_only(cli, tmp_path):
+    """On a device clock, the host lead (device start - host issue of each call) tells a rank
+    whose device waited for its host (spans = host pace) from one whose host ran ahead."""
+
+    def on_device(logs, lead_ns):
+        for log in logs:
+            log.clock = "cuda"
+            for n in log.nodes:
+                if n["kind"] == "comm":
+                    n["issue_ns"] = n["start_ns"] - lead_ns.get(log.rank, 100_000)
+        return logs
+
+    a = save(on_device(example_logs(), {0: 5_000_000}), tmp_path / "a")  # rank 0's host 5 ms ahead
+    b = save(on_device(example_logs(), {}), tmp_path / "b")  # every device waits for its host
+    rc, out, err = cli("compare", a, b, "--json")
+    assert rc == 0, err
+    t = json.loads(out)["timing"]
+    assert t["compute_ns"]["0"]["host_lead_a_ns"] == 5_000_000
+    assert t["compute_ns"]["0"]["host_lead_b_ns"] == t["compute_ns"]["1"]["host_lead_a_ns"] == 100_000
+    assert t["host_bound_differs"] == [0]
+    rc, out, _ = cli("compare", a, b)
+    assert "host-bound in one graph only: rank 0" in out and "5.000 ms (A)" in out
+    # on a host clock (the CPU) issue and start are one: no lead, no note
+    rc, out, _ = cli("compare", save(example_logs(), tmp_path / "c"), b, "--json")
+    t = json.loads(out)["timing"]
+    assert t["compute_ns"]["0"]["host_lead_a_ns"] is None and t["host_bound_differs"] == []

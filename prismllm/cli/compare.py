@@ -78,11 +78,27 @@ def render(res, console: Console, path_a: str, path_b: str) -> None:
         for x in res.iterations[:40]:
             it.add_row(str(x["iteration"]), fmt_ns(x["a_ns"]), fmt_ns(x["b_ns"]), _pct(x["rel_error"]))
         console.print(it)
+    leads = any(c.get("host_lead_a_ns") is not None or c.get("host_lead_b_ns") is not None
+                for c in res.compute_ns.values())  # fmt: skip
     if errs and len(errs) > 1:
         w = Table(title=f"ranks with the largest iteration-time error (of {len(errs)})", title_justify="left")
-        for col in ("rank", "(B-A)/A", "compute A", "compute B"):
+        for col in ("rank", "(B-A)/A", "compute A", "compute B") + (("host lead A", "host lead B") if leads else ()):
             w.add_column(col, justify="right")
         for r, e in sorted(errs, key=lambda x: -abs(x[1]))[:WORST]:
             c = res.compute_ns.get(r, {})
-            w.add_row(str(r), _pct(e), fmt_ns(c.get("a_ns")), fmt_ns(c.get("b_ns")))
+            lead = (fmt_ns(c.get("host_lead_a_ns")), fmt_ns(c.get("host_lead_b_ns"))) if leads else ()
+            w.add_row(str(r), _pct(e), fmt_ns(c.get("a_ns")), fmt_ns(c.get("b_ns")), *lead)
         console.print(w)
+    if res.host_bound_differs:
+        r = res.host_bound_differs[0]
+        c = res.compute_ns[r]
+        more = len(res.host_bound_differs) - 1
+        console.print(
+            f"[yellow]host-bound in one graph only[/yellow]: rank {r}"
+            + (f" and {more} more" if more else "")
+            + f": its host issued each call {fmt_ns(c['host_lead_a_ns'])} (A) and {fmt_ns(c['host_lead_b_ns'])} (B)"
+            " before the device reached it. Where that lead is under a millisecond the device waited for the"
+            " host, and the rank's compute spans measure the host's pace (Python and launches), not its kernels:"
+            " the compute difference is the host's, not the kernels' (docs/commands/compare.md).",
+            highlight=False,
+        )

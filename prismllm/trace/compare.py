@@ -33,11 +33,15 @@ import pyarrow.compute as pc
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.summary import (
     compute_time_by_rank,
+    host_lead_by_rank,
     iteration_times,
     rank_iteration_times,
     steady,
 )
 
+# Below this lead the host issued each call about when the device reached it: the device waited
+# for the host (a launch takes ~0.1 ms on the GPU machines; a host that runs ahead leads by ms).
+HOST_BOUND_NS = 1_000_000
 FIELDS = ("op", "group", "in_bytes", "out_bytes", "dtype", "reduce_op", "peer", "in_splits", "out_splits")
 
 
@@ -51,6 +55,7 @@ class CompareResult:
     per_rank: dict[int, float] = dataclasses.field(default_factory=dict)
     iterations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     compute_ns: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    host_bound_differs: list[int] = dataclasses.field(default_factory=list)
     timing_checked: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -66,6 +71,7 @@ class CompareResult:
                 "per_rank": {str(r): e for r, e in sorted(self.per_rank.items())},
                 "iterations": self.iterations,
                 "compute_ns": {str(r): v for r, v in sorted(self.compute_ns.items())},
+                "host_bound_differs": self.host_bound_differs,
             }
         return {"structure": structure, "timing": timing}
 
@@ -263,7 +269,18 @@ def _compare_timing(a: PrismTrace, b: PrismTrace, res: CompareResult) -> None:
     pa_, pb_ = rank_iteration_times(a), rank_iteration_times(b)
     res.per_rank = {r: _rel(pa_[r], pb_[r]) for r in sorted(set(pa_) & set(pb_))}
     ca, cb = compute_time_by_rank(a), compute_time_by_rank(b)
+    la, lb = host_lead_by_rank(a), host_lead_by_rank(b)
     res.compute_ns = {
-        r: {"a_ns": ca.get(r), "b_ns": cb.get(r), "rel_error": _rel(ca.get(r), cb.get(r))}
+        r: {
+            "a_ns": ca.get(r),
+            "b_ns": cb.get(r),
+            "rel_error": _rel(ca.get(r), cb.get(r)),
+            "host_lead_a_ns": la.get(r),
+            "host_lead_b_ns": lb.get(r),
+        }
         for r in sorted(set(ca) | set(cb))
     }
+    # ranks whose device waited for its host in one graph and not in the other: their compute
+    # spans measure different things (host pace against kernel time), so their compute differs
+    # by the host's launch time, whatever the kernels did
+    res.host_bound_differs = sorted(r for r in set(la) & set(lb) if (la[r] < HOST_BOUND_NS) != (lb[r] < HOST_BOUND_NS))

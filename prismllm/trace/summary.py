@@ -95,6 +95,29 @@ def rank_iteration_times(trace: PrismTrace) -> dict[int, int]:
     return out
 
 
+def host_lead_by_rank(trace: PrismTrace) -> dict[int, int]:
+    """Per rank, on a device clock: the median over the steady iterations of how long before the
+    device reached a communication call the host had issued it (``start_ns - issue_ns``).
+
+    A lead of about one launch (0.1 ms) means the device waited for the host: the rank's compute
+    spans then measure the host's pace (Python and launch time), not its kernels. A lead of
+    milliseconds means the host ran ahead and the spans are device time. Empty on a host clock
+    (the CPU), where issue and start are one."""
+    if trace.manifest.get("clock") != "cuda":
+        return {}
+    nodes = trace.nodes
+    is_comm = pc.equal(nodes.column("kind"), "comm").to_numpy(zero_copy_only=False)
+    issue, start = trace.column("issue_ns").astype(np.int64), trace.column("start_ns").astype(np.int64)
+    it = trace.column("iteration").astype(np.int64)
+    sel = is_comm & (issue >= 0) & (start >= issue) & (it >= 0)
+    its = np.unique(it[sel])
+    if len(its) >= 2:  # the first iteration is warm-up, as for the iteration time
+        sel &= it != its[0]
+    rank = trace.column("rank").astype(np.int64)[sel]
+    lead = (start - issue)[sel]
+    return {int(r): int(np.median(lead[rank == r])) for r in np.unique(rank)}
+
+
 def compute_time_by_rank(trace: PrismTrace) -> dict[int, int]:
     """Per rank: total duration of its compute spans (duration_ns, or end - start), known ones."""
     nodes = trace.nodes
