@@ -7,7 +7,9 @@ the steady iterations (all but the first) of: the rank's iteration time; its com
 communication time (sums of span durations, device clock); its host span (host time from its
 first to its last communication call of the iteration); and its host lead (how long before the
 device reached a call the host had issued it, `prismllm.trace.summary.host_lead_by_rank`). A lead
-of about a launch (0.1 ms) marks a host-bound rank: its compute spans are the host's pace. Writes
+of about a launch (0.1 ms) marks a host-bound rank: its compute spans are the host's pace. For a
+timed graph also the emulation layer's host time on the rank over the whole run (the manifest's
+``timing.emulation_host_ns``). Writes
 benchmarks/results/host_pace_<tag>.json and .md. The graphs name the machine they were made on
 (their manifest); this script only reads them.
 """
@@ -36,6 +38,7 @@ def per_rank(graph: Path) -> tuple[dict, dict]:
     its = np.unique(col["iteration"][col["iteration"] >= 0])
     steady = col["iteration"] > its[0] if len(its) >= 2 else col["iteration"] >= 0
     lead, iter_ns = host_lead_by_rank(t), rank_iteration_times(t)
+    emulation = (t.manifest.get("timing") or {}).get("emulation_host_ns") or {}
     out = {}
     for r in np.unique(col["rank"]):
         mine = steady & (col["rank"] == r)
@@ -50,6 +53,8 @@ def per_rank(graph: Path) -> tuple[dict, dict]:
             x = col["issue_ns"][calls & (col["iteration"] == i)]
             spans.append(int(x.max() - x.min()))
         row["host_span_ns"] = int(np.median(spans)) if spans else None
+        if str(int(r)) in emulation:
+            row["emulation_host_ns_whole_run"] = int(emulation[str(int(r))])
         out[str(int(r))] = row
     m = t.manifest
     made_on = {"gpus": m.get("gpus"), "versions": m.get("versions"), "created": m.get("created"), "mode": m.get("mode")}

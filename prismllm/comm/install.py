@@ -525,6 +525,7 @@ def collect(rec: Recorder) -> RankLog:
         iterations=iteration_rows(rec),
         peak_memory_bytes=peak,
         excluded_ns=int(rec.excluded_ns),
+        emulation_host_ns=int(rec.emulation_host_ns),
         scratch_bytes=scratch.reserved_bytes(),
     )
 

@@ -205,6 +205,8 @@ class Recorder:
         # host time the emulation's own layer spent on this rank's calls (prism emulate's
         # pruned groups on CPU: planning, buffers, checks), left out of the host clock
         self.excluded_ns = 0
+        # the same layer's host time on every backend (on GPU counted, not left out)
+        self.emulation_host_ns = 0
 
     # ---- points -------------------------------------------------------------------------
     def _host_point(self, t: int) -> int:

@@ -398,9 +398,13 @@ class PrunedBackend(solo.GeneratedBackend):
         the graph, the plan, buffers, post steps), which the program's real backend does not
         do: the recorder leaves it out of the rank's clock, so slice timing measures the
         program and the link, not the emulation (docs/commands/time.md, "Emulation overhead on the CPU"). On GPU
-        the device clock does not see host work: nothing is left out."""
+        the device clock does not see host work while the host runs ahead, so nothing is left out;
+        the time is still counted (``Recorder.emulation_host_ns``): a host-bound rank's device
+        waits for it."""
+        ns = time.perf_counter_ns() - t0
+        self.owner._rec.emulation_host_ns += ns
         if self.backend == "gloo":
-            self.owner._rec.exclude(time.perf_counter_ns() - t0)
+            self.owner._rec.exclude(ns)
 
     def small(self) -> Any:
         """The small group, made now if this is the group's first call."""

@@ -329,6 +329,7 @@ def measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
             "median_steady_iteration_ns": med,
             "peak_memory_bytes": int(log.peak_memory_bytes),
             "emulation_overhead_left_out_ns": int(log.excluded_ns),
+            "emulation_host_ns": int(log.emulation_host_ns),
             "emulation_scratch_bytes": int(log.scratch_bytes),
         }
     return out

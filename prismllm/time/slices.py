@@ -425,6 +425,7 @@ def time_slices(
         shutil.rmtree(spool)
     spool.mkdir()
     left_out = {}  # per timed rank: the emulation layer's host time left out of its clock
+    emulation_host = {}  # per timed rank: that layer's host time on any device (GPU: not left out)
     for k, s in enumerate(slices):
         for r in s:
             name = f"rank-{r:06d}.msgpack"
@@ -432,6 +433,7 @@ def time_slices(
         sl = json.loads((_slice_dir(out, k) / SLICE_FILE).read_text())
         for r, m in sl.get("sandbox_results", {}).items():
             left_out[r] = int(m.get("emulation_overhead_left_out_ns", 0))
+            emulation_host[r] = int(m.get("emulation_host_ns", 0))
     # the bare graph's manifest, its program fingerprint and command included (what
     # `prism emulate` checks a launch of the timed or calibrated graph against)
     tm = {k: v for k, v in manifest.items() if k not in ("peak_memory_bytes", "capture")}
@@ -454,6 +456,7 @@ def time_slices(
             "inputs": state["inputs"],
             "slice_of_rank": slice_of,
             "emulation_overhead_left_out_ns": left_out,
+            "emulation_host_ns": emulation_host,
             "compute_from": "load pass: every rank at once (DIR/load)" if load else "the slices",
         },
     )

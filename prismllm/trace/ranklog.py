@@ -42,6 +42,9 @@ class RankLog:
     # host time the emulation layer spent on the rank's calls, left out of its host clock
     # (prism emulate on CPU; Recorder.exclude)
     excluded_ns: int = 0
+    # the same layer's host time on any device (on GPU counted, not left out: a host-bound
+    # rank's device waits for it; docs/commands/time.md)
+    emulation_host_ns: int = 0
     # device memory the emulation's pruned calls took outside the program's allocator, so not
     # in peak_memory_bytes (prism emulate on GPU; prismllm.comm.scratch)
     scratch_bytes: int = 0
