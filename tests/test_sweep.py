@@ -104,3 +104,28 @@ def test_points_that_differ_after_the_capture_share_it(tmp_path):
     before = walls()
     assert main([*argv, "--grid", "s=0,1", "--", GPT3D, "--pp", "2", *SMALL]) == 0
     assert [[x for x in w if x[0] != "report"] for w in walls()] == [[x for x in w if x[0] != "report"] for w in before]
+
+
+def test_the_peak_rank_is_named_with_its_layout_coordinates_once(tmp_path):
+    """A point's peak is shown as "rank R, <coordinates>", and as "rank R" alone where the layout
+    adds nothing (no layout: data parallel only), in the terminal table and in the page."""
+    from rich.console import Console
+
+    from prismllm.cli.sweep import render
+    from prismllm.pipeline.sweep import _row
+    from prismllm.report.sweep import render_sweep_html
+
+    pts = plan_points(SweepOptions(out=tmp_path, script="t.py", world=2, grid=[("mb", ["1", "2"])]))
+    peaks = [{"rank": 0, "bytes": 3 << 30, "where": "rank 0", "min_bytes": 1 << 30},
+             {"rank": 5, "bytes": 4 << 30, "where": "pp 0 · ep 5", "min_bytes": 1 << 30}]  # fmt: skip
+    rows = [
+        _row(p, "ok", {"peak_memory": pk, "predicted_iteration_ns": 10**6}, None, None) for p, pk in zip(pts, peaks)
+    ]
+    assert [r["peak_memory_at"] for r in rows] == ["rank 0", "rank 5, pp 0 · ep 5"]
+    state = {"grid": [("mb", ["1", "2"])], "script": "t.py", "points": rows, "memory_only": False, "report": "x"}
+    console = Console(record=True, width=200)
+    render(state, console)
+    shown = console.export_text()
+    assert "rank 0 " in shown and "rank 0, rank 0" not in shown and "rank 5, pp 0 · ep 5" in shown
+    page = render_sweep_html(state, tmp_path)
+    assert "(rank 0)" in page and "(rank 5, pp 0 · ep 5)" in page

@@ -69,7 +69,7 @@ def render(state: dict, console: Console) -> None:
     if emulated:
         t.add_column("emulated (rank)", justify="right")
     t.add_column("peak memory", justify="right")
-    t.add_column("on rank (where)")
+    t.add_column("on rank")
     for p in state["points"]:
         status = p["status"]
         if status == "out_of_memory":
@@ -84,7 +84,7 @@ def render(state: dict, console: Console) -> None:
             r = p.get("emulated_rank")
             cells.append(fmt_ns(p.get("emulated_iteration_ns")) + (f" ({r})" if r is not None else ""))
         peak = p.get("peak_memory_bytes")
-        cells += [fmt_bytes(peak), f"{p['peak_memory_rank']} ({p['peak_memory_where']})" if peak is not None else "–"]
+        cells += [fmt_bytes(peak), p.get("peak_memory_at") or "–"]
         t.add_row(*cells)
     if best is not None:
         t.caption = "* the fastest point that ran"

@@ -143,6 +143,14 @@ def plan_points(opts: SweepOptions) -> list[Point]:
     return points
 
 
+def _at(peak: dict[str, Any]) -> str | None:
+    """ "rank 5, pp 0 · ep 5", or "rank 0" where the layout adds nothing (no layout: DP only)."""
+    if peak.get("rank") is None:
+        return None
+    r, where = f"rank {peak['rank']}", peak.get("where")
+    return r if not where or where == r else f"{r}, {where}"
+
+
 def _row(point: Point, status: str, summary: dict[str, Any] | None, error: str | None, oom_rank: int | None) -> dict:
     s = summary or {}
     peak = s.get("peak_memory") or {}
@@ -163,6 +171,7 @@ def _row(point: Point, status: str, summary: dict[str, Any] | None, error: str |
         "peak_memory_bytes": peak.get("bytes"),
         "peak_memory_rank": peak.get("rank"),
         "peak_memory_where": peak.get("where"),
+        "peak_memory_at": _at(peak),
         "least_memory_bytes": peak.get("min_bytes"),
         "pipeline_bubble": s.get("pipeline_bubble"),
         "device": s.get("device"),

@@ -35,7 +35,7 @@ def render_sweep_html(state: dict[str, Any], base: Path) -> str:
         "<th>status</th>"
         + ("" if state.get("memory_only") else "<th>predicted iteration</th>")
         + ("<th>emulated iteration (rank)</th>" if emulated else "")
-        + "<th>peak memory (rank, where)</th><th>least</th><th>report</th>"
+        + "<th>peak memory (on rank)</th><th>least</th><th>report</th>"
     )
     rows = []
     for p in points:
@@ -53,7 +53,7 @@ def render_sweep_html(state: dict[str, Any], base: Path) -> str:
                 f"<td>{escape(fmt_ns(p.get('emulated_iteration_ns')))}{escape(f' ({r})' if r is not None else '')}</td>"
             )
         peak = p.get("peak_memory_bytes")
-        where = f" (rank {p['peak_memory_rank']}, {p['peak_memory_where']})" if peak is not None else ""
+        where = f" ({p['peak_memory_at']})" if peak is not None and p.get("peak_memory_at") else ""
         cells += f"<td>{escape(fmt_bytes(peak))}{escape(where)}</td><td>{escape(fmt_bytes(p.get('least_memory_bytes')))}</td>"
         rep = p.get("report")
         if rep and Path(rep).is_file():
