@@ -4,9 +4,11 @@ properties of the same run, so each distinct run is made once per test session.
 
 ``gpt3d_recording``: CPU recordings of examples/gpt3d.py with ``prism record``, shared by every
 test that asks for the same command: test_record_gpt3d, test_replay_engine and
-test_capture_solo share the 8-rank TP2·PP2·DP2 recording; test_record_gpt3d and
-test_emulate_n8 the 8-rank MoE one; test_emulate and test_emulate_faults the 2-rank TP2 one;
-test_emulate and test_emulate_assistants the 4-rank TP2·DP2 one. The cache key is the whole
+test_capture_solo share the 8-rank TP2·PP2·DP2 recording; test_record_gpt3d, test_emulate_n8
+and test_solo_backend the 8-rank MoE one; test_emulate_n8 and test_solo_backend the 8-rank
+TP2·PP2·DP2 one without gradient clipping; test_emulate and test_emulate_faults the 2-rank TP2
+one; test_emulate and test_emulate_realtime the 2-rank PP2 one; test_emulate and
+test_emulate_assistants the 4-rank TP2·DP2 one. The cache key is the whole
 recording command: rank count, the program's arguments (order included), ``--save-tensors``
 and whether the program saves its final parameters. Output paths (the graph, ``--json-log``,
 ``--save-params``) are chosen by the fixture, so two tests share a recording exactly when they
@@ -14,6 +16,9 @@ would have run the same command.
 
 ``torch_program_runs``: the recorded 4-rank runs of tests/programs/ddp_train.py and
 fsdp2_train.py (rank logs in their spools), shared by test_recording and test_solo_backend.
+
+``collectives_native``: ``prism record`` of tests/programs/collectives.py on 4 ranks through the
+native recorder, shared by test_native_recording and test_graphcheck.
 
 Recordings are read-only for their users: write emulations, calibrations and copies elsewhere.
 """
@@ -32,6 +37,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PRISM = str(Path(sys.executable).with_name("prism"))
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
+COLLECTIVES = str(ROOT / "tests" / "programs" / "collectives.py")
 
 
 @dataclass(frozen=True)
@@ -104,3 +110,18 @@ def torch_program_runs(tmp_path_factory):
         "fsdp2": Launch(PROGRAMS / "fsdp2_train.py", N, tmp / "spool_fsdp", [str(FSDP_STEPS)]),
         "ddp_out": tmp / "ddp_rec",
     }
+
+
+# ---- tests/programs/collectives.py, recorded natively --------------------------------------------
+@pytest.fixture(scope="session")
+def collectives_native(tmp_path_factory) -> tuple[Path, str]:
+    """(graph, the run's stdout) of ``prism record --nproc 4 --devices cpu -- collectives.py``
+    through the native recorder (PRISM_NATIVE=1): test_native_recording compares it with the
+    Python path's graph, test_graphcheck checks every recorded call against it."""
+    out = tmp_path_factory.mktemp("collectives-native") / "graph"
+    cmd = [PRISM, "record", "--nproc", "4", "--devices", "cpu", "--out", str(out), "--timeout", "240", "--",
+           COLLECTIVES]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRISM_NATIVE": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=360)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return out, p.stdout

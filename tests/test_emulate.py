@@ -69,38 +69,6 @@ def assert_all_ended(pids) -> None:
     assert not alive, f"processes left behind: {alive}"
 
 
-def record(out: Path, layout: str, nproc: int = 2) -> tuple[Path, list[dict]]:
-    log = out.with_suffix(".json")
-    proc = subprocess.run(
-        [
-            PRISM,
-            "record",
-            "--nproc",
-            str(nproc),
-            "--devices",
-            "cpu",
-            "--out",
-            str(out),
-            "--save-tensors",
-            "all,inputs",
-            "--timeout",
-            "120",
-            "--",
-            GPT3D,
-            *LAYOUTS[layout],
-            *SIZES,
-            "--json-log",
-            str(log),
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, json.loads(log.read_text())
-
-
 def run_emulation(graph: Path, out: Path, layout: str, sandbox: str, **kw):
     log = out.with_suffix(".json")
     res = emulate(
@@ -152,8 +120,10 @@ def comm_outputs(graph: Path, rank: int, pruned_only: bool = False, sandbox: tup
 
 
 def shared_record(gpt3d_recording, layout: str, nproc: int = 2) -> tuple[Path, list[dict]]:
-    """What record() makes, from the session's shared recordings (conftest.gpt3d_recording):
-    the 2-rank TP2 one is test_emulate_faults' too, the 4-rank one test_emulate_assistants'."""
+    """(graph, the JSON log's rows) of the real run of ``layout`` saving tensors, from the
+    session's shared recordings (conftest.gpt3d_recording): the 2-rank TP2 one is
+    test_emulate_faults' too, the 2-rank PP2 one test_emulate_realtime's, the 4-rank one
+    test_emulate_assistants'."""
     rec = gpt3d_recording(nproc, [*LAYOUTS[layout], *SIZES], save_tensors="all,inputs")
     return rec.out, rec.log
 
@@ -245,8 +215,8 @@ def test_bad_sandbox_is_refused_before_anything_runs(tp2, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["pp2", "dp2_distopt"])
-def test_other_layouts_sandbox_last_rank_losses_equal_the_real_run(layout, tmp_path):
-    graph, real = record(tmp_path / f"real-{layout}", layout)
+def test_other_layouts_sandbox_last_rank_losses_equal_the_real_run(layout, tmp_path, gpt3d_recording):
+    graph, real = shared_record(gpt3d_recording, layout)
     res, emu = run_emulation(graph, tmp_path / "emu1", layout, "1")
     assert_same_losses(real, emu)
     assert_check(res, 1, graph)

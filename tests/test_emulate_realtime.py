@@ -11,9 +11,6 @@ the numbers the sandbox computes stay the real run's either way.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +23,6 @@ from prismllm.replay import solve
 from prismllm.trace.graph import PrismTrace
 
 ROOT = Path(__file__).resolve().parents[1]
-PRISM = str(Path(sys.executable).with_name("prism"))
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
 ARGS = [
     "--pp",
@@ -52,36 +48,11 @@ SLOW_NS = 15_000_000  # each compute span of the slowed virtual rank
 
 
 @pytest.fixture(scope="module")
-def recorded(tmp_path_factory) -> tuple[Path, list[dict]]:
-    out = tmp_path_factory.mktemp("realtime") / "real"
-    log = out.with_suffix(".json")
-    proc = subprocess.run(
-        [
-            PRISM,
-            "record",
-            "--nproc",
-            "2",
-            "--devices",
-            "cpu",
-            "--out",
-            str(out),
-            "--save-tensors",
-            "all,inputs",
-            "--timeout",
-            "120",
-            "--",
-            GPT3D,
-            *ARGS,
-            "--json-log",
-            str(log),
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, json.loads(log.read_text())
+def recorded(gpt3d_recording) -> tuple[Path, list[dict]]:
+    """The real 2-rank run, saving tensors: test_emulate's PP2 command (the same ARGS), recorded
+    once for both (conftest.gpt3d_recording)."""
+    rec = gpt3d_recording(2, ARGS, save_tensors="all,inputs")
+    return rec.out, rec.log
 
 
 @pytest.fixture(scope="module")

@@ -11,23 +11,19 @@ a million nodes reads only that rank's calls and takes well under a second.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pytest
-from test_emulate import PRISM
+from conftest import COLLECTIVES
 
 from prismllm.comm.graphcheck import GraphDeviation, GraphExpectation
 from prismllm.errors import PrismError
 from prismllm.trace import PrismTrace
 from prismllm.trace.schema import EDGE_SCHEMA, ITERATION_SCHEMA, P2P_OPS
 
-ROOT = Path(__file__).resolve().parents[1]
-COLLECTIVES = str(ROOT / "tests" / "programs" / "collectives.py")
 FIX = (
     "The program or its arguments differ from the captured run: capture the graph again with the same "
     "command as this run (`prism record` / `prism capture`), or run the command the graph was captured "
@@ -36,17 +32,9 @@ FIX = (
 
 
 @pytest.fixture(scope="module")
-def graph(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("graphcheck") / "collectives"
-    proc = subprocess.run(
-        [PRISM, "record", "--nproc", "4", "--devices", "cpu", "--out", str(out), "--timeout", "120", "--", COLLECTIVES],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+def graph(collectives_native) -> Path:
+    """The session's 4-rank recording of collectives.py (conftest.collectives_native)."""
+    return collectives_native[0]
 
 
 def comm_rows(graph: Path, rank: int) -> list[dict]:

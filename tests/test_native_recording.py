@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import GPT3D, PRISM, ROOT
+from conftest import COLLECTIVES, GPT3D, PRISM, ROOT
 
 torch = pytest.importorskip("torch")
 
@@ -26,7 +26,7 @@ PROGRAMS = Path(__file__).parent / "programs"
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
          "--micro-batch", "1", "--global-batch", "4", "--iters", "3"]  # fmt: skip
 CASES = {
-    "collectives": (4, [str(PROGRAMS / "collectives.py")]),
+    "collectives": (4, [COLLECTIVES]),  # conftest.collectives_native: this command, recorded natively
     "ddp": (2, [str(PROGRAMS / "ddp_train.py"), "{out}/params", "3"]),
     "gpt3d_pp2_vpp2_distopt": (4, [GPT3D, "--pp", "2", "--vpp", "2", "--dist-opt", *SMALL, "--layers", "4"]),
 }
@@ -41,17 +41,21 @@ def _record(out: Path, nproc: int, argv: list[str], native: bool, devices: str =
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_native_graph_equals_python_paths(tmp_path, case):
+def test_native_graph_equals_python_paths(tmp_path, case, request):
     nproc, argv = CASES[case]
     graphs = {}
     for native in (False, True):
-        out = tmp_path / ("native" if native else "python")
-        out.mkdir()
-        p = _record(out, nproc, argv, native)
-        assert p.returncode == 0, f"native={native}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+        if native and case == "collectives":  # the same command, recorded once (test_graphcheck's too)
+            graph, stdout = request.getfixturevalue("collectives_native")
+        else:
+            out = tmp_path / ("native" if native else "python")
+            out.mkdir()
+            p = _record(out, nproc, argv, native)
+            assert p.returncode == 0, f"native={native}:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+            graph, stdout = out / "graph", p.stdout
         if case == "collectives":
-            assert p.stdout.count("COLLECTIVES OK") == nproc, p.stdout[-3000:]
-        graphs[native] = PrismTrace.load(out / "graph")
+            assert stdout.count("COLLECTIVES OK") == nproc, stdout[-3000:]
+        graphs[native] = PrismTrace.load(graph)
     validate(graphs[True])
     diff = compare_structure(graphs[False], graphs[True])
     assert diff is None, f"first difference: {diff}"

@@ -2,7 +2,8 @@
 its recorded graph must equal the same rank's graph from a real recorded run.
 
 Costly part: the real 8-rank record runs (8 Python processes on a small machine). Sizes are
-tiny and every fixture is module-scoped.
+tiny and every fixture is module-scoped; two of the four gpt3d layouts are the session's shared
+recordings of test_emulate_n8's commands (conftest.gpt3d_recording), read from their graphs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -20,7 +22,10 @@ torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
 from prismllm.launch import LaunchSpec, launch  # noqa: E402
+from prismllm.trace import PrismTrace  # noqa: E402
+from prismllm.trace.assemble import assemble_spool  # noqa: E402
 from prismllm.trace.ranklog import ranklog_path, read_ranklog  # noqa: E402
+from prismllm.trace.schema import TENSORS_DIR  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
 
@@ -47,12 +52,19 @@ TINY = [
     "--bucket-mb",
     "0.002",
 ]
+# gpt3d's arguments per layout. The dense TP2·PP2·DP2 and the MoE ones are test_emulate_n8's
+# commands at N = 8 (the layout first, then TINY; no gradient clipping in the dense one: its
+# all-reduce on the default group is in the two others), so their real runs are the session's
+# shared recordings (conftest.gpt3d_recording), which save tensors: they record through the
+# Python path like the runs made here, and the MoE one holds the routing counts an exact replay
+# needs. Each saves 8 Python processes.
 LAYOUTS = {
-    "tp2pp2dp2": ["--tp", "2", "--pp", "2"],
-    "pp4": ["--pp", "4"],
-    "pp2vpp2dp2_distopt": ["--pp", "2", "--vpp", "2", "--dist-opt"],
-    "tp2dp4_moe_ep4": ["--tp", "2", "--ep", "4", "--num-experts", "4", "--topk", "2"],
+    "tp2pp2dp2": ["--tp", "2", "--pp", "2", "--clip-grad", "0", *TINY],
+    "pp4": [*TINY, "--pp", "4"],
+    "pp2vpp2dp2_distopt": [*TINY, "--pp", "2", "--vpp", "2", "--dist-opt"],
+    "tp2dp4_moe_ep4": ["--tp", "2", "--ep", "4", "--num-experts", "4", "--topk", "2", *TINY],
 }
+SHARED = ("tp2pp2dp2", "tp2dp4_moe_ep4")
 SOLO_RANK = 5  # TP rank 1 (receives the token broadcast), not on the first stage
 KEYS = ("kind", "op", "api", "seq", "peer", "tag", "reduce_op", "dtype", "shape", "in_bytes",
         "out_bytes", "in_splits", "out_splits", "coalesced", "async_op", "wait_index",
@@ -65,6 +77,19 @@ def rows(log, skip=()):
     return [(g.get(n["group_name"], ()),) + tuple(None if k in skip and n["op"] == "all_to_all"
                                                   else n[k] for k in KEYS)
             for n in log.nodes]  # fmt: skip
+
+
+def graph_log(trace, rank):
+    """What ``rank``'s rank log held, read back from a recorded graph (a PrismTrace): assembly
+    keeps each rank's rows (test_assembly_keeps_each_ranks_rows) and torch's group names, which
+    count the groups in order of creation, so the rank's groups are those with it as a member,
+    ordered by name."""
+    info = trace.group_info()
+    nodes = [{**n, "group_name": info[n["group"]]["name"] if n["group"] >= 0 else ""}
+             for n in trace.nodes_of(rank).to_pylist()]  # fmt: skip
+    groups = sorted((SimpleNamespace(name=g["name"], ranks=g["ranks"]) for g in info.values() if rank in g["ranks"]),
+                    key=lambda g: int(g.name))  # fmt: skip
+    return SimpleNamespace(nodes=nodes, groups=groups)
 
 
 def record(script, nproc, args, spool, env=None):
@@ -147,26 +172,44 @@ def test_collectives_solo_store_replay_is_exact(tmp, coll_record):
 
 # ---- gpt3d ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def gpt_records(tmp):
+def gpt_records(tmp, gpt3d_recording):
+    """name -> (the real run's rank log of SOLO_RANK, or its graph's view of it; its tensor
+    store; gpt3d's arguments for the solo run: the real run's, output paths aside)."""
     out = {}
     for name, args in LAYOUTS.items():
-        env = {}
-        if "moe" in name:  # save the routing-count all-gathers for an exact replay
-            env = {"PRISM_SAVE_TENSORS": "all_gather", "PRISM_TENSOR_STORE": str(tmp / f"{name}-store")}
-        record(GPT, 8, [*TINY, *args], tmp / f"{name}-rec", env=env)
-        out[name] = tmp / f"{name}-rec"
+        if name in SHARED:
+            rec = gpt3d_recording(8, args, save_tensors="all,inputs", save_params=True)
+            trace = PrismTrace.load(rec.out)
+            assert trace.manifest["recorder"] == "python"  # the rows' ``api``: see record()
+            outputs = ["--json-log", str(tmp / f"{name}-solo.json"), "--save-params", str(tmp / f"{name}-params")]
+            out[name] = (graph_log(trace, SOLO_RANK), rec.out / TENSORS_DIR, [*args, *outputs])
+        else:
+            record(GPT, 8, args, tmp / f"{name}-rec")
+            out[name] = (read_ranklog(ranklog_path(tmp / f"{name}-rec", SOLO_RANK)), None, args)
     return out
+
+
+def test_assembly_keeps_each_ranks_rows(tmp, gpt_records):
+    """What graph_log relies on, on the pipeline layouts recorded here (P2P included): the graph
+    assembled from a real run's rank logs gives back every rank's rows and groups."""
+    for name in set(LAYOUTS) - set(SHARED):
+        spool = tmp / f"{name}-rec"
+        trace = assemble_spool(spool, {"mode": "record"})
+        for r in range(8):
+            log, view = read_ranklog(ranklog_path(spool, r)), graph_log(trace, r)
+            assert rows(view) == rows(log), (name, r)
+            assert [x.ranks for x in view.groups] == [x.ranks for x in log.groups], (name, r)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_gpt3d_solo_rank_matches_real_run(tmp, gpt_records, name):
+    real, store, args = gpt_records[name]
     env = {}
-    if "moe" in name:
-        env = {"PRISM_TENSOR_STORE": str(tmp / f"{name}-store")}
+    if "moe" in name:  # the recorded routing counts: an exact replay
+        env = {"PRISM_TENSOR_STORE": str(store)}
     spool = tmp / f"{name}-solo"
-    p = solo(GPT, 8, SOLO_RANK, [*TINY, *LAYOUTS[name]], spool, env=env)
+    p = solo(GPT, 8, SOLO_RANK, args, spool, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
-    real = read_ranklog(ranklog_path(gpt_records[name], SOLO_RANK))
     mine = read_ranklog(ranklog_path(spool, SOLO_RANK))
     assert sum(n["kind"] == "comm" for n in mine.nodes) > 10
     assert rows(real) == rows(mine)
@@ -176,11 +219,10 @@ def test_gpt3d_solo_rank_matches_real_run(tmp, gpt_records, name):
 def test_gpt3d_moe_defaults_give_consistent_balanced_splits(tmp, gpt_records):
     """Without the store, the replicated routing counts make every rank's split sizes
     consistent with what it sends and receives; only the split sizes differ from the real run."""
-    name = "tp2dp4_moe_ep4"
+    real, _, args = gpt_records["tp2dp4_moe_ep4"]
     spool = tmp / "moe-defaults"
-    p = solo(GPT, 8, SOLO_RANK, [*TINY, *LAYOUTS[name]], spool)
+    p = solo(GPT, 8, SOLO_RANK, args, spool)
     assert p.returncode == 0, p.stderr[-3000:]
-    real = read_ranklog(ranklog_path(gpt_records[name], SOLO_RANK))
     mine = read_ranklog(ranklog_path(spool, SOLO_RANK))
     skip = ("in_bytes", "out_bytes", "in_splits", "out_splits", "shape")
     assert rows(real, skip) == rows(mine, skip)
