@@ -30,13 +30,12 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 def per_rank(graph: Path) -> tuple[dict, dict]:
     from prismllm.trace.graph import PrismTrace
-    from prismllm.trace.summary import host_lead_by_rank, rank_iteration_times
+    from prismllm.trace.summary import host_lead_by_rank, rank_iteration_times, steady_rows
 
     t = PrismTrace.load(graph)
     col = {k: t.column(k).astype(np.int64) for k in ("rank", "iteration", "issue_ns", "duration_ns")}
     kind = np.asarray(t.nodes.column("kind").to_pylist())
-    its = np.unique(col["iteration"][col["iteration"] >= 0])
-    steady = col["iteration"] > its[0] if len(its) >= 2 else col["iteration"] >= 0
+    steady = steady_rows(col["iteration"], col["iteration"] >= 0)
     lead, iter_ns = host_lead_by_rank(t), rank_iteration_times(t)
     emulation = (t.manifest.get("timing") or {}).get("emulation_host_ns") or {}
     out = {}

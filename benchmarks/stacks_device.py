@@ -334,11 +334,12 @@ def part_moe_1024(out: Path, devices: str, cases: list[str]) -> dict:
     res: dict = {"run": r, "ranks_run": (manifest(d / "bare").get("capture") or {}).get("ranks_run")}
     p = {int(k): v for k, v in peaks(d / "bare").items() if v >= 0}
     if p:
+        hi, lo = max(p.values()), min(p.values())
         res.update(
             # the lowest rank holding it, as the report names it (replicas share their peak)
-            peak_max=max(p.values()), peak_max_rank=min(r for r, v in p.items() if v == max(p.values())),
-            peak_min=min(p.values()), peak_min_rank=min(r for r, v in p.items() if v == min(p.values())),
-            spread=(max(p.values()) - min(p.values())) / min(p.values()),
+            peak_max=hi, peak_max_rank=min(r for r, v in p.items() if v == hi),
+            peak_min=lo, peak_min_rank=min(r for r, v in p.items() if v == lo),
+            spread=(hi - lo) / lo,
         )  # fmt: skip
     summary = d / "cal" / "summary.json"
     if summary.is_file():

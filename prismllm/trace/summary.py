@@ -60,6 +60,13 @@ def steady(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return items[1:] if len(items) >= 2 else items
 
 
+def steady_rows(iteration: np.ndarray, sel: np.ndarray) -> np.ndarray:
+    """``sel`` (a row mask) less the rows of its first iteration (warm-up), when the selected
+    rows hold at least two iterations: :func:`steady` for columns of iteration numbers."""
+    its = np.unique(iteration[sel])
+    return sel & (iteration != its[0]) if len(its) >= 2 else sel
+
+
 def steady_iteration_time(trace: PrismTrace, key: str = "max_ns") -> int | None:
     """Median over steady iterations of the per-iteration time (max over ranks by default)."""
     its = steady(iteration_times(trace))
@@ -76,15 +83,11 @@ def rank_iteration_times(trace: PrismTrace) -> dict[int, int]:
     start = it.column("start_ns").to_numpy()
     end = it.column("end_ns").to_numpy()
     ok = (start >= 0) & (end >= start)
-    num = it.column("iteration").to_numpy()[ok]
+    if not ok.any():
+        return {}
+    ok = steady_rows(it.column("iteration").to_numpy(), ok)
     rank = it.column("rank").to_numpy()[ok].astype(np.int64)
     dur = (end - start)[ok].astype(np.int64)
-    if not len(dur):
-        return {}
-    its = np.unique(num)
-    if len(its) >= 2:
-        keep = num != its[0]
-        rank, dur = rank[keep], dur[keep]
     o = np.lexsort((dur, rank))
     rank, dur = rank[o], dur[o]
     starts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]])
@@ -109,10 +112,7 @@ def host_lead_by_rank(trace: PrismTrace) -> dict[int, int]:
     is_comm = pc.equal(nodes.column("kind"), "comm").to_numpy(zero_copy_only=False)
     issue, start = trace.column("issue_ns").astype(np.int64), trace.column("start_ns").astype(np.int64)
     it = trace.column("iteration").astype(np.int64)
-    sel = is_comm & (issue >= 0) & (start >= issue) & (it >= 0)
-    its = np.unique(it[sel])
-    if len(its) >= 2:  # the first iteration is warm-up, as for the iteration time
-        sel &= it != its[0]
+    sel = steady_rows(it, is_comm & (issue >= 0) & (start >= issue) & (it >= 0))
     rank = trace.column("rank").astype(np.int64)[sel]
     lead = (start - issue)[sel]
     return {int(r): int(np.median(lead[rank == r])) for r in np.unique(rank)}
