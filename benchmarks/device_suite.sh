@@ -10,7 +10,6 @@
 #              before (a hang here is the first thing to know); ~3 min
 #   fid-a      fidelity rows N = 2: tp, pp (with the noise run); ~6 min (an estimate)
 #   fid-b      fidelity rows N = 2: vpp, dpopt, moe, merged into fid-a's JSON (carry it back)
-#   pruning    pruned all-reduce latency vs the real 2-GPU one, 16 MB - 8 GB (issue 12)
 #   overhead   recording overhead, TP2 / PP2 / DP2: plain, native, Python path, profiler, two
 #              interleaved rounds (issue 10)
 #   gpu1       one GPU (nvidia-h100-x1 / nvidia-h200): `pytest -m gpu` (the emulation's GPU
@@ -19,6 +18,13 @@
 #   native-cost  the native recorder's per-call cost (PRISM_NATIVE=1) beside plain, NCCL timing
 #              on and the Python path, with the recorder's own time a call, the two graphs
 #              compared; first the GPU recording tests with PRISM_NATIVE=1; ROUNDS (3) rounds of ~100 s
+#   clock      one GPU: the GPU tests of the real-time schedule and the emulation, then `prism run` of a DDP job
+#              at N = 4 on one shared GPU (a padded all-reduce in two parts, the device clock); ~3 min
+#   prune-all  pruned latency of every collective kind and send/recv against real 2- and 4-GPU runs (four GPUs),
+#              64 KB - 8 GB (issue 36); writes $OUT/pruning_latency_<gpu>x4.json; ~5 min
+#   fidelity-gpu [CASES]  the GPU fidelity suite (benchmarks/fidelity_gpu.py) for DEADLINE s (540); resumes
+#              from $OUT/fidelity_gpu.json or benchmarks/results/fidelity_gpu.json (carry the last one back);
+#              FID_ARGS: more options, e.g. --concurrent on four GPUs
 #   cpu-fid N [CASES]  CPU fidelity rows at N ranks on the host's cores (fair while N <= cores;
 #              ~3.5 min a case at N = 8 on 16 cores, so three cases a call: e.g. tp,pp,vpp then
 #              dpopt,moe,mixed): merged into $OUT/fidelity_cpu_<cores>c.json (carry the last one
@@ -30,13 +36,15 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|pruning|overhead|gpu1|native-cost|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-# torch is preinstalled there (python3 may itself be a venv): install prismllm into it
+# torch is preinstalled there (python3 may itself be a venv): install prismllm into it, and the carried
+# megatron-core wheel (.whl/, `pip download megatron-core==0.19.2 --no-deps --python-version 3.12 -d .whl`)
 python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || {
     echo "install failed"; tail -20 "$OUT/install.log"; exit 1; }
+ls .whl/megatron_core-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/megatron_core-*.whl >>"$OUT/install.log" 2>&1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$OUT/gpus.csv" 2>&1
 
 SMALL="--layers 2 --hidden 512 --heads 8 --seq 256 --vocab 4096 --micro-batch 2 --global-batch 8 --iters 6"
@@ -69,9 +77,6 @@ fid-b)
     [ -f benchmarks/results/fidelity_h200x2.json ] && cp benchmarks/results/fidelity_h200x2.json "$OUT/"
     timeout 570 python3 benchmarks/fidelity.py --devices cuda --worlds 2 --cases vpp,dpopt,moe --noise --merge \
         --json "$OUT/fidelity_h200x2.json" --timeout 240 2>&1 | tee "$OUT/fid-b.log" | grep -v "^\[" ;;
-pruning)
-    timeout 570 python3 benchmarks/pruning_latency.py --devices cuda --worlds 2 --rounds 3 \
-        --json "$OUT/pruning_latency_h200x2.json" 2>&1 | tee "$OUT/pruning.log" | tail -40 ;;
 overhead)
     timeout 570 python3 benchmarks/tracing_overhead.py --nproc 2 --layout tp=2 --layout pp=2 --layout dp=2 \
         --rounds 2 --json "$OUT/tracing_overhead_h200x2.json" --md "$OUT/tracing_overhead_h200x2.md" \
@@ -107,6 +112,25 @@ native-cost)
             --force -- benchmarks/programs/call_cost.py 2>&1 | grep -E "CALLCOST|NATIVE_SELF" | sed "s/^/native /"
         prism compare "/tmp/cp$round" "/tmp/cn$round" --structure-only 2>&1 | head -3 | sed "s/^/compare python native: /"
     done 2>&1 | tee "$OUT/native_cost.log" ;;
+clock)
+    timeout 300 python3 -m pytest -m gpu -q -x -p no:cacheprovider tests/test_replay_clock.py tests/test_emulate_gpu.py \
+        2>&1 | tee "$OUT/pytest-gpu.log" | tail -8
+    timeout 240 prism run --world 4 --layout tp=1,pp=1 --devices cuda:0,0 --sandbox 3 --out "$OUT/ddp4" --force \
+        -- benchmarks/programs/torch_parallel.py --mode ddp --layers 2 --hidden 512 --heads 8 --seq 256 --batch 2 \
+        --iters 6 2>&1 | tee "$OUT/ddp4.log" | tail -25
+    python3 -c "import json; print(json.dumps(json.load(open('$OUT/ddp4/emulate/emulate.json'))['replay'], indent=1))" \
+        2>&1 | tail -40
+    tar czf "$OUT/clock-logs.tgz" "$OUT/ddp4/logs" "$OUT/ddp4/emulate/emulate.json" 2>/dev/null ;;
+prune-all)
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*' | tr 'H' 'h')
+    timeout "${PRUNE_TIMEOUT:-580}" python3 benchmarks/pruning_latency.py --devices cuda --worlds 2,4 --rounds "${ROUNDS:-1}" \
+        --json "$OUT/pruning_latency_${gpu}x4.json" --timeout 240 2>&1 | tee "$OUT/prune-all.log" | tail -70 ;;
+fidelity-gpu)
+    [ -f "$OUT/fidelity_gpu.json" ] || cp benchmarks/results/fidelity_gpu.json "$OUT/" 2>/dev/null
+    timeout $((${DEADLINE:-540} + 45)) python3 benchmarks/fidelity_gpu.py --cases "${2:-all}" --json "$OUT/fidelity_gpu.json" \
+        --work out/fidelity_gpu --deadline "${DEADLINE:-540}" ${FID_ARGS:-} 2>&1 | tee "$OUT/fidelity-gpu.log" | tail -40
+    tar czf "$OUT/fidelity-logs.tgz" out/fidelity_gpu/*/*.log out/fidelity_gpu/*/prism/logs \
+        out/fidelity_gpu/*/prism/emulate/emulate.json out/fidelity_gpu/*/prism/run.json 2>/dev/null ;;
 cpu-fid)
     N=${2:?usage: device_suite.sh cpu-fid N}
     cores=$(nproc)

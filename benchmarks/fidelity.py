@@ -28,7 +28,7 @@ Per case (layout x N), each stage a `prism` command (a child process), in this o
    replay engine (`prismllm.replay.engine.Replay`) with each rank's compute spans from a solo
    measurement (the solo capture's own spans; for MoE, which has no solo capture here, the
    timed graph's) and each collective's time from an alpha-beta model fitted in this
-   invocation (a 2-rank all-reduce at several sizes, least squares, benchmarks/programs/allreduce_sizes.py).
+   invocation (a 2-rank all-reduce at several sizes, least squares, benchmarks/programs/collective_sizes.py).
 8. baseline (c), GPU only: the program for each sandbox rank alone under PyTorch's fake
    process group (benchmarks/programs/fake_pg.py): torch.cuda.max_memory_allocated at exit.
 
@@ -65,7 +65,7 @@ from tracing_overhead import machine  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
 PRISM = [sys.executable, "-m", "prismllm.cli.main"]
-ALLREDUCE = str(ROOT / "benchmarks" / "programs" / "allreduce_sizes.py")
+COLLECTIVES = str(ROOT / "benchmarks" / "programs" / "collective_sizes.py")
 FAKE_PG = str(ROOT / "benchmarks" / "programs" / "fake_pg.py")
 CASES = ("tp", "pp", "vpp", "dpopt", "moe", "mixed")
 # model sizes: on a CPU core a few hundred ms an iteration, compute-bound enough that a gloo call's
@@ -329,7 +329,7 @@ def probe(devices: str, work: Path, timeout: float, env: dict[str, str]) -> dict
         "--standalone",
         "--nproc-per-node",
         "2",
-        ALLREDUCE,
+        COLLECTIVES,
         "--sizes",
         sizes,
         "--warmup",
@@ -347,7 +347,7 @@ def probe(devices: str, work: Path, timeout: float, env: dict[str, str]) -> dict
     print("[probe] 2-rank all-reduce at " + sizes + " ...", flush=True)
     rc, text, wall = run(cmd, timeout, penv)
     (work / "probe.log").write_text(" ".join(cmd) + "\n\n" + text)
-    pts = [json.loads(ln.split(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("ALLREDUCE ")]
+    pts = [json.loads(ln.split(" ", 1)[1]) for ln in text.splitlines() if ln.startswith("COLLECTIVE ")]
     if rc != 0 or len(pts) < 2:
         last = (text.strip().splitlines() or [""])[-1]
         raise StageError("probe", f"exit status {rc}, {len(pts)} sizes measured: {last[:300]}")
@@ -359,7 +359,7 @@ def probe(devices: str, work: Path, timeout: float, env: dict[str, str]) -> dict
 
 def fit_alpha_beta(points: list[dict]) -> dict:
     """alpha (s) and bandwidth (bytes/s): the least-squares line t = alpha + S / bw through every
-    size's median (``bytes``, ``median_us`` of allreduce_sizes.py lines); with two sizes, the
+    size's median (``bytes``, ``median_us`` of collective_sizes.py lines); with two sizes, the
     line through both. A slope that is not positive (noise) gives an infinite bandwidth; a
     negative intercept an alpha of 0."""
     pts = sorted((int(p["bytes"]), float(p["median_us"]) * 1e-6) for p in points)

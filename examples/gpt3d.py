@@ -1280,15 +1280,19 @@ def main(argv: list[str] | None = None) -> int:
         optimizer.step()
         for s in syncs:
             s.zero()
+        t1 = time.perf_counter()
         if cuda:
             torch.cuda.synchronize()
-        ms = (time.perf_counter() - t0) * 1e3
+        t2 = time.perf_counter()
+        ms = (t2 - t0) * 1e3
         if reporter:
             value = float(loss)
             mem = torch.cuda.max_memory_allocated() if cuda else None
             mem_s = f"{mem / 1e6:.2f} MB" if cuda else "n/a"
             print(
-                f"iteration {it}/{cfg.iters} | loss {value:.6f} | iter time {ms:.2f} ms | max mem {mem_s}", flush=True
+                f"iteration {it}/{cfg.iters} | loss {value:.6f} | iter time {ms:.2f} ms | max mem {mem_s}"
+                f" | host wait {(t2 - t1) / (t2 - t0) * 100:.1f} %",
+                flush=True,
             )
             log.append(
                 {"iteration": it, "loss": value, "iter_time_ms": ms, "max_mem_bytes": mem, "grad_norm": grad_norm}

@@ -276,13 +276,18 @@ def main(argv=None):
             total = torch.stack([x["lm loss"] for x in losses]).sum(0)
             dist.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
             report = (total[0] / total[1]).item()
+        t1 = time.time()
         torch.cuda.synchronize()
-        elapsed = (time.time() - t0) * 1000.0
+        t2 = time.time()
+        elapsed = (t2 - t0) * 1000.0
         if rank == world - 1:
             gn = float("nan") if grad_norm is None else float(grad_norm)
+            peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else -1
             print(f" [{datetime.now().strftime('%Y-%m-%d %H:%M:%S')}] iteration {it:8d}/{args.iters:8d} | "
                   f"elapsed time per iteration (ms): {elapsed:.1f} | lm loss: {report:.9E} | "
-                  f"grad norm: {gn:.9E} | skipped: {int(not ok)} |", flush=True)  # fmt: skip
+                  f"grad norm: {gn:.9E} | skipped: {int(not ok)} | max allocated (B): {peak} | "
+                  f"host wait (%): {(t2 - t1) / (t2 - t0) * 100:.1f} |",
+                  flush=True)  # fmt: skip
     mpu.destroy_model_parallel()
     dist.destroy_process_group()
 

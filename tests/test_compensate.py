@@ -76,9 +76,10 @@ def _spmd(size: int, fns) -> list:
     return out
 
 
-def _pruned(p: C.Plan, inputs: list, program, scratch=None) -> tuple:
+def _pruned(p: C.Plan, inputs: list, program, scratch=None, coalesce: bool = False) -> tuple:
     """Run plan ``p``: ``program(g)`` -> (kwargs for sandbox_call, result getter). Returns
-    ({real g: result}, proxy SmallCall). ``scratch``: sandbox_call's buffer source."""
+    ({real g: result}, proxy SmallCall). ``scratch``: sandbox_call's buffer source; ``coalesce``:
+    the proxy's (the real members' comes with the program's kwargs)."""
     G = p.group
     virtual_only = [inputs[g] if not G.is_real(g) else None for g in range(G.n)]
     fns = []
@@ -90,7 +91,7 @@ def _pruned(p: C.Plan, inputs: list, program, scratch=None) -> tuple:
             return get()
 
         fns.append(sb)
-    fns.append(lambda pg: C.run(pg, C.proxy_call(p, virtual_only)))
+    fns.append(lambda pg: C.run(pg, C.proxy_call(p, virtual_only, coalesce=coalesce)))
     res = _spmd(G.size, fns)
     return dict(zip(G.real, res[:-1])), res[-1]
 
@@ -116,10 +117,14 @@ EXACT_OPS = {"max", "min", "band", "bor", "bxor"}
 
 
 # ---------------------------------------------------------------------- all_reduce
-@pytest.mark.parametrize("match_bytes", [True, False], ids=["matched", "compact"])
+@pytest.mark.parametrize(
+    "match_bytes,coalesce", [(True, False), (False, False), (True, True)], ids=["matched", "compact", "split"]
+)
 @pytest.mark.parametrize("op", ["sum", "avg", "max", "min", "product", "premul_sum"])
 @pytest.mark.parametrize("n,real", GROUPS, ids=GID)
-def test_all_reduce(n, real, op, match_bytes):
+def test_all_reduce(n, real, op, match_bytes, coalesce):
+    """``split``: the padded call in two parts (the program's tensor in place, the padding apart),
+    as on NCCL, where they go in one batch; gloo runs them one after the other."""
     rnd = _gen(1)
     inputs = [rnd(ROWS, COLS) for _ in range(n)]
     factor = 0.37 if op == "premul_sum" else None
@@ -128,9 +133,10 @@ def test_all_reduce(n, real, op, match_bytes):
 
     def program(g):
         t = inputs[g].clone()
-        return {"tensor": t}, lambda: t
+        return {"tensor": t, "coalesce": coalesce}, lambda: t
 
-    got, _ = _pruned(p, inputs, program)
+    got, proxy = _pruned(p, inputs, program, coalesce=coalesce)
+    assert bool(proxy.parts) == (coalesce and p.pad > 0)
     for g in real:
         _close(got[g], ref[g], op in EXACT_OPS)
     # the reference itself: the plain torch definition
@@ -456,6 +462,110 @@ def test_barrier():
     _spmd(
         3, [lambda pg, g=g: C.run(pg, C.sandbox_call(p, g)) for g in (0, 2)] + [lambda pg: C.run(pg, C.proxy_call(p))]
     )
+
+
+# ---------------------------------------------------------------------- generated virtual inputs
+def _pruned_generated(p: C.Plan, program) -> dict:
+    """Run plan ``p`` with generated virtual inputs: the proxy's ``GENERATED`` buffers, the real
+    members' ``like_me`` post steps."""
+    fns = []
+    for g in p.group.real:
+
+        def sb(pg, g=g):
+            kwargs, get = program(g)
+            C.run(pg, C.sandbox_call(p, g, like_me=True, **kwargs))
+            return get()
+
+        fns.append(sb)
+    fns.append(lambda pg: C.run(pg, C.proxy_call(p, C.GENERATED)))
+    return dict(zip(p.group.real, _spmd(p.group.size, fns)[:-1]))
+
+
+@pytest.mark.parametrize("op", ["sum", "avg", "max", "min", "premul_sum", "product"])
+@pytest.mark.parametrize("n,real", [(4, (0,)), (8, (2, 5, 6)), (8, (7,))], ids=["n4-r0", "n8-r2_5_6", "n8-r7"])
+def test_generated_inputs_answer_as_if_every_member_held_the_real_ones(n, real, op):
+    """Without recorded inputs the sandbox sees the group's result as if every virtual member
+    held what the real members hold (their mean), as solo capture's generator answers: a sum
+    keeps the group's magnitude (n/k times the real members' sum), not the k/n share that zeros
+    from the virtual members leave (which drove a vocabulary-parallel loss negative)."""
+    rnd = _gen(15)
+    own = {g: rnd(ROWS, COLS) for g in real}
+    mean = sum(own.values()) / len(real)
+    like_me = [own.get(g, mean) for g in range(n)]
+    factor = 0.25 if op == "premul_sum" else None
+    p = C.plan_all_reduce(n, real, (ROWS, COLS), op, dtype=F64, factor=factor)
+
+    def program(g):
+        t = own[g].clone()
+        return {"tensor": t}, lambda: t
+
+    got = _pruned_generated(p, program)
+    # a product is the generator's "input unchanged" for one real member: the reals' product
+    ref = C.reference(
+        p, [own.get(g, torch.ones(ROWS, COLS, dtype=F64)) for g in range(n)] if op == "product" else like_me
+    )
+    for g in real:
+        _close(got[g], ref[g], op in EXACT_OPS)
+    # reduce-scatter and reduce (real root) scale the same way
+    rs = C.plan_reduce_scatter(n, real, (ROWS, COLS), "sum", dtype=F64)
+    rs_in = {g: rnd(n * ROWS, COLS) for g in real}
+    rs_mean = sum(rs_in.values()) / len(real)
+    ref = C.reference(rs, [rs_in.get(g, rs_mean) for g in range(n)])
+
+    def rs_program(g):
+        out = torch.empty(ROWS, COLS, dtype=F64)
+        return {"input": rs_in[g].clone(), "output": out}, lambda: out
+
+    for g, got_g in _pruned_generated(rs, rs_program).items():
+        _close(got_g, ref[g], exact=False)
+
+
+def test_generated_inputs_of_gathers_broadcasts_and_exchanges():
+    """all_gather: every virtual slot holds the member's own input; a broadcast from a virtual root
+    leaves the member's own copy (uninitialised values cleaned), virtual members send zeros
+    (all_to_all, recv)."""
+    n, real = 4, (1,)
+    rnd = _gen(16)
+    x = rnd(ROWS, COLS)
+    ag = C.plan_all_gather(n, real, (ROWS, COLS), dtype=F64)
+
+    def ag_program(g):
+        out = torch.full((n * ROWS, COLS), float("nan"), dtype=F64)
+        return {"input": x.clone(), "output": out}, lambda: out
+
+    _close(_pruned_generated(ag, ag_program)[1], torch.cat([x] * n), exact=True)
+    bc = C.plan_broadcast(n, real, (ROWS, COLS), 0, dtype=F64)
+
+    def bc_program(g):
+        t = x.clone()
+        return {"tensor": t}, lambda: t
+
+    _close(_pruned_generated(bc, bc_program)[1], x, exact=True)  # its own copy, as a replica's
+    bad = torch.tensor([1.0, float("nan"), float("inf")], dtype=F64)
+    bc3 = C.plan_broadcast(n, real, (3,), 0, dtype=F64)
+
+    def bad_program(g):
+        t = bad.clone()
+        return {"tensor": t}, lambda: t
+
+    _close(_pruned_generated(bc3, bad_program)[1], torch.tensor([1.0, 0.0, 0.0], dtype=F64), exact=True)
+    a2a = C.plan_all_to_all(n, real, numel=n * 2 * COLS, dtype=F64)
+
+    def a2a_program(g):
+        out = torch.full((n * 2, COLS), float("nan"), dtype=F64)
+        return {"input": rnd(n * 2, COLS), "output": out}, lambda: out
+
+    got = _pruned_generated(a2a, a2a_program)[1]
+    assert torch.equal(got[:2], torch.zeros(2, COLS, dtype=F64)) and torch.equal(
+        got[4:], torch.zeros(4, COLS, dtype=F64)
+    )
+    rv = C.plan_recv(n, real, 0, 1, (ROWS, COLS), dtype=F64)
+
+    def rv_program(g):
+        y = torch.full((ROWS, COLS), float("nan"), dtype=F64)
+        return {"tensor": y}, lambda: y
+
+    _close(_pruned_generated(rv, rv_program)[1], torch.zeros(ROWS, COLS, dtype=F64), exact=True)
 
 
 # ---------------------------------------------------------------------- naive plans fail

@@ -106,6 +106,12 @@ def test_real_timing_follows_the_graph_durations(recorded, slowed, tmp_path):
     assert replay["timing"] == "real" and replay["staged_ahead"] > 0
     assert 0.85 * predicted < replay["median_steady_iteration_ns"] < 1.5 * predicted
     assert losses(tmp_path / "real") == [r["loss"] for r in real_log]
+    # every call with the sandbox was entered by the schedule, and how late is reported: the
+    # group's first call at once, every later one when due
+    arr = replay["arrivals"]
+    assert arr["clock"] == "host" and arr["entered"] == arr["calls"] == replay["answered"]
+    assert arr["at_once"] >= 1 and arr["timed"] == arr["calls"] - arr["at_once"]
+    assert 0 <= arr["late"]["median_ns"] < 0.1 * predicted
 
     fast = run(graph, real / "tensors", tmp_path / "fast", "fast")
     assert fast.timing == "fast"

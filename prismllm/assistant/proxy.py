@@ -37,12 +37,10 @@ What it does (docs/internals/assistant.md):
      durations (the calibration's: compute spans, each instance's transfer as the member
      that waited least measured it, issue gaps; ``prismllm.replay.solve.durations_for``);
      planned end = where the solve of the whole graph (the sandbox ranks with their calibrated
-     times too) ends the instance. The worker enters each
-     call when the wall clock reaches its ready time (logical time 0 is pinned by the first
-     call), less what entering costs; each real completion moves the clock of every later
-     call by how late (or early) it came against its planned end, so a sandbox slower than
-     the calibrated graph delays its virtual peers, as a slow rank delays its real ones.
-     (A model choice: one shift for all virtual ranks, not a re-solve of who depends on it.)
+     times too) ends the instance. Each call is entered at its ready time, moved by how late
+     (or early) the sandbox's latest real completion came against its planned end
+     (``prismllm.assistant.clock``: on a GPU the schedule is kept and waited on by the device
+     itself, so the host only enqueues, ahead of time).
 
 3. Staging: each worker prepares the proxy's buffers of its group's next call(s) (inputs
    read, reduced and copied to the device; on GPU on a staging stream of its own) while the
@@ -79,6 +77,7 @@ import numpy as np
 import torch
 
 from prismllm import pruning as C, replay as R
+from prismllm.assistant.clock import DeviceClock, HostClock
 from prismllm.childenv import user_setting
 from prismllm.errors import PrismError
 from prismllm.generate.store import TensorStore, dtype_from_name
@@ -103,11 +102,11 @@ class _Group:
     name: str
     ranks: list[int]  # global ranks in group-rank order
     pruned: C.Pruned
-    jobs: queue.Queue[list[_Job] | None]
+    jobs: queue.Queue[tuple[int, list[_Job]] | None]  # (slot in the schedule, the calls entered together)
     upcoming: list[int] = dataclasses.field(default_factory=list)  # external instances, call order
     staged: dict[int, C.SmallCall] = dataclasses.field(default_factory=dict)  # instance -> prepared
     stream: Any = None  # CUDA stream the staged buffers are written on
-    entered: bool = False  # a call was entered on it (real timing: the first goes at once)
+    entered: bool = False  # a call was entered on it (host clock: the first goes at once)
     issued: int = 0  # calls entered on the small group
     finished: int = 0  # ... and completed
     waiting: tuple[list[_Job], float] | None = None  # the entered job the completer waits on, since
@@ -188,15 +187,9 @@ class Assistant:
             self._planned_end = sol.result.instance_end_ns[full.inst_of[pos[self.graph.row[first]]]]
         else:
             self.replay = Replay(self.graph, compute="zero", transfer="zero", issue="zero")
-        # the wall clock (perf_counter ns) at logical time 0 of the replay ("real" timing),
-        # pinned by the first call a proxy enters
-        self._origin: int | None = None
-        self._pinned = threading.Event()  # set once a first real completion pinned the origin
-        self._pin_lock = threading.Lock()
-        self._drift = 0  # ns the sandbox's real completions moved the schedule by (real timing)
-        self._issue_ns = 0  # how long entering a call on a small group takes (running mean)
+        # "real" timing: the schedule of the calls with the sandbox (made once they are planned)
+        self.clock: DeviceClock | HostClock | None = None
         self._stores: dict[int, TensorStore] = {}
-        self._zeros: dict[tuple, torch.Tensor] = {}
         self._done: queue.Queue[tuple[_Group, BaseException | None]] = queue.Queue()  # workers' ends
         self.groups: dict[int, _Group] = {}
         self.answered = 0
@@ -334,8 +327,8 @@ class Assistant:
     def _work(self, grp: _Group) -> None:
         """A group's worker: enter each job (a call, or the calls of one coalesced batch) on the
         small group in order, without waiting for the one before (a completer thread waits, at
-        most ``IN_FLIGHT`` calls behind); ``real`` timing: not before its wall-clock time."""
-        inflight: queue.Queue[tuple[list[_Job], list[C.SmallCall], list] | None] = queue.Queue(self.in_flight)
+        most ``IN_FLIGHT`` calls behind); ``real`` timing: not before it is due (``self.clock``)."""
+        inflight: queue.Queue[tuple[int, list[_Job], list[C.SmallCall], list] | None] = queue.Queue(self.in_flight)
         completer = None
         try:
             if self.device is not None:  # the worker thread's current device
@@ -368,25 +361,36 @@ class Assistant:
             completer.start()
             self._stage(grp, -1)  # the first call, before it is due
             while True:
-                jobs = grp.jobs.get()
-                if jobs is None:
+                item = grp.jobs.get()
+                if item is None:
                     break
+                slot, jobs = item
+                clock = self.clock  # set before the first job is handed out (run)
                 calls = [self._staged_or_prepared(grp, j.event) for j in jobs]
                 if grp.stream is not None:  # the NCCL op (after the current stream) reads what staging wrote
                     torch.cuda.current_stream(self.device).wait_stream(grp.stream)
                 self._my_turn(jobs)
-                if self.timing == "real":
-                    self._wait_until(grp, jobs[0])
+                if isinstance(clock, DeviceClock):  # the device waits until it is due
+                    clock.enter(slot)
+                elif clock is not None:
+                    clock.enter(slot, first_of_group=not grp.entered)
+                grp.entered = True
                 t0 = self._now()
                 works = C.issue(grp.pg, calls[0]) if len(calls) == 1 else C.issue_batch(grp.pg, calls)
                 self._launched(jobs)
                 grp.issued += len(calls)
-                self._issue_ns += (self._now() - t0 - self._issue_ns) // 8  # running mean (a rough figure)
-                inflight.put((jobs, calls, works))  # blocks while IN_FLIGHT calls are outstanding
+                if isinstance(clock, DeviceClock):
+                    for w in works:  # NCCL: the current stream waits for the call (the host does not)
+                        w.wait()
+                    clock.completed(slot, jobs[-1].end_ns)
+                elif clock is not None:
+                    clock.issue_ns += (self._now() - t0 - clock.issue_ns) // 8  # running mean (a rough figure)
+                inflight.put((slot, jobs, calls, works))  # blocks while IN_FLIGHT calls are outstanding
                 self._stage(grp, jobs[-1].event.instance)
-                if self.timing == "real":
+                if isinstance(clock, HostClock):
                     # the group's next call waits for this one's real end: a virtual rank cannot
-                    # go on before the op it is in completes, and the drift must include it
+                    # go on before the op it is in completes, and the drift must include it (on a
+                    # GPU the group's stream orders its calls the same way)
                     inflight.join()
         except BaseException as e:  # noqa: BLE001 - reported by the main loop
             self._done.put((grp, e))
@@ -405,10 +409,10 @@ class Assistant:
             item = inflight.get()
             if item is None:
                 return
-            jobs, calls, works = item
+            slot, jobs, calls, works = item
             grp.waiting = (jobs, time.monotonic())
             try:
-                self._finish(grp, jobs, calls, works)
+                self._finish(grp, slot, jobs, calls, works)
                 grp.waiting = None
             except BaseException as e:  # noqa: BLE001
                 self._done.put(
@@ -421,43 +425,18 @@ class Assistant:
             finally:
                 inflight.task_done()
 
-    def _finish(self, grp: _Group, jobs: list[_Job], calls: list[C.SmallCall], works: list) -> None:
-        """Wait for one entered job, run its post steps; ``real`` timing: pin or move the clock."""
+    def _finish(self, grp: _Group, slot: int, jobs: list[_Job], calls: list[C.SmallCall], works: list) -> None:
+        """Wait for one entered job, run its post steps; ``real`` timing on the host: pin or move
+        the clock (a DeviceClock stamps completions on the device itself)."""
         for w in works:
             w.wait()
         for c in calls:
             c.finish()
         if self.device is not None:  # done on the device, as this thread's stream now waits on it
             torch.cuda.current_stream(self.device).synchronize()
-        if self.timing == "real":
-            with self._pin_lock:
-                first = not self._pinned.is_set()
-                if first:  # the first real completion: logical time meets the wall clock
-                    self._origin = self._now() - jobs[-1].end_ns
-                    self._pinned.set()
-            if not first:
-                # the virtual ranks' later calls move by what this one's real end says: the
-                # replay planned it to end at ``end_ns``; a sandbox that is slower than the
-                # calibrated graph delays them, a faster one lets them go earlier
-                self._drift = self._now() - self._origin - jobs[-1].end_ns
+        if isinstance(self.clock, HostClock):
+            self.clock.completed(slot, jobs[-1].end_ns)
         grp.finished += len(calls)
-
-    def _wait_until(self, grp: _Group, job: _Job) -> None:
-        """Sleep until the wall clock reaches the job's logical ready time (moved by the drift),
-        less what entering a call costs, so the op starts on the link then. Until a first call
-        completed for real, each group's first call is entered at once (the sandbox's first call
-        is one of them, whatever its order: waiting for a designated one could deadlock); that
-        first completion pins logical time to the wall clock (``_finish``), and every later
-        call waits for it."""
-        if not grp.entered:
-            grp.entered = True
-            if not self._pinned.is_set():
-                return
-        self._pinned.wait()
-        ready_ns = job.event.ready_ns
-        delay = self._origin + ready_ns + self._drift - self._issue_ns - self._now()
-        if delay > 0:
-            time.sleep(delay / 1e9)
 
     # ------------------------------------------------------------------ status
     @property
@@ -512,23 +491,9 @@ class Assistant:
         return st
 
     def _input(self, grp: _Group, pos: int, op: str, peer: int = -1) -> torch.Tensor:
-        """A virtual member's input of the call at node position ``pos``: recorded, or with
-        ``tensors`` None generated (zeros of the recorded shape and dtype: the sandbox's
-        results then carry no contribution of virtual ranks; traffic, timing and memory are
-        unaffected)."""
+        """A virtual member's recorded input of the call at node position ``pos``."""
         g = self.graph
         rank, seq = g.rank_of(pos), int(g.seq[pos])
-        if self.tensors is None:  # one shared read-only zeros per shape and dtype
-            row = int(g.row[pos])
-            key = (tuple(int(x) for x in self._shape[row]), self._dtype[row])
-            z = self._zeros.get(key)
-            if z is None:
-                dt = dtype_from_name(key[1]) if key[1] else torch.uint8
-                z = torch.zeros(key[0], dtype=dt, device=self.device)
-                if self.device is not None:  # filled before another group's stream reads it
-                    torch.cuda.current_stream(self.device).synchronize()
-                z = self._zeros.setdefault(key, z)
-            return z
         ts = self._store(rank).get(grp.name, grp.ranks, op, seq, peer, io="in")
         if not ts:
             raise AssistantError(
@@ -539,9 +504,14 @@ class Assistant:
         # the plans take a list of n tensors where they take a buffer of n chunks
         return ts[0] if len(ts) == 1 else ts
 
-    def plan(self, grp: _Group, ev: ExternalEvent) -> tuple[C.Plan, dict]:
+    def plan(self, grp: _Group, ev: ExternalEvent) -> tuple[C.Plan, Any]:
         """The plan of an external instance, as the sandbox makes it from its own call, and
-        the virtual members' inputs by logical group rank."""
+        the virtual members' inputs by logical group rank (``pruning.GENERATED`` without a
+        tensor store: the proxy contributes identities and zeros, ``pruning.proxy_call``)."""
+        p, ins = self._plan(grp, ev)
+        return p, (C.GENERATED if self.tensors is None else ins)
+
+    def _plan(self, grp: _Group, ev: ExternalEvent) -> tuple[C.Plan, Any]:
         g = self.graph
         p0 = ev.nodes[0]
         row = int(g.row[p0])
@@ -555,8 +525,9 @@ class Assistant:
             me, peer = gr[g.rank_of(p0)], gr[int(g.peer[p0])]
             src, dst = (me, peer) if op == "send" else (peer, me)
             p = C.plan_once(C.plan_send, n, G, src, dst, shape, tag=int(self._tag[row]), dtype=dtype)
-            ins = {0: self._input(grp, p0, "send", int(g.peer[p0]))} if op == "send" else {}
-            return p, ins
+            if op != "send":
+                return p, {}
+            return p, _Inputs(lambda m: self._input(grp, p0, "send", int(g.peer[p0])), {0: p0})
         if op == "barrier":
             return C.plan_once(C.plan_barrier, n, G), {}
         ins = _Inputs(lambda v: self._input(grp, members[v], op), members)  # read when used
@@ -618,10 +589,11 @@ class Assistant:
     def _prepare(self, grp: _Group, ev: ExternalEvent) -> C.SmallCall:
         try:
             p, ins = self.plan(grp, ev)
+            nccl = self.backend == "nccl"  # padded all_reduces in two parts, as the sandbox issues them
             if grp.stream is None:
-                return C.proxy_call(p, ins, self.device)
+                return C.proxy_call(p, ins, self.device, coalesce=nccl)
             with torch.cuda.stream(grp.stream):
-                return C.proxy_call(p, ins, self.device)
+                return C.proxy_call(p, ins, self.device, coalesce=nccl)
         except AssistantError:
             raise
         except Exception as e:  # noqa: BLE001 - named with the call it failed on
@@ -668,8 +640,12 @@ class Assistant:
         and each worker enters its group's calls back to back (``fast``), or each at its time
         (``real``), where the sandbox's real completions move the clock (``_complete``)."""
         self.start()
-        for jobs in self.schedule():
-            self.groups[jobs[0].event.group].jobs.put(jobs)
+        plan = self.schedule()
+        if self.timing == "real":
+            ready = np.array([jobs[0].event.ready_ns for jobs in plan], dtype=np.int64)
+            self.clock = DeviceClock(self.device, len(plan), ready) if self.device else HostClock(len(plan), ready)
+        for slot, jobs in enumerate(plan):
+            self.groups[jobs[0].event.group].jobs.put((slot, jobs))
         for grp in self.groups.values():
             grp.jobs.put(None)
         left = len(self.groups)
@@ -729,6 +705,8 @@ class Assistant:
             "staged_ahead": self.staged_hits,
             "completed": self.completed,
         }
+        if self.clock is not None:  # how late the virtual ranks' arrivals came against their schedule
+            doc["arrivals"] = self.clock.arrivals()
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)

@@ -69,8 +69,9 @@ _STORE: Any = None  # the launcher's TCPStore, as a client
 _CHECK: OutputCheck | None = None
 _BACKENDS: list[PrunedBackend] = []  # every pruned group's backend, closed at exit
 _EXPECT: Any = None  # this rank's calls in the graph (GraphExpectation): a deviation is one error
-# the virtual ranks' inputs are generated: an all_gather's virtual slots get this rank's own input
-_GATHER_LIKE_ME = False
+# the virtual ranks' inputs are generated: every virtual member is taken to hold what this rank
+# holds (pruning.sandbox_call's like_me: all_gather slots, sums scaled to the group's)
+_LIKE_ME = False
 
 
 def _close_small_groups() -> None:
@@ -93,13 +94,13 @@ def sandbox() -> tuple[int, ...]:
 def prepare(rank: int, child: ChildEnv) -> None:
     """Read the sandbox set; skip store-based barriers (they wait for absent ranks); set up
     the output check when asked."""
-    global _SANDBOX, _CHECK, _EXPECT, _GATHER_LIKE_ME
+    global _SANDBOX, _CHECK, _EXPECT, _LIKE_ME
     if not child.sandbox:
         raise PrismError(f"{variable('mode')}=emulate needs {variable('sandbox')} (the ranks that run for real)")
     _SANDBOX = child.sandbox
     # as solo capture's generator fills them, so that values deciding shapes (MoE routing counts)
     # and objects equal on every rank (all_gather_object) agree with the graph
-    _GATHER_LIKE_ME = child.inputs == "generated"
+    _LIKE_ME = child.inputs == "generated"
     if rank not in _SANDBOX:
         raise PrismError(f"rank {rank} runs the program but is not in {variable('sandbox')}={format_ranks(_SANDBOX)}")
     if not _ORIG:
@@ -417,7 +418,9 @@ class PrunedBackend(solo.GeneratedBackend):
         """This member's small call; on a GPU its scratch comes from outside the program's
         allocator (``prismllm.comm.scratch.arena``; CPU tensors: PyTorch's), so the sandbox's
         peak memory is the program's."""
-        return C.sandbox_call(p, self._rank, scratch=scratch.arena, gather_like_me=_GATHER_LIKE_ME, **tensors)
+        return C.sandbox_call(
+            p, self._rank, scratch=scratch.arena, like_me=_LIKE_ME, coalesce=self.backend == "nccl", **tensors
+        )
 
     def _plan(self, c: Call, tag: int = 0) -> tuple[C.Plan, C.SmallCall]:
         """The plan of one call and this member's small call, from the program's tensors."""

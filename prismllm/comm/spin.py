@@ -49,15 +49,22 @@ def parse_spins(text: str) -> dict[str, float]:
     return {str(k): float(v) for k, v in spins.items()}
 
 
-def _compile(device: int) -> Callable[..., None]:
+def compile_kernel(source: str, name: str, device: int, what: str) -> Callable[..., None]:
+    """A CUDA kernel built with NVRTC for ``device`` (``torch.cuda._compile_kernel``); called as
+    ``kernel(grid=, block=, args=[tensors as pointers, ints as C int, floats as C double])`` on
+    the current stream. ``what`` names the feature that needs it in the error."""
     try:
         with torch.cuda.device(device):
-            return torch.cuda._compile_kernel(_KERNEL, "prism_spin")
+            return torch.cuda._compile_kernel(source, name)
     except Exception as e:  # NVRTC missing, or a torch without _compile_kernel
         raise PrismError(
-            f"cannot build the GPU spin kernel on cuda:{device} ({type(e).__name__}: {e}); "
-            "--spin needs torch.cuda._compile_kernel and NVRTC (torch >= 2.8 with CUDA)"
+            f"cannot build the GPU kernel {name} on cuda:{device} ({type(e).__name__}: {e}); "
+            f"{what} needs torch.cuda._compile_kernel and NVRTC (torch >= 2.8 with CUDA)"
         ) from None
+
+
+def _compile(device: int) -> Callable[..., None]:
+    return compile_kernel(_KERNEL, "prism_spin", device, "--spin")
 
 
 def wait_cpu(ns: int) -> None:
@@ -97,4 +104,4 @@ def install(rec: Any, spins: dict[str, float]) -> None:
     rec.mark = mark_and_spin
 
 
-__all__ = ["Spinner", "install", "parse_spins", "wait_cpu"]
+__all__ = ["Spinner", "compile_kernel", "install", "parse_spins", "wait_cpu"]

@@ -315,7 +315,7 @@ def _receive_fill(t: torch.Tensor) -> None:
 _INT_LIMIT = {torch.int64: 2**31, torch.int32: 2**24}
 
 
-def _bcast_fill(t: torch.Tensor) -> None:
+def keep_local(t: torch.Tensor) -> None:
     """A non-source buffer: kept, or cleaned where it holds uninitialised memory. Integer and
     bool buffers are checked on a host copy, so that nothing is allocated on the device (the
     real backend allocates nothing there: solo-mode peak memory must stay exact)."""
@@ -381,7 +381,7 @@ def default_fill(call: Call, payload: _Payload | None = None) -> None:
     elif op == "broadcast":
         if not call.is_root:
             for t in call.targets:
-                _bcast_fill(t)
+                keep_local(t)
     elif op == "reduce":
         if call.is_root:
             for t in call.targets:
@@ -403,7 +403,7 @@ def default_fill(call: Call, payload: _Payload | None = None) -> None:
         raise GenerateError(f"{call.where()}: no default for op {op!r}")
 
 
-__all__ = ["Call", "TensorGenerator", "DEFAULT", "default_fill"]
+__all__ = ["Call", "TensorGenerator", "DEFAULT", "default_fill", "keep_local"]
 
 
 def _invoke(r: Rule, call: Call) -> Any:

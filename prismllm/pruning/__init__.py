@@ -37,7 +37,7 @@ in the logical group's ring algorithm -- what the model says the target would se
 the two agree (to an element); see each plan for the rest.
 """
 
-from prismllm.pruning.calls import SmallCall, proxy_call, sandbox_call
+from prismllm.pruning.calls import GENERATED, SmallCall, proxy_call, sandbox_call
 from prismllm.pruning.executor import issue, issue_batch, reference, run
 from prismllm.pruning.groups import PRUNED_PREFIX, small_group
 from prismllm.pruning.plans import (
@@ -67,6 +67,7 @@ from prismllm.pruning.plans import (
 )
 
 __all__ = [
+    "GENERATED",
     "CompensationError",
     "LinkBytes",
     "Message",

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from prismllm.generate.generator import keep_local
 from prismllm.pruning.plans import CompensationError, Plan
 from prismllm.pruning.tensors import (
     Reducer,
@@ -39,6 +40,9 @@ class SmallCall:
     in_splits: list | None = None
     out_splits: list | None = None
     ops: list = dataclasses.field(default_factory=list)  # p2p: (kind, peer, tensor, tag)
+    # all_reduce split in parts issued as one batch (one NCCL group): the program's tensor in place
+    # and the padding apart, instead of a copy into a padded buffer and back (``coalesce``)
+    parts: list = dataclasses.field(default_factory=list)
     post: Callable[[], None] | None = None
     result: Any = None  # proxy: what it received, when useful (reduce to a virtual root)
     release: Callable[[], None] | None = None  # sandbox: gives its scratch back, after ``post``
@@ -85,7 +89,8 @@ def sandbox_call(
     output: Any = None,
     tensors: Mapping[int, torch.Tensor] | None = None,
     scratch: Callable[[torch.device], Any] | None = None,
-    gather_like_me: bool = False,
+    like_me: bool = False,
+    coalesce: bool = False,
 ) -> SmallCall:
     """The small-communicator call of real member ``g`` (logical group rank) for the
     program's tensors, as the program passed them:
@@ -102,9 +107,26 @@ def sandbox_call(
 
     ``scratch``: on a GPU, the arena of a device where the call's own buffers come from (see
     :class:`_Buffers`; default: PyTorch's allocator); ``SmallCall.finish`` gives them back.
-    ``gather_like_me``: an all_gather's virtual slots get this member's own input, as solo
-    capture's tensor generator fills them (the virtual ranks' inputs are generated, not
-    recorded: values that decide shapes, such as MoE routing counts, then agree with the graph).
+    ``like_me`` (the virtual ranks' inputs are generated, not recorded: the proxy contributes
+    the reduce op's identity, :func:`proxy_call`): every virtual member is taken to hold what
+    this member holds, as solo capture's tensor generator answers (``generate.generator``), so
+    that the program stays on its normal path: an all_gather's virtual slots get this member's
+    own input (values that decide shapes, such as MoE routing counts, then agree with the
+    graph), and a sum over the group (all_reduce, reduce_scatter, reduce; sum, avg,
+    premul_sum) is scaled from the real members' to ``n`` members' (``n / k`` in the post
+    step): a tensor-parallel partial sum or a data-parallel gradient keeps its magnitude
+    where the virtual members' zeros would have left a k/n share of it (a vocabulary-parallel
+    cross-entropy then went negative). Max, min, products and bitwise ops over the real
+    members already are what every member holding the same gives. A broadcast from a virtual
+    root leaves the member's own buffer (cleaned where it holds uninitialised memory), as the
+    generator does: a replica's copy of replicated state is what the root sends (DDP's check of
+    parameter shapes against rank 0's failed on the root's zeros).
+
+    ``coalesce`` (the small communicator batches collectives, as NCCL does): a padded all_reduce
+    runs as two all_reduces in one batch, the program's tensor in place and the padding in
+    scratch, with no copy of the tensor on either side of the call (the proxy, with the same
+    ``coalesce``, splits its buffer the same way). Scratch a call does not read back (padding,
+    the proxy's slot) is never cleared: its values reach no real member's result.
     """
     G = p.group
     if not G.is_real(g):
@@ -115,16 +137,23 @@ def sandbox_call(
         first = next((t for t in (tensor, input, output) if t is not None), None)
         ref = first if isinstance(first, torch.Tensor) else (first[0] if first else None)
         bufs = _Buffers(scratch, ref.device if isinstance(ref, torch.Tensor) else torch.device("cpu"))
+        scale = _like_me_scale(p) if like_me else 1.0
         if op == "all_reduce":
-            return bufs.bind(_sb_all_reduce(p, i, tensor, bufs))
+            return bufs.bind(_sb_all_reduce(p, i, tensor, bufs, scale, coalesce))
         if op == "reduce_scatter":
-            return bufs.bind(_sb_reduce_scatter(p, i, output, input, bufs))
+            return bufs.bind(_sb_reduce_scatter(p, i, output, input, bufs, scale))
         if op == "all_gather":
-            return bufs.bind(_sb_all_gather(p, i, output, input, bufs, gather_like_me))
+            return bufs.bind(_sb_all_gather(p, i, output, input, bufs, like_me))
         if op == "reduce":
-            return bufs.bind(_sb_reduce(p, g, i, tensor, bufs))
+            return bufs.bind(_sb_reduce(p, g, i, tensor, bufs, scale))
         return bufs.bind(_sb_all_to_all(p, g, i, output, input, bufs))
     if op == "broadcast":
+        if like_me and not G.is_real(p.root):  # a replica's own copy is what the root sends (generator)
+            buf = _Buffers(scratch, tensor.device)
+            small = buf.new(p.numel, tensor.dtype)
+            return buf.bind(
+                SmallCall("broadcast", i, root=p.small_root, input=small, output=small, post=lambda: keep_local(tensor))
+            )
         return SmallCall("broadcast", i, root=p.small_root, input=tensor, output=tensor)
     if op == "gather":
         return _sb_gather(p, g, i, input, output)
@@ -141,22 +170,33 @@ def sandbox_call(
     raise CompensationError(f"no sandbox call for op {op!r}")
 
 
-def proxy_call(p: Plan, inputs: Any = None, device: Any = None) -> SmallCall:
+def proxy_call(p: Plan, inputs: Any = None, device: Any = None, coalesce: bool = False) -> SmallCall:
     """The proxy's small-communicator call. ``inputs``: what each virtual member would
     contribute, indexed by logical group rank (a list of n with None for real members, or a
     dict): its tensor (all_reduce, reduce, broadcast root), its input (reduce_scatter,
     all_gather, gather, all_to_all), the root's list of n chunks (scatter). For p2p: message
     index -> tensor of each message a virtual member sends. ``device``: where the small call's
-    buffers live (the proxy's GPU for an NCCL small group; inputs may be on the host)."""
+    buffers live (the proxy's GPU for an NCCL small group; inputs may be on the host).
+
+    ``inputs=GENERATED``: the virtual members' inputs are generated, not recorded: the proxy
+    contributes the reduce op's identity to a reduction (the sandbox's ``like_me`` post step
+    scales a sum to the group's), zeros where its data reach the sandbox (broadcast, all_to_all,
+    point-to-point) and nothing read at all to an all_gather (the sandbox fills the virtual slots
+    with its own input). One buffer a call, filled on the device, whatever the number of virtual
+    members: no reduction over thousands of generated inputs.
+
+    ``coalesce``: as the real members' (:func:`sandbox_call`): a padded all_reduce in two parts."""
     G = p.group
     i = G.proxy
     op = p.op
     dt = p.dtype
+    if inputs is GENERATED:
+        return _split(_generated_proxy_call(p, device), p, coalesce)
     if op == "all_reduce":
         vin = virtual_inputs(p, inputs)
-        buf = torch.zeros(p.slot, dtype=dt, device=device)
+        buf = torch.empty(p.slot, dtype=dt, device=device)
         buf[: p.numel] = reduce((flat(vin[v]) for v in G.virtual), p.reduce_op, p.factor)
-        return SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf)
+        return _split(SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf), p, coalesce)
     if op == "reduce_scatter":
         vin = virtual_inputs(p, inputs)
         acc = [Reducer(p.reduce_op, p.factor) for _ in G.real]
@@ -221,37 +261,142 @@ def proxy_call(p: Plan, inputs: Any = None, device: Any = None) -> SmallCall:
     raise CompensationError(f"no proxy call for op {op!r}")
 
 
+def _split(call: SmallCall, p: Plan, coalesce: bool) -> SmallCall:
+    """The proxy's padded all_reduce buffer in the two parts the real members issue (``coalesce``)."""
+    if coalesce and call.op == "all_reduce" and p.pad:
+        call.parts = [call.input[: p.numel], call.input[p.numel :]]
+    return call
+
+
+class _Generated:
+    """The marker of generated virtual inputs (:func:`proxy_call`)."""
+
+    def __repr__(self) -> str:
+        return "GENERATED"
+
+
+GENERATED = _Generated()
+
+
+def identity(op: str, dtype: torch.dtype) -> Any:
+    """The element a reduction with ``op`` leaves its other operand unchanged with."""
+    if op in ("sum", "avg", "premul_sum", "bor", "bxor"):
+        return 0
+    if op == "product":
+        return 1
+    if op == "band":
+        return True if dtype == torch.bool else -1
+    if op in ("max", "min"):
+        if dtype == torch.bool:
+            return op == "min"
+        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+        return info.min if op == "max" else info.max
+    raise CompensationError(f"no identity for reduce op {op!r}")
+
+
+def _generated_proxy_call(p: Plan, device: Any) -> SmallCall:
+    """The proxy's call with generated virtual inputs (:func:`proxy_call`, ``GENERATED``)."""
+    G, i, op, dt = p.group, p.group.proxy, p.op, p.dtype
+    if op == "all_reduce":
+        buf = torch.full((p.slot,), identity(p.reduce_op, dt), dtype=dt, device=device)
+        return SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf)
+    if op == "reduce_scatter":
+        buf = torch.full((G.size * p.slot,), identity(p.reduce_op, dt), dtype=dt, device=device)
+        out = torch.empty(p.slot, dtype=dt, device=device)
+        return SmallCall("reduce_scatter", i, reduce_op=p.small_reduce_op, input=buf, output=out)
+    if op == "reduce":
+        buf = torch.full((p.numel,), identity(p.reduce_op, dt), dtype=dt, device=device)
+        return SmallCall("reduce", i, reduce_op=p.small_reduce_op, root=p.small_root, input=buf, output=buf, result=buf)
+    if op == "all_gather":  # never read: the sandbox's like_me fills the virtual slots
+        buf = torch.empty(len(G.virtual) * p.numel, dtype=dt, device=device)
+        return SmallCall("all_gather", i, input=buf, output=torch.empty(G.size * p.slot, dtype=dt, device=device))
+    if op == "broadcast":
+        buf = torch.zeros(p.numel, dtype=dt, device=device)
+        return SmallCall("broadcast", i, root=p.small_root, input=buf, output=buf, result=buf)
+    if op == "all_to_all":
+        buf = torch.zeros(sum(p.small_send[i]), dtype=dt, device=device)
+        out = torch.empty(sum(p.small_recv[i]), dtype=dt, device=device)
+        return SmallCall(
+            "all_to_all", i, input=buf, output=out, in_splits=list(p.small_send[i]),
+            out_splits=list(p.small_recv[i]), result=out,
+        )  # fmt: skip
+    if op in ("gather", "scatter", "send", "recv", "p2p"):
+        zeros: dict[int, torch.Tensor] = {}
+
+        def payload(m: int, kind: str) -> torch.Tensor:
+            n = p.messages[m].numel
+            if kind == "recv":
+                return torch.empty(n, dtype=dt, device=device)
+            if n not in zeros:  # read-only: one zeros per message size
+                zeros[n] = torch.zeros(n, dtype=dt, device=device)
+            return zeros[n]
+
+        return _p2p_call(p, i, payload)
+    if op == "barrier":
+        return SmallCall("barrier", i)
+    raise CompensationError(f"no proxy call for op {op!r}")
+
+
+def _like_me_scale(p: Plan) -> float:
+    """What the sandbox multiplies a sum-like result by when every virtual member is taken to
+    hold what the real members hold (``sandbox_call``'s ``like_me``): n / k."""
+    if p.reduce_op in ("sum", "avg", "premul_sum"):
+        return p.group.n / p.group.k
+    return 1.0
+
+
+def _scale(t: torch.Tensor, p: Plan, scale: float) -> None:
+    """The post step's ``like_me`` scaling (integers: n times, then divided by k, truncated)."""
+    if scale == 1.0:
+        return
+    if t.is_floating_point() or t.is_complex():
+        t.mul_(scale)
+    else:
+        t.mul_(p.group.n)
+        if p.group.k > 1:
+            t.div_(p.group.k, rounding_mode="trunc")
+
+
 # ---- sandbox helpers
-def _sb_all_reduce(p: Plan, i: int, t: torch.Tensor, bufs: _Buffers) -> SmallCall:
+def _sb_all_reduce(
+    p: Plan, i: int, t: torch.Tensor, bufs: _Buffers, scale: float = 1.0, coalesce: bool = False
+) -> SmallCall:
     S = p.numel
     if t.numel() != S:
         raise CompensationError(f"all_reduce: tensor of {t.numel()} elements, plan says {S}")
     view = contig_flat(t)
-    if p.pad == 0 and view is not None:
+    if view is not None and (p.pad == 0 or coalesce):
         buf = view
         pre_reduce(buf, p.reduce_op, p.factor)
 
         def post() -> None:
             post_reduce(t, p.reduce_op, p.group.n)
+            _scale(t, p, scale)
+
+        call = SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf, post=post)
+        if p.pad:  # the padding apart, in the same batch: no copy of the program's tensor
+            call.parts = [buf, bufs.new(p.pad, t.dtype)]
+        return call
     else:
-        buf = bufs.new(p.slot, t.dtype, zero=True)
+        buf = bufs.new(p.slot, t.dtype)
         buf[:S].copy_(flat(t))
         pre_reduce(buf[:S], p.reduce_op, p.factor)
 
         def post() -> None:
             t.copy_(buf[:S].view(t.shape))
             post_reduce(t, p.reduce_op, p.group.n)
+            _scale(t, p, scale)
 
     return SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf, post=post)
 
 
-def _sb_reduce_scatter(p: Plan, i: int, output: Any, input: Any, bufs: _Buffers) -> SmallCall:
+def _sb_reduce_scatter(p: Plan, i: int, output: Any, input: Any, bufs: _Buffers, scale: float = 1.0) -> SmallCall:
     G, c = p.group, p.numel
     ch = chunks(input, G.n)
     if ch[0].numel() != c:
         raise CompensationError(f"reduce_scatter: input chunks of {ch[0].numel()} elements, plan says {c}")
     ref = ch[0]
-    buf = bufs.new(G.size * p.slot, ref.dtype, zero=True).view(G.size, p.slot)
+    buf = bufs.new(G.size * p.slot, ref.dtype).view(G.size, p.slot)
     for j, r in enumerate(G.real):
         buf[j, :c].copy_(ch[r])
     pre_reduce(buf, p.reduce_op, p.factor)
@@ -263,6 +408,7 @@ def _sb_reduce_scatter(p: Plan, i: int, output: Any, input: Any, bufs: _Buffers)
         if direct is None:
             out_t.copy_(obuf[:c].view(out_t.shape))
         post_reduce(out_t, p.reduce_op, G.n)
+        _scale(out_t, p, scale)
 
     return SmallCall("reduce_scatter", i, reduce_op=p.small_reduce_op, input=buf.view(-1), output=obuf, post=post)
 
@@ -272,7 +418,7 @@ def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buf
     if input.numel() != c:
         raise CompensationError(f"all_gather: input of {input.numel()} elements, plan says {c}")
     if p.pad:
-        ibuf = bufs.new(slot, input.dtype, zero=True)
+        ibuf = bufs.new(slot, input.dtype)
         ibuf[:c].copy_(flat(input))
     else:
         ibuf = contig_flat(input)
@@ -302,7 +448,7 @@ def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buf
     return SmallCall("all_gather", i, input=ibuf, output=obuf, post=post)
 
 
-def _sb_reduce(p: Plan, g: int, i: int, t: torch.Tensor, bufs: _Buffers) -> SmallCall:
+def _sb_reduce(p: Plan, g: int, i: int, t: torch.Tensor, bufs: _Buffers, scale: float = 1.0) -> SmallCall:
     is_root = g == p.root
     buf = t
     if p.reduce_op == "premul_sum" and not is_root:
@@ -311,7 +457,12 @@ def _sb_reduce(p: Plan, g: int, i: int, t: torch.Tensor, bufs: _Buffers) -> Smal
     if buf is t and not t.is_contiguous():
         raise CompensationError("reduce: non-contiguous tensor")
     pre_reduce(buf, p.reduce_op, p.factor)
-    post = (lambda: post_reduce(t, p.reduce_op, p.group.n)) if is_root else None
+
+    def post() -> None:
+        post_reduce(t, p.reduce_op, p.group.n)
+        _scale(t, p, scale)
+
+    post = post if is_root else None
     return SmallCall("reduce", i, reduce_op=p.small_reduce_op, root=p.small_root, input=buf, output=buf, post=post)
 
 

@@ -39,6 +39,8 @@ def issue(pg: Any, call: SmallCall) -> list:
     if op == "all_reduce":
         o = dist.AllreduceOptions()
         o.reduceOp = _torch_redop(call.reduce_op)
+        if call.parts:  # one batch: one NCCL group (gloo: one call after the other)
+            return _batched(pg, call.parts[0].device, lambda: [pg.allreduce([t], o) for t in call.parts])
         return [pg.allreduce([call.input], o)]
     if op == "reduce_scatter":
         o = dist.ReduceScatterOptions()
@@ -88,18 +90,25 @@ def issue_batch(pg: Any, calls: Sequence[SmallCall]) -> list:
     works = [w for c in other for w in issue(pg, c)]
     if not p2p:
         return works
+
+    def post() -> list:
+        return [pg.send([t], peer, tag) if kind == "send" else pg.recv([t], peer, tag) for kind, peer, t, tag in p2p]
+
+    return works + _batched(pg, p2p[0][2].device, post)
+
+
+def _batched(pg: Any, device: Any, post: Any) -> list:
+    """The Works of the ops ``post()`` issues, in one NCCL group on NCCL (the batch's Work from
+    ``_end_coalescing``); gloo, which has no batches, issues them one after the other."""
     nccl = _nccl(pg)
     if nccl:
-        dev = p2p[0][2].device
-        _coalescing(pg, "_start_coalescing", dev)
+        _coalescing(pg, "_start_coalescing", device)
+    works: list = []
     try:
-        for kind, peer, t, tag in p2p:
-            w = pg.send([t], peer, tag) if kind == "send" else pg.recv([t], peer, tag)
-            if w is not None:
-                works.append(w)
+        works = [w for w in post() if w is not None]
     finally:
         if nccl:
-            w = _coalescing(pg, "_end_coalescing", dev)
+            w = _coalescing(pg, "_end_coalescing", device)
             if w is not None:
                 works.append(w)
     return works

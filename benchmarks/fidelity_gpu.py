@@ -1,0 +1,477 @@
+"""The GPU fidelity suite: iteration time and peak memory of real multi-GPU jobs against prismllm's
+prediction and its emulated sandbox rank, predicted from two GPUs (issue 36). One command, which
+writes its results as each step ends and resumes where it stopped.
+
+    python benchmarks/fidelity_gpu.py [--cases all|NAME,...] [--reals 3] [--work out/fidelity_gpu]
+        [--json benchmarks/results/fidelity_gpu.json] [--md PATH] [--deadline S] [--timeout S] [--list]
+
+Per case (a program, a layout, a world size N):
+
+1. **real**: the job with plain torchrun on N GPUs, no prismllm, ``--reals`` times; each run's
+   iteration time is the median of the steady iterations (all but the first two) as the program
+   prints them, its peak memory what it prints (``torch.cuda.max_memory_allocated``), the host's
+   wait for the device at the closing synchronize where the program prints it (a share of the
+   iteration: high when the GPU is the bottleneck), and the GPU's busy share (NVML's utilisation,
+   sampled every 50 ms over the steady iterations: coarse).
+2. **prism**: ``prism run --world N --layout ... --devices cuda:0,1 --sandbox R`` (GPU 0 the
+   sandbox, GPU 1 the assistant, whatever N): the calibrated prediction (``predicted_ms``) and the
+   sandbox rank's iteration time as the program itself prints it in the emulation
+   (``emulated_ms``); the sandbox rank R is the rank that prints (the last).
+
+Errors are (x - real) / real against the mean of the real runs' medians; ``real_spread`` is the
+real runs' (max - min) / mean. Raw results go to ``--json`` as ``{"rows": [{"case", "world",
+"machine", "real_ms": [...], "predicted_ms", "emulated_ms", "predicted_error", "emulated_error",
+"real_spread", ...}]}`` (errors as fractions) and a table to ``--md``.
+
+``--concurrent`` (a four-GPU machine): a case of N = 2 runs its real runs on GPUs 2 and 3 while
+prism runs on GPUs 0 and 1 (rows say ``concurrent``): one host, disjoint GPUs.
+
+Resume: a case's finished steps are kept in the JSON (a real run at a time; prism run resumes
+inside its own directory under ``--work``); ``--deadline S`` starts no step that would not end
+within S seconds of the start (each step's estimate: the longest of its kind so far), so a
+device call of limited length ends cleanly and the next call goes on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from tracing_overhead import machine  # noqa: E402
+
+TORCH_PAR = str(ROOT / "benchmarks" / "programs" / "torch_parallel.py")
+GPT3D = str(ROOT / "examples" / "gpt3d.py")
+MEGATRON = str(ROOT / "examples" / "megatron_gpt.py")
+NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+WARMUP = 2  # iterations left out of every median
+# sizes that keep an H100 busy (hidden 2048, 8 layers, seq 1024, bf16), and a host-bound one
+TORCH_SIZE = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq", "1024", "--iters", "10"]
+GPT3D_SIZE = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq", "1024", "--vocab", "32000"]
+GPT3D_SIZE += ["--micro-batch", "2", "--global-batch", "16", "--iters", "10"]
+MEGATRON_SIZE = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq-len", "1024", "--vocab", "32000"]
+MEGATRON_SIZE += ["--micro-batch", "2", "--global-batch", "16", "--iters", "10"]
+SMALL = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--batch", "2", "--iters", "20"]
+
+# the program's own per-iteration line: (iteration, ms, peak bytes or None, host wait share or None)
+ITER_LINES = (
+    re.compile(
+        r"iteration (\d+)/\d+ \| loss \S+ \| iter time ([\d.]+) ms \| max mem ([\d.]+) (MB|B)"
+        r"(?: \| host wait ([\d.]+) %)?"
+    ),
+    re.compile(
+        r"iteration\s+(\d+)/\s*\d+ \| elapsed time per iteration \(ms\): ([\d.]+) \|.*?"
+        r"max allocated \(B\): (-?\d+) \|(?: host wait \(%\): ([\d.]+) \|)?"
+    ),
+)
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    world: int
+    program: str
+    args: list[str]
+    layout: str
+    stack: str  # what the program is written on
+
+    @property
+    def sandbox(self) -> int:
+        return self.world - 1  # the rank that prints
+
+    def command(self) -> list[str]:
+        return [self.program, *self.args]
+
+
+def cases() -> list[Case]:
+    t = lambda mode, *extra: [TORCH_PAR, ["--mode", mode, *extra, *TORCH_SIZE]]  # noqa: E731
+    # in the order they run: one of each stack and layout first
+    return [
+        Case("ddp-2", 2, *t("ddp", "--batch", "4"), "tp=1,pp=1", "PyTorch DDP"),
+        Case("megatron-tp2", 2, MEGATRON, ["--tp", "2", *MEGATRON_SIZE], "tp=2", "Megatron-core"),
+        Case("ddp-4", 4, *t("ddp", "--batch", "4"), "tp=1,pp=1", "PyTorch DDP"),
+        Case("gpt3d-pp2", 2, GPT3D, ["--pp", "2", *GPT3D_SIZE], "pp=2", "gpt3d (1F1B)"),
+        Case("tp2-fsdp2-4", 4, *t("tp_fsdp2", "--tp", "2", "--batch", "8"), "tp=2", "PyTorch DTensor TP x FSDP2"),
+        Case("fsdp2-2", 2, *t("fsdp2", "--batch", "4"), "tp=1,pp=1", "PyTorch FSDP2"),
+        Case("gpt3d-tp2pp2-4", 4, GPT3D, ["--tp", "2", "--pp", "2", *GPT3D_SIZE], "tp=2,pp=2", "gpt3d"),
+        Case("dtensor-tp2", 2, *t("tp", "--batch", "8"), "tp=2", "PyTorch DTensor TP"),
+        Case("megatron-pp2", 2, MEGATRON, ["--pp", "2", *MEGATRON_SIZE], "pp=2", "Megatron-core (1F1B)"),
+        Case(
+            "megatron-dp2-distopt", 2, MEGATRON, ["--dist-opt", *MEGATRON_SIZE], "tp=1,pp=1", "Megatron-core dist-opt"
+        ),
+        Case("fsdp2-4", 4, *t("fsdp2", "--batch", "4"), "tp=1,pp=1", "PyTorch FSDP2"),
+        Case(
+            "megatron-tp2pp2-4", 4, MEGATRON, ["--tp", "2", "--pp", "2", *MEGATRON_SIZE], "tp=2,pp=2", "Megatron-core"
+        ),
+        Case("ddp-2-hostbound", 2, TORCH_PAR, ["--mode", "ddp", *SMALL], "tp=1,pp=1", "PyTorch DDP (host-bound)"),
+    ]
+
+
+# ---------------------------------------------------------------------- parsing
+def iterations(text: str) -> list[dict]:
+    """The program's per-iteration lines: {iteration, ms, peak_bytes, host_wait}."""
+    out = []
+    for line in text.splitlines():
+        for rx in ITER_LINES:
+            m = rx.search(line)
+            if not m:
+                continue
+            g = m.groups()
+            if rx is ITER_LINES[0]:
+                peak = float(g[2]) * (1e6 if g[3] == "MB" else 1)
+                wait = g[4]
+            else:
+                peak, wait = float(g[2]), g[3]
+            out.append(
+                {
+                    "iteration": int(g[0]),
+                    "ms": float(g[1]),
+                    "peak_bytes": int(peak),
+                    "host_wait": float(wait) / 100 if wait else None,
+                }
+            )
+            break
+    return out
+
+
+def steady(its: list[dict]) -> dict:
+    """Median iteration time and host wait over the steady iterations, the peak of the last."""
+    st = [x for x in its if x["iteration"] > WARMUP] or its
+    waits = [x["host_wait"] for x in st if x["host_wait"] is not None]
+    return {
+        "ms": round(statistics.median(x["ms"] for x in st), 3),
+        "iterations": len(its),
+        "peak_bytes": its[-1]["peak_bytes"],
+        "host_wait": round(statistics.median(waits), 4) if waits else None,
+        "first_steady": st[0]["iteration"],
+    }
+
+
+# ---------------------------------------------------------------------- running
+class Sampler:
+    """NVML utilisation of one GPU every 50 ms, with the time of each sample."""
+
+    def __init__(self, gpu: int):
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._h = pynvml.nvmlDeviceGetHandleByIndex(gpu)
+            self._nvml = pynvml
+        except Exception:  # noqa: BLE001 - no NVML: no busy share
+            self._nvml = None
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while self._nvml is not None and not self._stop.wait(0.05):
+            try:
+                self.samples.append((time.monotonic(), self._nvml.nvmlDeviceGetUtilizationRates(self._h).gpu))
+            except Exception:  # noqa: BLE001
+                return
+
+    def share(self, t0: float, t1: float) -> float | None:
+        self._stop.set()
+        self._t.join(1)
+        got = [u for t, u in self.samples if t0 <= t <= t1]
+        return round(statistics.fmean(got) / 100, 3) if got else None
+
+
+def run_streamed(cmd: list[str], env: dict, timeout: float, log: Path) -> tuple[int, str, dict[int, float]]:
+    """Run ``cmd`` in its own session, its output to ``log``; (rc, output, time each program
+    iteration line was seen)."""
+    seen: dict[int, float] = {}
+    lines: list[str] = []
+    with open(log, "w") as f:
+        f.write(" ".join(cmd) + "\n\n")
+        p = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **env},
+            start_new_session=True,
+        )  # fmt: skip
+        timer = threading.Timer(timeout, lambda: os.killpg(p.pid, 9))
+        timer.start()
+        try:
+            for line in p.stdout:
+                f.write(line)
+                lines.append(line)
+                for it in iterations(line):
+                    seen[it["iteration"]] = time.monotonic()
+            rc = p.wait()
+        finally:
+            timer.cancel()
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    return rc, "".join(lines), seen
+
+
+class Suite:
+    def __init__(self, a: argparse.Namespace):
+        self.a = a
+        self.t0 = time.monotonic()
+        self.estimate = {"real": 60.0, "prism": 300.0}
+        self.doc = json.loads(a.json.read_text()) if a.json.exists() else {"rows": []}
+        self.doc.setdefault("rows", [])
+        self.doc["machine"] = machine()
+        self.stopped = False
+        self.lock = threading.RLock()  # the real runs of a case may run beside its prism run (--concurrent)
+
+    def row(self, c: Case) -> dict:
+        for r in self.doc["rows"]:
+            if r["case"] == c.name:
+                return r
+        r = {
+            "case": c.name,
+            "world": c.world,
+            "stack": c.stack,
+            "layout": c.layout,
+            "command": c.command(),
+            "machine": None,
+            "real_ms": [],
+            "real_runs": [],
+        }
+        self.doc["rows"].append(r)
+        return r
+
+    def time_left(self, kind: str) -> bool:
+        if self.a.deadline is None:
+            return True
+        left = self.a.deadline - (time.monotonic() - self.t0)
+        if left < self.estimate[kind]:
+            print(f"[suite] stopping: {left:.0f} s left, a {kind} step takes ~{self.estimate[kind]:.0f} s", flush=True)
+            self.stopped = True
+            return False
+        return True
+
+    def save(self) -> None:
+        with self.lock:
+            self.a.json.parent.mkdir(parents=True, exist_ok=True)
+            self.a.json.write_text(json.dumps(self.doc, indent=1) + "\n")
+            self.a.md.write_text(markdown(self.doc))
+
+    def real(self, c: Case, r: dict, k: int, first_gpu: int = 0) -> None:
+        gpus = ",".join(str(first_gpu + i) for i in range(c.world))
+        env = {**NVLS_OFF, "CUDA_VISIBLE_DEVICES": gpus, "OMP_NUM_THREADS": "4"}
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(c.world)]
+        log = self.work(c) / f"real{k}.log"
+        print(f"[{c.name}] real run {k + 1} ...", flush=True)
+        sampler = Sampler(first_gpu + c.sandbox)
+        t0 = time.monotonic()
+        rc, text, seen = run_streamed([*cmd, *c.command()], env, self.a.timeout, log)
+        wall = time.monotonic() - t0
+        its = iterations(text)
+        run = {"rc": rc, "wall_s": round(wall, 1), "log": str(log), "gpus": gpus}
+        if rc == 0 and its:
+            run.update(steady(its))
+            lo, hi = seen.get(WARMUP), seen.get(max(seen, default=0))
+            run["busy_share"] = sampler.share(lo, hi) if lo and hi and hi > lo else sampler.share(0, -1)
+        else:
+            sampler.share(0, -1)
+            run["error"] = text[-1500:]
+        with self.lock:
+            if "ms" in run:
+                r["real_ms"].append(run["ms"])
+            r["real_runs"].append(run)
+        self.estimate["real"] = max(self.estimate["real"], wall + 5)
+        print(f"[{c.name}] real run {k + 1}: exit {rc}, {run.get('ms', '-')} ms, {wall:.0f} s", flush=True)
+
+    def prism(self, c: Case, r: dict) -> None:
+        out = self.work(c) / "prism"
+        cmd = [sys.executable, "-m", "prismllm.cli.main", "run", "--world", str(c.world), "--layout", c.layout]
+        cmd += ["--devices", "cuda:0,1", "--sandbox", str(c.sandbox), "--out", str(out), "--json"]
+        cmd += ["--timeout", str(self.a.timeout), "--", *c.command()]
+        print(f"[{c.name}] prism run ...", flush=True)
+        t0 = time.monotonic()
+        rc, text, _ = run_streamed(cmd, dict(NVLS_OFF), self.a.timeout * 3, self.work(c) / "prism.log")
+        wall = time.monotonic() - t0
+        self.estimate["prism"] = max(self.estimate["prism"], wall + 10)
+        p: dict[str, Any] = {"rc": rc, "wall_s": round(wall, 1)}
+        if rc != 0:
+            p["error"] = text[-2000:]
+            with self.lock:
+                r["prism"] = p
+            print(f"[{c.name}] prism run failed (exit {rc}) after {wall:.0f} s", flush=True)
+            return
+        summary = json.loads((out / "run.json").read_text())["summary"]
+        p["predicted_ms"] = round(summary["predicted_iteration_ns"] / 1e6, 3)
+        p["stages"] = {s["name"]: s["wall_s"] for s in summary.get("stages", [])}
+        emu_log = (out / "logs" / "emulate.log").read_text(errors="replace")
+        its = iterations(emu_log)
+        if its:
+            st = steady(its)
+            p["emulated_ms"], p["emulated_peak_bytes"], p["emulated_host_wait"] = (
+                st["ms"],
+                st["peak_bytes"],
+                st["host_wait"],
+            )
+        emu = json.loads((out / "emulate" / "emulate.json").read_text())
+        res = (emu.get("sandbox_results") or {}).get(str(c.sandbox)) or {}
+        p["emulated_recorded_ms"] = round((res.get("median_steady_iteration_ns") or 0) / 1e6, 3) or None
+        p["emulated_peak_memory_bytes"] = res.get("peak_memory_bytes")
+        p["arrivals"] = (emu.get("replay") or {}).get("arrivals")
+        bare = json.loads((out / "bare" / "manifest.json").read_text())
+        peaks = bare.get("peak_memory_bytes") or {}
+        p["captured_peak_bytes"] = peaks.get(str(c.sandbox))
+        p["captured_peak_max_bytes"] = max((int(v) for v in peaks.values()), default=None)
+        with self.lock:
+            r["prism"] = p
+        print(
+            f"[{c.name}] prism run: predicted {p['predicted_ms']} ms, emulated {p.get('emulated_ms')} ms, {wall:.0f} s",
+            flush=True,
+        )
+
+    def work(self, c: Case) -> Path:
+        d = self.a.work / c.name
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def reals(self, c: Case, r: dict, first_gpu: int = 0) -> None:
+        while len(r["real_runs"]) < self.a.reals and not self.stopped:
+            if not self.time_left("real"):
+                return
+            self.real(c, r, len(r["real_runs"]), first_gpu)
+            self.save()
+
+    def case(self, c: Case) -> None:
+        r = self.row(c)
+        r["machine"] = r["machine"] or f"{self.doc['machine'].get('gpu')} x{self.doc['machine'].get('gpus')}"
+        spare = (self.doc["machine"].get("gpus") or 0) - 2  # GPUs the prism run leaves free
+        if self.a.concurrent and c.world <= spare and "prism" not in r and len(r["real_runs"]) < self.a.reals:
+            # the real runs on GPUs 2.. while prism runs on 0, 1: disjoint GPUs, one host
+            if not self.time_left("prism"):
+                return
+            t = threading.Thread(target=self.reals, args=(c, r, 2), daemon=True)
+            t.start()
+            self.prism(c, r)
+            t.join()
+            r["concurrent"] = True
+        else:
+            self.reals(c, r)
+            if "prism" not in r and not self.stopped:
+                if not self.time_left("prism"):
+                    return
+                self.prism(c, r)
+        finish(r)
+        self.save()
+
+
+def finish(r: dict) -> None:
+    """The row's figures from its steps."""
+    real = r["real_ms"]
+    p = r.get("prism") or {}
+    if not real:
+        return
+    mean = statistics.fmean(real)
+    r["real_mean_ms"] = round(mean, 3)
+    r["real_spread"] = round((max(real) - min(real)) / mean, 5)
+    waits = [x["host_wait"] for x in r["real_runs"] if x.get("host_wait") is not None]
+    r["real_host_wait"] = round(statistics.fmean(waits), 4) if waits else None
+    busy = [x["busy_share"] for x in r["real_runs"] if x.get("busy_share") is not None]
+    r["busy_share"] = round(statistics.fmean(busy), 3) if busy else None
+    peaks = sorted({x["peak_bytes"] for x in r["real_runs"] if x.get("peak_bytes")})
+    r["real_peak_bytes"] = peaks
+    for key in ("predicted", "emulated"):
+        v = p.get(f"{key}_ms")
+        r[f"{key}_ms"] = v
+        r[f"{key}_error"] = round((v - mean) / mean, 5) if v else None
+    r["captured_peak_bytes"] = p.get("captured_peak_bytes")
+    r["emulated_peak_bytes"] = p.get("emulated_peak_memory_bytes")
+    tol = 10_000 if "gpt3d" in r["stack"] else 0  # gpt3d prints MB to two decimals: equal to that precision
+    for key in ("captured_peak_bytes", "emulated_peak_bytes"):
+        v = r.get(key)
+        r[key.replace("_bytes", "_equal")] = None if v is None or not peaks else any(abs(v - pk) <= tol for pk in peaks)
+
+
+# ---------------------------------------------------------------------- report
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x * 100:+.1f} %"
+
+
+def markdown(doc: dict) -> str:
+    m = doc.get("machine") or {}
+    lines = [
+        f"Machine: {m.get('gpu')} ×{m.get('gpus')}, {m.get('cpus')} cores, torch {m.get('torch')}. Real: plain "
+        "torchrun on N GPUs; prism: `prism run` on two GPUs (sandbox, assistant). Medians of the steady iterations "
+        "as the program prints them; errors against the mean of the real runs.",
+        "",
+        "| case | N | stack | layout | real ms (runs) | real spread | host wait | GPU busy | predicted | "
+        "error | emulated | error | peak memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    done = []
+    for r in doc.get("rows", []):
+        runs = ", ".join(f"{x:.2f}" for x in r.get("real_ms", []))
+        peak = "–"
+        if r.get("captured_peak_equal") is not None or r.get("emulated_peak_equal") is not None:
+            peak = "equal" if r.get("captured_peak_equal") and r.get("emulated_peak_equal") else "differs"
+        hw, busy = r.get("real_host_wait"), r.get("busy_share")
+        lines.append(
+            f"| {r['case']} | {r['world']} | {r['stack']} | {r['layout']} | {runs or '–'} | "
+            f"{_pct(r.get('real_spread')).lstrip('+')} | {'–' if hw is None else f'{hw * 100:.0f} %'} | "
+            f"{'–' if busy is None else f'{busy * 100:.0f} %'} | "
+            f"{r.get('predicted_ms') or '–'} | {_pct(r.get('predicted_error'))} | {r.get('emulated_ms') or '–'} | "
+            f"{_pct(r.get('emulated_error'))} | {peak} |"
+        )
+        if r.get("predicted_error") is not None and r.get("emulated_error") is not None:
+            done.append(r)
+    quiet = [r for r in done if (r.get("real_spread") or 0) < 0.01]
+    if quiet:
+        for key in ("predicted", "emulated"):
+            errs = [abs(r[f"{key}_error"]) for r in quiet]
+            lines.append("")
+            lines.append(
+                f"{key.capitalize()}: average |error| {statistics.fmean(errs) * 100:.2f} %, worst {max(errs) * 100:.2f} % "
+                f"over the {len(quiet)} case(s) whose real runs spread under 1 %."
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="all", help="comma list of case names, or all")
+    ap.add_argument("--reals", type=int, default=3, help="real runs of each case")
+    ap.add_argument("--work", type=Path, default=ROOT / "out" / "fidelity_gpu")
+    ap.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "fidelity_gpu.json")
+    ap.add_argument("--md", type=Path, default=None)
+    ap.add_argument("--deadline", type=float, default=None, help="seconds: start no step that would end later")
+    ap.add_argument("--timeout", type=float, default=300, help="seconds for a real run (prism run: 3x)")
+    ap.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="run the real runs of a case that fits on the GPUs past the first two while prism runs on those",
+    )
+    ap.add_argument("--list", action="store_true", help="print the cases and exit")
+    a = ap.parse_args(argv)
+    a.md = a.md or a.json.with_suffix(".md")
+    every = cases()
+    if a.list:
+        for c in every:
+            print(f"{c.name:22s} N={c.world} {c.layout:10s} {c.stack}: {' '.join(c.command())}")
+        return 0
+    names = [c.name for c in every] if a.cases == "all" else [x for x in a.cases.split(",") if x]
+    unknown = sorted(set(names) - {c.name for c in every})
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(unknown)}; --list shows them")
+    suite = Suite(a)
+    for c in every:
+        if c.name in names and not suite.stopped:
+            suite.case(c)
+    suite.save()
+    print(markdown(suite.doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""A GPT trained with PyTorch's own parallelism, nothing of prismllm in it: the programs of the GPU
+fidelity suite written on torch.distributed's public APIs (benchmarks/fidelity_gpu.py).
+
+    torchrun --nproc-per-node 2 benchmarks/programs/torch_parallel.py --mode ddp
+    torchrun --nproc-per-node 4 benchmarks/programs/torch_parallel.py --mode tp_fsdp2 --tp 2
+
+``--mode``:
+
+    ddp        DistributedDataParallel over every rank (25 MB buckets, all-reduce in backward)
+    fsdp2      fully_shard (FSDP2) of every block and the root over every rank
+    tp         DTensor tensor parallelism over every rank: attention's q/k/v and the MLP's first
+               layer column-wise, their output layers row-wise (parallelize_module)
+    tp_fsdp2   a 2-D device mesh (dp, tp): the tp layout inside, fully_shard over dp
+
+The model: token embedding, ``--layers`` pre-norm blocks (causal attention through
+scaled_dot_product_attention, a 4x MLP), a final norm and an LM head, in ``--dtype`` (bf16 by
+default), AdamW. Synthetic data: token ids from a generator seeded by (seed, iteration, dp rank).
+Each iteration: forward, backward, optimizer step, between two ``torch.cuda.synchronize()``
+(the program's own iteration time, as training loops time it). Rank ``--report-rank`` (default
+the last) prints one line an iteration:
+
+    iteration 3/10 | loss 10.4 | iter time 51.23 ms | max mem 3456789012 B | host wait 41.2 %
+
+``host wait``: the share of the iteration the host spent waiting for the device at the closing
+synchronize (high: the host runs ahead of a busy device; near 0: the host is the bottleneck).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+MODES = ("ddp", "fsdp2", "tp", "tp_fsdp2")
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.heads, self.head_dim = heads, hidden // heads
+        self.norm1, self.norm2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.q, self.k, self.v = (nn.Linear(hidden, hidden, bias=False) for _ in range(3))
+        self.o = nn.Linear(hidden, hidden, bias=False)
+        self.fc1 = nn.Linear(hidden, 4 * hidden, bias=False)
+        self.fc2 = nn.Linear(4 * hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        h = self.norm1(x)
+        # heads from the projection's width: a tensor-parallel rank holds heads / tp of them
+        q, k, v = (p(h).view(b, s, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, -1))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, hidden: int, heads: int, layers: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def tensor_parallel(model: GPT, mesh) -> None:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+    plan.update({"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    for b in model.blocks:
+        parallelize_module(b, mesh, plan)
+
+
+def build(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, int, int]:
+    """The model as ``--mode`` parallelizes it, and this rank's (data-parallel rank, size)."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(a.seed)
+    model = GPT(a.vocab, a.hidden, a.heads, a.layers).to(device=device, dtype=dtype)
+    if a.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(model, device_ids=[device.index]), rank, world
+    if a.mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for b in model.blocks:
+            fully_shard(b)
+        return fully_shard(model), rank, world
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if a.mode == "tp":
+        tensor_parallel(model, init_device_mesh("cuda", (world,)))
+        return model, 0, 1
+    from torch.distributed.fsdp import fully_shard
+
+    dp = world // a.tp
+    mesh = init_device_mesh("cuda", (dp, a.tp), mesh_dim_names=("dp", "tp"))
+    tensor_parallel(model, mesh["tp"])
+    for b in model.blocks:
+        fully_shard(b, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"]), mesh["dp"].get_local_rank(), dp
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=MODES, default="ddp")
+    ap.add_argument("--tp", type=int, default=2, help="tp_fsdp2: the tensor-parallel size")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batch", type=int, default=4, help="sequences a data-parallel rank trains on an iteration")
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--report-rank", type=int, default=-1, help="the rank that prints (default: the last)")
+    a = ap.parse_args()
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    dist.init_process_group("nccl")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if a.mode == "tp_fsdp2" and world % a.tp:
+        raise SystemExit(f"torch_parallel: --tp {a.tp} does not divide the world of {world}")
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    model, dp_rank, dp = build(a, device, dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    reporter = rank == (a.report_rank % world)
+    if reporter:
+        print(
+            f"torch_parallel: {a.mode} world {world} dp {dp} | layers {a.layers} hidden {a.hidden} heads {a.heads} "
+            f"seq {a.seq} vocab {a.vocab} batch {a.batch} | {a.dtype}",
+            flush=True,
+        )
+    for it in range(1, a.iters + 1):
+        g = torch.Generator(device="cpu").manual_seed(a.seed * 1_000_003 + it * 1009 + dp_rank)
+        tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(device)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.float().view(-1, a.vocab), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        if reporter:
+            ms = (t2 - t0) * 1e3
+            mem = torch.cuda.max_memory_allocated()
+            value = float(loss)
+            if not math.isfinite(value):
+                value = float("nan")
+            print(
+                f"iteration {it}/{a.iters} | loss {value:.4f} | iter time {ms:.2f} ms | max mem {mem} B"
+                f" | host wait {(t2 - t1) / (t2 - t0) * 100:.1f} %",
+                flush=True,
+            )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
