@@ -122,7 +122,7 @@ clock)
         2>&1 | tail -40
     tar czf "$OUT/clock-logs.tgz" "$OUT/ddp4/logs" "$OUT/ddp4/emulate/emulate.json" 2>/dev/null ;;
 prune-all)
-    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*' | tr 'H' 'h')
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'H' 'h')
     timeout "${PRUNE_TIMEOUT:-580}" python3 benchmarks/pruning_latency.py --devices cuda --worlds 2,4 --rounds "${ROUNDS:-1}" \
         --json "$OUT/pruning_latency_${gpu}x4.json" --timeout 240 2>&1 | tee "$OUT/prune-all.log" | tail -70 ;;
 fidelity-gpu)

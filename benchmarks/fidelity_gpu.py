@@ -26,7 +26,8 @@ real runs' (max - min) / mean. Raw results go to ``--json`` as ``{"rows": [{"cas
 ``--concurrent`` (a four-GPU machine): a case of N = 2 runs its real runs on GPUs 2 and 3 while
 prism runs on GPUs 0 and 1 (rows say ``concurrent``): one host, disjoint GPUs.
 
-Resume: a case's finished steps are kept in the JSON (a real run at a time; prism run resumes
+Resume: a case's finished steps are kept in the JSON (each with the machine lease it ran in,
+``PRISM_LEASE``) (a real run at a time; prism run resumes
 inside its own directory under ``--work``); ``--deadline S`` starts no step that would not end
 within S seconds of the start (each step's estimate: the longest of its kind so far), so a
 device call of limited length ends cleanly and the next call goes on.
@@ -56,6 +57,9 @@ GPT3D = str(ROOT / "examples" / "gpt3d.py")
 MEGATRON = str(ROOT / "examples" / "megatron_gpt.py")
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 WARMUP = 2  # iterations left out of every median
+# which machine lease a step ran in (PRISM_LEASE, set by the caller): a resumed suite may compare
+# real runs and prism runs from two machines of one kind
+LEASE = os.environ.get("PRISM_LEASE")
 # sizes that keep an H100 busy (hidden 2048, 8 layers, seq 1024, bf16), and a host-bound one
 TORCH_SIZE = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq", "1024", "--iters", "10"]
 GPT3D_SIZE = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq", "1024", "--vocab", "32000"]
@@ -221,7 +225,8 @@ class Suite:
     def __init__(self, a: argparse.Namespace):
         self.a = a
         self.t0 = time.monotonic()
-        self.estimate = {"real": 60.0, "prism": 300.0}
+        self.estimate = {"real": 60.0, "prism": 240.0}  # until a step of the kind ran: then the longest seen
+        self._seen: dict[str, float] = {}
         self.doc = json.loads(a.json.read_text()) if a.json.exists() else {"rows": []}
         self.doc.setdefault("rows", [])
         self.doc["machine"] = machine()
@@ -244,6 +249,10 @@ class Suite:
         }
         self.doc["rows"].append(r)
         return r
+
+    def _observed(self, kind: str, seconds: float) -> None:
+        self._seen[kind] = max(self._seen.get(kind, 0.0), seconds)
+        self.estimate[kind] = self._seen[kind]
 
     def time_left(self, kind: str) -> bool:
         if self.a.deadline is None:
@@ -272,7 +281,7 @@ class Suite:
         rc, text, seen = run_streamed([*cmd, *c.command()], env, self.a.timeout, log)
         wall = time.monotonic() - t0
         its = iterations(text)
-        run = {"rc": rc, "wall_s": round(wall, 1), "log": str(log), "gpus": gpus}
+        run = {"rc": rc, "wall_s": round(wall, 1), "log": str(log), "gpus": gpus, "lease": LEASE}
         if rc == 0 and its:
             run.update(steady(its))
             lo, hi = seen.get(WARMUP), seen.get(max(seen, default=0))
@@ -284,7 +293,7 @@ class Suite:
             if "ms" in run:
                 r["real_ms"].append(run["ms"])
             r["real_runs"].append(run)
-        self.estimate["real"] = max(self.estimate["real"], wall + 5)
+        self._observed("real", wall + 5)
         print(f"[{c.name}] real run {k + 1}: exit {rc}, {run.get('ms', '-')} ms, {wall:.0f} s", flush=True)
 
     def prism(self, c: Case, r: dict) -> None:
@@ -296,8 +305,8 @@ class Suite:
         t0 = time.monotonic()
         rc, text, _ = run_streamed(cmd, dict(NVLS_OFF), self.a.timeout * 3, self.work(c) / "prism.log")
         wall = time.monotonic() - t0
-        self.estimate["prism"] = max(self.estimate["prism"], wall + 10)
-        p: dict[str, Any] = {"rc": rc, "wall_s": round(wall, 1)}
+        self._observed("prism", wall + 10)
+        p: dict[str, Any] = {"rc": rc, "wall_s": round(wall, 1), "lease": LEASE}
         if rc != 0:
             p["error"] = text[-2000:]
             with self.lock:

@@ -465,9 +465,10 @@ def test_barrier():
 
 
 # ---------------------------------------------------------------------- generated virtual inputs
-def _pruned_generated(p: C.Plan, program) -> dict:
-    """Run plan ``p`` with generated virtual inputs: the proxy's ``GENERATED`` buffers, the real
-    members' ``like_me`` post steps."""
+def _pruned_generated(p: C.Plan, program, bufs: C.GeneratedBuffers | None = None) -> dict:
+    """Run plan ``p`` with generated virtual inputs: the proxy's kept buffers (``bufs``: kept from an
+    earlier call), the real members' ``like_me`` post steps."""
+    bufs = bufs or C.GeneratedBuffers()
     fns = []
     for g in p.group.real:
 
@@ -477,7 +478,7 @@ def _pruned_generated(p: C.Plan, program) -> dict:
             return get()
 
         fns.append(sb)
-    fns.append(lambda pg: C.run(pg, C.proxy_call(p, C.GENERATED)))
+    fns.append(lambda pg: C.run(pg, C.generated_proxy_call(p, bufs)))
     return dict(zip(p.group.real, _spmd(p.group.size, fns)[:-1]))
 
 
@@ -499,7 +500,11 @@ def test_generated_inputs_answer_as_if_every_member_held_the_real_ones(n, real, 
         t = own[g].clone()
         return {"tensor": t}, lambda: t
 
-    got = _pruned_generated(p, program)
+    bufs = C.GeneratedBuffers()
+    got = _pruned_generated(p, program, bufs)
+    again = _pruned_generated(p, program, bufs)  # the kept buffers a second time: the same answer
+    for g in real:
+        _close(again[g], got[g], exact=True)
     # a product is the generator's "input unchanged" for one real member: the reals' product
     ref = C.reference(
         p, [own.get(g, torch.ones(ROWS, COLS, dtype=F64)) for g in range(n)] if op == "product" else like_me
@@ -521,7 +526,8 @@ def test_generated_inputs_answer_as_if_every_member_held_the_real_ones(n, real, 
 
 
 def test_generated_inputs_of_gathers_broadcasts_and_exchanges():
-    """all_gather: every virtual slot holds the member's own input; a broadcast from a virtual root
+    """all_gather: every virtual slot holds the member's own input where it is an integer (counts,
+    sizes: values that decide shapes), zeros where it is a float; a broadcast from a virtual root
     leaves the member's own copy (uninitialised values cleaned), virtual members send zeros
     (all_to_all, recv)."""
     n, real = 4, (1,)
@@ -533,7 +539,16 @@ def test_generated_inputs_of_gathers_broadcasts_and_exchanges():
         out = torch.full((n * ROWS, COLS), float("nan"), dtype=F64)
         return {"input": x.clone(), "output": out}, lambda: out
 
-    _close(_pruned_generated(ag, ag_program)[1], torch.cat([x] * n), exact=True)
+    zero = torch.zeros_like(x)
+    _close(_pruned_generated(ag, ag_program)[1], torch.cat([zero, x, zero, zero]), exact=True)
+    counts = torch.tensor([3, 1, 4], dtype=torch.int64)
+    agi = C.plan_all_gather(n, real, (3,), dtype=torch.int64)
+
+    def agi_program(g):
+        out = torch.full((n * 3,), -1, dtype=torch.int64)
+        return {"input": counts.clone(), "output": out}, lambda: out
+
+    assert torch.equal(_pruned_generated(agi, agi_program)[1], counts.repeat(n))
     bc = C.plan_broadcast(n, real, (ROWS, COLS), 0, dtype=F64)
 
     def bc_program(g):
@@ -906,3 +921,32 @@ def test_sandbox_buffers_come_from_the_arena_and_go_back(op):
             _close(got[g], ref[g], exact=False)
     assert arena.taken > 0, f"{op}: no buffer came from the arena"
     assert not arena.out, f"{op}: {len(arena.out)} buffer(s) never given back"
+
+
+@pytest.mark.parametrize("like_me", [False, True], ids=["recorded", "generated"])
+@pytest.mark.parametrize("op", ["sum", "avg", "premul_sum", "max"])
+@pytest.mark.parametrize("n,real", [(4, (0,)), (8, (2, 5, 6))], ids=["n4-r0", "n8-r2_5_6"])
+def test_premul_factors_give_the_logical_result(n, real, op, like_me):
+    """NCCL's pre-multiplied sum (each member scales its own contribution; gloo has none, so the
+    arithmetic is checked here and the call on the GPU tests): the real members' factor times
+    their inputs plus the proxy's factor times its buffer is the logical result, with recorded
+    inputs (the proxy's buffer: its reduction of the virtual inputs) and with generated ones (the
+    group as if every virtual member held the real members' mean; the proxy's buffer, whatever
+    it holds, counts for nothing)."""
+    rnd = _gen(17)
+    inputs = [rnd(ROWS, COLS) for _ in range(n)]
+    factor = 0.25 if op == "premul_sum" else None
+    p = C.plan_all_reduce(n, real, (ROWS, COLS), op, dtype=F64, factor=factor)
+    f = C.premul_factors(p, like_me)
+    if op == "max" or (op == "sum" and not like_me):
+        assert f is None  # a plain SUM (or MAX) is already right
+        return
+    own = sum(inputs[g] for g in real)
+    if like_me:
+        mean = own / len(real)
+        expect = C.reference(p, [inputs[g] if g in real else mean for g in range(n)])[real[0]]
+        proxy_buf = torch.full_like(own, 1e30)  # anything: its factor is 0
+    else:
+        expect = C.reference(p, inputs)[real[0]]
+        proxy_buf = reduce([inputs[v].reshape(-1) for v in range(n) if v not in real], op, factor).view(own.shape)
+    _close(f[0] * own + f[1] * proxy_buf, expect, exact=False)

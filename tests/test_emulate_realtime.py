@@ -109,9 +109,9 @@ def test_real_timing_follows_the_graph_durations(recorded, slowed, tmp_path):
     # every call with the sandbox was entered by the schedule, and how late is reported: the
     # group's first call at once, every later one when due
     arr = replay["arrivals"]
-    assert arr["clock"] == "host" and arr["entered"] == arr["calls"] == replay["answered"]
+    assert arr["clock"] == "host" and arr["entered"] == arr["calls"] <= replay["answered"]  # a batch: one entry
     assert arr["at_once"] >= 1 and arr["timed"] == arr["calls"] - arr["at_once"]
-    assert 0 <= arr["late"]["median_ns"] < 0.1 * predicted
+    assert abs(arr["late"]["median_ns"]) < 0.1 * predicted  # the host clock enters early by a call's issue cost
 
     fast = run(graph, real / "tensors", tmp_path / "fast", "fast")
     assert fast.timing == "fast"

@@ -11,45 +11,57 @@ import numpy as np
 import pytest
 import torch
 
-from prismllm.assistant.clock import UNSET, DeviceClock, HostClock, arrival_report
+from prismllm.assistant.clock import UNSET, DeviceClock, HostClock, Schedule, arrival_report
 
 MS = 1_000_000
 
 
-def test_host_clock_pins_then_moves_by_the_completions():
-    ready = np.array([0, 20 * MS, 40 * MS], dtype=np.int64)
-    clock = HostClock(3, ready)
+def test_host_clock_pins_then_moves_a_call_by_its_gates_only():
+    """Call 0 goes at once and pins logical time at its completion; call 1 is due 20 ms later,
+    completes ~10 ms late against its planned end; call 2 waits behind call 1 (its gate) and is
+    moved by that lateness; call 3 has no gate: it keeps its planned time."""
+    sch = Schedule(
+        ready_ns=[0, 20 * MS, 40 * MS, 45 * MS],
+        planned_end_ns=[5 * MS, 22 * MS, 45 * MS, 50 * MS],
+        gate_ptr=[0, 0, 0, 1, 1],
+        gate=[1],
+    )
+    clock = HostClock(sch)
     t0 = time.perf_counter_ns()
     clock.enter(0, first_of_group=True)  # nothing completed yet: at once
     assert time.perf_counter_ns() - t0 < 5 * MS
-    clock.completed(0, end_ns=5 * MS)  # logical 5 ms is now
+    clock.completed(0)  # logical 5 ms is now
     origin = clock._origin
     clock.enter(1, first_of_group=False)  # due at logical 20 ms: 15 ms later
-    entered = time.perf_counter_ns()
-    assert entered >= origin + 20 * MS - 1 * MS
+    assert time.perf_counter_ns() >= origin + 19 * MS
     time.sleep(0.010)
-    clock.completed(1, end_ns=22 * MS)  # ~10 ms late against its planned end: the drift moves call 2
+    clock.completed(1)  # ~10 ms late against its planned end (22 ms)
+    late = int(clock.rows[1, 3])
+    assert late > 5 * MS
     clock.enter(2, first_of_group=False)
-    rows = clock._log.rows
-    assert rows[2, 0] - (origin + 40 * MS) == rows[1, 3] > 5 * MS
+    clock.enter(3, first_of_group=False)
+    assert clock.rows[2, 0] == origin + 40 * MS + late
+    assert clock.rows[3, 0] == origin + 45 * MS
     rep = clock.arrivals()
-    assert rep["clock"] == "host" and rep["calls"] == 3 and rep["at_once"] == 1 and rep["timed"] == 2
+    assert rep["clock"] == "host" and rep["calls"] == 4 and rep["at_once"] == 1 and rep["timed"] == 3
     assert 0 <= rep["late"]["median_ns"] < 5 * MS
-    assert rep["moved"]["max_ns"] > 5 * MS  # the sandbox moved the schedule by its late completion
+    assert rep["moved"]["max_ns"] == late and rep["moved"]["min_ns"] == 0
 
 
-def test_host_clock_later_calls_wait_for_the_first_completion():
-    clock = HostClock(2, np.array([0, 0], dtype=np.int64))
+def test_host_clock_a_gated_call_waits_for_its_gate():
+    sch = Schedule(ready_ns=[0, 0], planned_end_ns=[0, 0], gate_ptr=[0, 0, 1], gate=[0])
+    clock = HostClock(sch)
     done = threading.Event()
 
     def second():
-        clock.enter(1, first_of_group=False)
+        clock.enter(1, first_of_group=True)  # gated: not at once, though the first of its group
         done.set()
 
     t = threading.Thread(target=second, daemon=True)
     t.start()
-    assert not done.wait(0.05)  # not a group's first call: waits for the origin
-    clock.completed(0, end_ns=0)
+    assert not done.wait(0.05)
+    clock.enter(0, first_of_group=True)
+    clock.completed(0)
     assert done.wait(5)
 
 
@@ -70,29 +82,35 @@ def test_arrival_report_separates_own_lateness_from_the_sandbox_shift():
 
 
 @pytest.mark.gpu
-def test_device_clock_waits_on_the_device_and_moves_by_completions():
-    """Three calls on one stream, enqueued at once: the first goes at once and pins logical 0;
-    the second is due 50 ms after and planned to end at 80 ms, but ends at once (~50 ms): a drift
-    of about -30 ms, so the third, planned at 150 ms, is due at ~120 ms. The host only enqueues."""
+def test_device_clock_waits_on_the_device_for_gates_and_time():
+    """Four calls on one stream, enqueued at once: the first goes at once and pins logical 0; the
+    second is due 50 ms after and planned to end at 80 ms, but ends at once (~50 ms): ~30 ms
+    early; the third waits behind it (its gate), planned at 150 ms, so due at ~120 ms; the fourth,
+    ungated, keeps its 170 ms. The host only enqueues."""
     dev = torch.device("cuda", 0)
     torch.cuda._sleep(1000)  # its first launch loads it, waiting for an idle device: not in the timed part
     torch.cuda.synchronize()
-    clock = DeviceClock(dev, 3, np.array([0, 50 * MS, 150 * MS], dtype=np.int64))
+    sch = Schedule(
+        ready_ns=[0, 50 * MS, 150 * MS, 170 * MS],
+        planned_end_ns=[0, 80 * MS, 150 * MS, 170 * MS],
+        gate_ptr=[0, 0, 0, 1, 1],
+        gate=[1],
+    )
+    clock = DeviceClock(dev, sch)
     t0 = time.perf_counter()
-    clock.enter(0)
-    clock.completed(0, end_ns=0)
-    clock.enter(1)
-    torch.cuda._sleep(1000)  # the "call": about a microsecond
-    clock.completed(1, end_ns=80 * MS)
-    clock.enter(2)
-    clock.completed(2, end_ns=150 * MS)
-    assert time.perf_counter() - t0 < 0.040  # enqueued, not waited for (the schedule spans 120 ms)
+    for slot in range(4):
+        clock.enter(slot)
+        if slot == 1:
+            torch.cuda._sleep(1000)  # the "call": about a microsecond
+        clock.completed(slot)
+    assert time.perf_counter() - t0 < 0.040  # enqueued, not waited for (the schedule spans 170 ms)
     rep = clock.arrivals()
     rows = clock.rows.cpu().numpy()
     origin = int(clock.state[0].item())
-    assert rep["clock"] == "device" and rep["at_once"] == 1 and rep["timed"] == 2
+    assert rep["clock"] == "device" and rep["at_once"] == 1 and rep["timed"] == 3
     assert abs(int(rows[1, 1]) - (origin + 50 * MS)) < 100_000  # entered when due (100 µs)
-    drift = int(rows[1, 3])
-    assert -30.5 * MS < drift < -29.5 * MS
-    assert abs(int(rows[2, 0]) - (origin + 150 * MS + drift)) < 1_000
-    assert rows[2, 1] - rows[2, 0] < 100_000 and rep["late"]["max_ns"] < 100_000
+    early = int(rows[1, 3])
+    assert -30.5 * MS < early < -29.5 * MS
+    assert int(rows[2, 0]) == origin + 150 * MS + early
+    assert int(rows[3, 0]) == origin + 170 * MS
+    assert rep["late"]["max_ns"] < 100_000

@@ -2,34 +2,38 @@
 real``): when the proxy enters each call, and how the sandbox's real completions move that.
 
 Logical time 0 of the replay is pinned to the clock by the first call that completes for real
-(its planned end meets the moment it ended). Every later call is entered at its planned ready
-time (the moment its last virtual member arrives in the solve of the calibrated graph) moved by
-the *drift*: how late (or early) the latest real completion came against its planned end. A
-sandbox slower than the calibrated graph so delays its virtual peers, as a slow rank delays its
-real ones (one shift for every virtual rank: a model choice, exact for one virtual peer).
-Until a first call completed, each group's first call is entered at once (the sandbox's first
-call is one of them, whatever its order).
+(its planned end meets the moment it ended). Each call is due at its planned ready time (the
+moment its last virtual member arrives in the solve of the calibrated graph), moved by how late
+(or early) its *gates* completed against their planned ends: the sandbox's calls its virtual
+members last waited on before arriving (``prismllm.replay.gates``), and it is not entered before
+they completed. A sandbox slower than the calibrated graph so delays the virtual ranks that wait
+on it, as a slow rank delays its real peers; a call that a virtual rank issued and went on from
+(DDP's bucket, FSDP's prefetch) delays only what waits on it. (One global shift, the earlier
+rule, moved every later call by the latest completion: a virtual replica then arrived ever later
+than the sandbox at its asynchronous buckets, the sandbox's NCCL kernels waited on its GPU's
+SMs, and the emulated DDP iteration ran 11-19 % over the calibrated one on four H100s.) Until a
+first call completed, each group's first call without gates is entered at once.
 
 Two clocks keep that schedule, with one interface and one report:
 
 * :class:`DeviceClock` (NCCL, the proxy on a GPU): the schedule lives in the assistant GPU's
   memory. Before each call the proxy's worker enqueues a one-thread kernel on the call's stream
-  that waits on the GPU's global timer until the call's time; after it, a kernel that stamps
-  the completion and sets the drift. The host only enqueues, ahead of time: no host round trip
-  (thread wake-up, a device synchronisation, a Python loop) lies between one call's completion
-  and the next call's entry, which the host clock put on every call (measured on four H100s: a
-  1 MB pruned all-reduce 276 µs against 93 µs real, and an emulated iteration that fell 17 %
-  behind its calibrated schedule, each real completion noticed late moving every later call).
+  that waits for the call's gates to complete and then on the GPU's global timer until the call
+  is due; after it, a kernel that stamps the completion. The host only enqueues, ahead of time:
+  no host round trip lies between a completion and the entry it lets go (measured on four H100s
+  with the host clock: a 1 MB pruned all-reduce 276 µs against 93 µs real).
 * :class:`HostClock` (gloo, processes for devices): the same rules on the host's clock; the
-  worker sleeps until the time and the completer notices the completion.
+  worker waits for the gates' completions and sleeps until the time; the completer notices each
+  completion.
 
-Both log, per call, the time it was due (the schedule as the sandbox moved it), the time it was
-entered and the time it completed: :meth:`arrivals` reports how late the virtual ranks' arrivals
-came against their schedule (emulate.json's ``replay.arrivals``).
+Both log, per call, the time it was due, the time it was entered and the time it completed:
+:meth:`arrivals` reports how late the virtual ranks' arrivals came against their schedule
+(emulate.json's ``replay.arrivals``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any
@@ -40,61 +44,93 @@ import torch
 UNSET = -1  # a log entry not written (a call never entered, or entered before the origin was pinned)
 
 _KERNELS = r"""
+#define UNSET (-1LL)
 __device__ __forceinline__ long long prism_now() {
     unsigned long long t;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     return (long long)t;
 }
 
-// state[0]: device time at logical 0 (0 until a first completion pinned it); state[1]: drift.
-// log: [due, entered, completed, drift after] of this call.
-extern "C" __global__ void prism_enter_at(long long* state, long long* log, double ready_ns) {
+// state[0]: device time at logical 0 (0 until a first completion pinned it).
+// rows[4 * j ...]: call j's [due, entered, completed, lateness of its completion].
+// Call j waits for its gates gate[gate_ptr[j] .. gate_ptr[j + 1]) to complete, then until it is due:
+// origin + ready + how late the latest of them completed against its planned end.
+extern "C" __global__ void prism_enter_at(long long* state, long long* rows, const long long* gate_ptr,
+                                          const long long* gate, const long long* planned_end, int j,
+                                          double ready_ns) {
     volatile long long* s = state;
-    long long now = prism_now();
+    volatile long long* r = rows;
+    long long late = 0;
+    bool gated = false;
+    for (long long k = gate_ptr[j]; k < gate_ptr[j + 1]; ++k) {
+        long long i = gate[k];
+        while (r[4 * i + 2] == UNSET) {
+        }
+        long long l = r[4 * i + 2] - s[0] - planned_end[i];
+        if (!gated || l > late) late = l;
+        gated = true;
+    }
     long long origin = s[0];
+    long long now = prism_now();
     if (origin == 0) {  // nothing completed yet: the group's first call goes at once
-        log[1] = now;
+        r[4 * j + 1] = now;
         return;
     }
-    long long due = origin + (long long)ready_ns + s[1];
-    while (now < due) {
-        now = prism_now();
-        due = origin + (long long)ready_ns + s[1];  // a completion on another group may move it
-    }
-    log[0] = due;
-    log[1] = now;
+    long long due = origin + (long long)ready_ns + late;
+    while (now < due) now = prism_now();
+    r[4 * j] = due;
+    r[4 * j + 1] = now;
 }
 
-extern "C" __global__ void prism_completed(long long* state, long long* log, double end_ns) {
+extern "C" __global__ void prism_completed(long long* state, long long* rows, const long long* planned_end, int j) {
     long long now = prism_now();
     unsigned long long* s = (unsigned long long*)state;
-    unsigned long long pin = (unsigned long long)(now - (long long)end_ns);
-    if (atomicCAS(&s[0], 0ULL, pin) != 0ULL) {
-        long long drift = now - (long long)((volatile unsigned long long*)s)[0] - (long long)end_ns;
-        atomicExch(&s[1], (unsigned long long)drift);
-    }
+    atomicCAS(&s[0], 0ULL, (unsigned long long)(now - planned_end[j]));  // the first completion pins
     __threadfence_system();
-    log[2] = now;
-    log[3] = (long long)((volatile unsigned long long*)s)[1];
+    long long origin = (long long)((volatile unsigned long long*)s)[0];
+    volatile long long* r = rows;
+    r[4 * j + 3] = now - origin - planned_end[j];
+    __threadfence_system();
+    r[4 * j + 2] = now;
 }
 """
 
 
-class _Log:
-    """Per call: [due, entered, completed, drift after], and the call's planned ready time."""
+@dataclasses.dataclass
+class Schedule:
+    """The calls with the sandbox as the clock keeps them, by slot (the order the proxy's workers are
+    handed them): each call's planned ready time and planned end (logical ns), and its gates (CSR
+    of slots: ``gate[gate_ptr[j]:gate_ptr[j + 1]]``, earlier slots)."""
 
-    def __init__(self, calls: int, ready_ns: np.ndarray):
-        self.ready_ns = np.asarray(ready_ns, dtype=np.int64)
-        self.rows = np.full((calls, 4), UNSET, dtype=np.int64)
+    ready_ns: np.ndarray
+    planned_end_ns: np.ndarray
+    gate_ptr: np.ndarray
+    gate: np.ndarray
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, np.ascontiguousarray(getattr(self, f.name), dtype=np.int64))
+
+    @property
+    def calls(self) -> int:
+        return len(self.ready_ns)
+
+    def gates(self, j: int) -> np.ndarray:
+        return self.gate[self.gate_ptr[j] : self.gate_ptr[j + 1]]
+
+    @classmethod
+    def ungated(cls, ready_ns: Any, planned_end_ns: Any) -> Schedule:
+        n = len(ready_ns)
+        return cls(ready_ns, planned_end_ns, np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64))
 
 
 def arrival_report(rows: np.ndarray, ready_ns: np.ndarray, origin: int | None) -> dict[str, Any]:
     """How late the proxy entered each call against the schedule, in ns: ``late`` against the time it
-    was due (the calibrated ready time moved by the sandbox's completions: what the emulation
-    itself adds), ``moved`` by how much the sandbox had moved the schedule when it was due (the
-    drift: how much slower or faster than the calibrated graph the sandbox ran), ``behind`` the
-    calibrated time itself (the two together). Calls entered before the origin was pinned are
-    counted apart (``at_once``)."""
+    was due (the calibrated ready time moved by its gates' completions: what the emulation itself
+    adds), ``moved`` by how much the sandbox's completions had moved it (how much slower or faster
+    than the calibrated graph the sandbox ran before it), ``behind`` the calibrated time itself
+    (the two together). Calls entered before the origin was pinned are counted apart
+    (``at_once``)."""
     due, entered = rows[:, 0], rows[:, 1]
     timed = (due != UNSET) & (entered != UNSET)
     out: dict[str, Any] = {
@@ -138,83 +174,96 @@ def _kernels(device: int) -> tuple[Any, Any]:
         what = "real-time emulation on a GPU"
         enter = compile_kernel(_KERNELS, "prism_enter_at", device, what)
         done = compile_kernel(_KERNELS, "prism_completed", device, what)
-        state = torch.zeros(2, dtype=torch.int64, device=torch.device("cuda", device))
-        log = torch.zeros(4, dtype=torch.int64, device=state.device)
-        enter(args=[state, log, 0.0])
-        done(args=[state, log, 0.0])
-        torch.cuda.synchronize(state.device)
+        dev = torch.device("cuda", device)
+        state = torch.zeros(2, dtype=torch.int64, device=dev)
+        rows = torch.full((4,), UNSET, dtype=torch.int64, device=dev)
+        zeros = torch.zeros(2, dtype=torch.int64, device=dev)
+        enter(args=[state, rows, zeros, zeros, zeros, 0, 0.0])
+        done(args=[state, rows, zeros, 0])
+        torch.cuda.synchronize(dev)
         _BUILT[device] = (enter, done)
     return _BUILT[device]
 
 
 class DeviceClock:
-    """The schedule on the assistant's GPU (module docstring). ``calls``: how many calls with the
-    sandbox this assistant enters; ``ready_ns``: each one's planned ready time (by slot)."""
+    """The schedule on the assistant's GPU (module docstring)."""
 
-    def __init__(self, device: torch.device, calls: int, ready_ns: np.ndarray):
+    def __init__(self, device: torch.device, schedule: Schedule):
         self.device = device
         idx = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.set_device(idx)  # the module loads into the device's context, current on this thread
-        self.state = torch.zeros(2, dtype=torch.int64, device=device)
-        self._log = _Log(calls, ready_ns)
-        self.rows = torch.full((max(calls, 1), 4), UNSET, dtype=torch.int64, device=device)
+        self.schedule = schedule
+        on = dict(dtype=torch.int64, device=device)
+        self.state = torch.zeros(2, **on)
+        self.rows = torch.full((max(schedule.calls, 1), 4), UNSET, **on)
+        self._gate_ptr = torch.as_tensor(schedule.gate_ptr, **on)
+        self._gate = torch.as_tensor(schedule.gate if len(schedule.gate) else np.zeros(1, np.int64), **on)
+        self._end = torch.as_tensor(schedule.planned_end_ns if schedule.calls else np.zeros(1, np.int64), **on)
         self._enter, self._done = _kernels(idx)
 
     def enter(self, slot: int) -> None:
         """Enqueue, on the current stream, the wait until call ``slot`` is due."""
-        self._enter(args=[self.state, self.rows[slot], float(self._log.ready_ns[slot])])
+        ready = float(self.schedule.ready_ns[slot])
+        self._enter(args=[self.state, self.rows, self._gate_ptr, self._gate, self._end, slot, ready])
 
-    def completed(self, slot: int, end_ns: int) -> None:
-        """Enqueue, on the current stream (after the call's Works were waited on), the stamp of its
-        completion; ``end_ns``: where the replay planned it to end."""
-        self._done(args=[self.state, self.rows[slot], float(end_ns)])
+    def completed(self, slot: int) -> None:
+        """Enqueue, on the current stream (after the call's Works were waited on), its completion stamp."""
+        self._done(args=[self.state, self.rows, self._end, slot])
 
     def arrivals(self) -> dict[str, Any]:
         torch.cuda.synchronize(self.device)
-        rows = self.rows.cpu().numpy()[: len(self._log.ready_ns)]
+        rows = self.rows.cpu().numpy()[: self.schedule.calls]
         origin = int(self.state[0].item())
-        return {"clock": "device", **arrival_report(rows, self._log.ready_ns, origin or None)}
+        return {"clock": "device", **arrival_report(rows, self.schedule.ready_ns, origin or None)}
 
 
 class HostClock:
-    """The schedule on the host's clock (``perf_counter_ns``): the worker sleeps until a call is
-    due (less what entering costs, a running mean), the completer notices each completion."""
+    """The schedule on the host's clock (``perf_counter_ns``): the worker waits for the call's gates
+    and sleeps until it is due (less what entering costs, a running mean), the completer notices
+    each completion."""
 
-    def __init__(self, calls: int, ready_ns: np.ndarray):
-        self._log = _Log(calls, ready_ns)
+    def __init__(self, schedule: Schedule):
+        self.schedule = schedule
+        self.rows = np.full((schedule.calls, 4), UNSET, dtype=np.int64)
+        self._done = [threading.Event() for _ in range(schedule.calls)]
         self._origin: int | None = None
         self._pinned = threading.Event()
         self._lock = threading.Lock()
-        self._drift = 0
         self.issue_ns = 0  # what entering a call costs (running mean, set by the worker)
 
     def enter(self, slot: int, first_of_group: bool) -> None:
-        """Return when call ``slot`` is due; a group's first call before the origin is pinned goes at once."""
-        if first_of_group and not self._pinned.is_set():
-            self._log.rows[slot, 1] = time.perf_counter_ns()
+        """Return when call ``slot`` is due; a group's first call without gates, before the origin is
+        pinned, goes at once."""
+        sch = self.schedule
+        gates = sch.gates(slot)
+        for i in gates:
+            self._done[i].wait()
+        if not len(gates) and first_of_group and not self._pinned.is_set():
+            self.rows[slot, 1] = time.perf_counter_ns()
             return
         self._pinned.wait()
-        due = self._origin + int(self._log.ready_ns[slot]) + self._drift
+        late = int(max(self.rows[i, 3] for i in gates)) if len(gates) else 0
+        due = self._origin + int(sch.ready_ns[slot]) + late
         delay = due - self.issue_ns - time.perf_counter_ns()
         if delay > 0:
             time.sleep(delay / 1e9)
-        self._log.rows[slot, 0] = due
-        self._log.rows[slot, 1] = time.perf_counter_ns()
+        self.rows[slot, 0] = due
+        self.rows[slot, 1] = time.perf_counter_ns()
 
-    def completed(self, slot: int, end_ns: int) -> None:
-        """The call ``slot`` was seen complete now; it was planned to end at ``end_ns``."""
+    def completed(self, slot: int) -> None:
+        """The call ``slot`` was seen complete now."""
         now = time.perf_counter_ns()
+        end = int(self.schedule.planned_end_ns[slot])
         with self._lock:
             if not self._pinned.is_set():  # the first real completion: logical time meets the clock
-                self._origin = now - end_ns
+                self._origin = now - end
                 self._pinned.set()
-            else:
-                self._drift = now - self._origin - end_ns
-            self._log.rows[slot, 2] = now
-            self._log.rows[slot, 3] = self._drift
+            self.rows[slot, 2] = now
+            self.rows[slot, 3] = now - self._origin - end
+        self._done[slot].set()
 
     def arrivals(self) -> dict[str, Any]:
-        return {"clock": "host", **arrival_report(self._log.rows, self._log.ready_ns, self._origin)}
+        return {"clock": "host", **arrival_report(self.rows, self.schedule.ready_ns, self._origin)}
 
 
-__all__ = ["DeviceClock", "HostClock", "arrival_report"]
+__all__ = ["DeviceClock", "HostClock", "Schedule", "arrival_report"]

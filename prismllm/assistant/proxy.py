@@ -77,11 +77,12 @@ import numpy as np
 import torch
 
 from prismllm import pruning as C, replay as R
-from prismllm.assistant.clock import DeviceClock, HostClock
+from prismllm.assistant.clock import DeviceClock, HostClock, Schedule
 from prismllm.childenv import user_setting
 from prismllm.errors import PrismError
 from prismllm.generate.store import TensorStore, dtype_from_name
 from prismllm.replay import INST_COLLECTIVE, ExternalEvent, Replay, ReplayGraph
+from prismllm.replay.gates import external_gates
 from prismllm.trace.edges import match_p2p
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import KIND_COMM, P2P_OPS, split_reduce_op
@@ -106,6 +107,7 @@ class _Group:
     upcoming: list[int] = dataclasses.field(default_factory=list)  # external instances, call order
     staged: dict[int, C.SmallCall] = dataclasses.field(default_factory=dict)  # instance -> prepared
     stream: Any = None  # CUDA stream the staged buffers are written on
+    generated: C.GeneratedBuffers | None = None  # without a tensor store: the proxy's kept buffers
     entered: bool = False  # a call was entered on it (host clock: the first goes at once)
     issued: int = 0  # calls entered on the small group
     finished: int = 0  # ... and completed
@@ -382,7 +384,7 @@ class Assistant:
                 if isinstance(clock, DeviceClock):
                     for w in works:  # NCCL: the current stream waits for the call (the host does not)
                         w.wait()
-                    clock.completed(slot, jobs[-1].end_ns)
+                    clock.completed(slot)
                 elif clock is not None:
                     clock.issue_ns += (self._now() - t0 - clock.issue_ns) // 8  # running mean (a rough figure)
                 inflight.put((slot, jobs, calls, works))  # blocks while IN_FLIGHT calls are outstanding
@@ -435,7 +437,7 @@ class Assistant:
         if self.device is not None:  # done on the device, as this thread's stream now waits on it
             torch.cuda.current_stream(self.device).synchronize()
         if isinstance(self.clock, HostClock):
-            self.clock.completed(slot, jobs[-1].end_ns)
+            self.clock.completed(slot)
         grp.finished += len(calls)
 
     # ------------------------------------------------------------------ status
@@ -506,12 +508,7 @@ class Assistant:
 
     def plan(self, grp: _Group, ev: ExternalEvent) -> tuple[C.Plan, Any]:
         """The plan of an external instance, as the sandbox makes it from its own call, and
-        the virtual members' inputs by logical group rank (``pruning.GENERATED`` without a
-        tensor store: the proxy contributes identities and zeros, ``pruning.proxy_call``)."""
-        p, ins = self._plan(grp, ev)
-        return p, (C.GENERATED if self.tensors is None else ins)
-
-    def _plan(self, grp: _Group, ev: ExternalEvent) -> tuple[C.Plan, Any]:
+        the virtual members' recorded inputs by logical group rank (read when used)."""
         g = self.graph
         p0 = ev.nodes[0]
         row = int(g.row[p0])
@@ -589,11 +586,17 @@ class Assistant:
     def _prepare(self, grp: _Group, ev: ExternalEvent) -> C.SmallCall:
         try:
             p, ins = self.plan(grp, ev)
-            nccl = self.backend == "nccl"  # padded all_reduces in two parts, as the sandbox issues them
+            nccl = self.backend == "nccl"  # batches and pre-multiplied sums, as the sandbox issues them
+            if self.tensors is None:  # generated: kept buffers, filled once (pruning.generated)
+                if grp.generated is None:
+                    grp.generated = C.GeneratedBuffers(self.device)
+                make = lambda: C.generated_proxy_call(p, grp.generated, coalesce=nccl, premul=nccl)  # noqa: E731
+            else:
+                make = lambda: C.proxy_call(p, ins, self.device, coalesce=nccl, premul=nccl)  # noqa: E731
             if grp.stream is None:
-                return C.proxy_call(p, ins, self.device, coalesce=nccl)
+                return make()
             with torch.cuda.stream(grp.stream):
-                return C.proxy_call(p, ins, self.device, coalesce=nccl)
+                return make()
         except AssistantError:
             raise
         except Exception as e:  # noqa: BLE001 - named with the call it failed on
@@ -642,8 +645,8 @@ class Assistant:
         self.start()
         plan = self.schedule()
         if self.timing == "real":
-            ready = np.array([jobs[0].event.ready_ns for jobs in plan], dtype=np.int64)
-            self.clock = DeviceClock(self.device, len(plan), ready) if self.device else HostClock(len(plan), ready)
+            sch = self._clock_schedule(plan)
+            self.clock = DeviceClock(self.device, sch) if self.device else HostClock(sch)
         for slot, jobs in enumerate(plan):
             self.groups[jobs[0].event.group].jobs.put((slot, jobs))
         for grp in self.groups.values():
@@ -687,6 +690,26 @@ class Assistant:
             turn = self._turn
             plan.sort(key=lambda jobs: min(turn[j.event.instance] for j in jobs))
         return plan
+
+    def _clock_schedule(self, plan: list[list[_Job]]) -> Schedule:
+        """The real-time schedule of ``plan`` (one entry a slot): when each call is due, where it was
+        planned to end, and the earlier calls it waits behind (``replay.gates``: the sandbox's calls
+        its virtual members last waited on; those another assistant plays are not followed)."""
+        slot_of = {j.event.instance: s for s, jobs in enumerate(plan) for j in jobs}
+        ptr, gates = external_gates(self.graph)
+        gate_ptr, gate = [0], []
+        for s, jobs in enumerate(plan):
+            mine = {
+                slot_of.get(int(i), s) for j in jobs for i in gates[ptr[j.event.instance] : ptr[j.event.instance + 1]]
+            }
+            gate.extend(sorted(mine - {s}))
+            gate_ptr.append(len(gate))
+        return Schedule(
+            ready_ns=[jobs[0].event.ready_ns for jobs in plan],
+            planned_end_ns=[max(j.end_ns for j in jobs) for jobs in plan],
+            gate_ptr=gate_ptr,
+            gate=gate,
+        )
 
     def write_result(self, path: str) -> None:
         """The virtual ranks' iteration times as the replay ran them (``real`` timing: with

@@ -418,8 +418,9 @@ class PrunedBackend(solo.GeneratedBackend):
         """This member's small call; on a GPU its scratch comes from outside the program's
         allocator (``prismllm.comm.scratch.arena``; CPU tensors: PyTorch's), so the sandbox's
         peak memory is the program's."""
+        nccl = self.backend == "nccl"  # batches and pre-multiplied sums: no pass over the program's tensors
         return C.sandbox_call(
-            p, self._rank, scratch=scratch.arena, like_me=_LIKE_ME, coalesce=self.backend == "nccl", **tensors
+            p, self._rank, scratch=scratch.arena, like_me=_LIKE_ME, coalesce=nccl, premul=nccl, **tensors
         )
 
     def _plan(self, c: Call, tag: int = 0) -> tuple[C.Plan, C.SmallCall]:

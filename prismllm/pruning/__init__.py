@@ -37,8 +37,9 @@ in the logical group's ring algorithm -- what the model says the target would se
 the two agree (to an element); see each plan for the rest.
 """
 
-from prismllm.pruning.calls import GENERATED, SmallCall, proxy_call, sandbox_call
+from prismllm.pruning.calls import SmallCall, premul_factors, proxy_call, sandbox_call
 from prismllm.pruning.executor import issue, issue_batch, reference, run
+from prismllm.pruning.generated import GeneratedBuffers, generated_proxy_call, identity
 from prismllm.pruning.groups import PRUNED_PREFIX, small_group
 from prismllm.pruning.plans import (
     REDUCE_OPS,
@@ -67,8 +68,8 @@ from prismllm.pruning.plans import (
 )
 
 __all__ = [
-    "GENERATED",
     "CompensationError",
+    "GeneratedBuffers",
     "LinkBytes",
     "Message",
     "P2POp",
@@ -78,6 +79,8 @@ __all__ = [
     "REDUCE_OPS",
     "SmallCall",
     "describe",
+    "generated_proxy_call",
+    "identity",
     "issue",
     "issue_batch",
     "plan",
@@ -94,6 +97,7 @@ __all__ = [
     "plan_reduce_scatter",
     "plan_scatter",
     "plan_send",
+    "premul_factors",
     "proxy_call",
     "reference",
     "run",

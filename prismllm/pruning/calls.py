@@ -43,6 +43,7 @@ class SmallCall:
     # all_reduce split in parts issued as one batch (one NCCL group): the program's tensor in place
     # and the padding apart, instead of a copy into a padded buffer and back (``coalesce``)
     parts: list = dataclasses.field(default_factory=list)
+    factor: float = 1.0  # reduce_op "premul_sum": this member's own scalar (NCCL's pre-multiplied sum)
     post: Callable[[], None] | None = None
     result: Any = None  # proxy: what it received, when useful (reduce to a virtual root)
     release: Callable[[], None] | None = None  # sandbox: gives its scratch back, after ``post``
@@ -91,6 +92,7 @@ def sandbox_call(
     scratch: Callable[[torch.device], Any] | None = None,
     like_me: bool = False,
     coalesce: bool = False,
+    premul: bool = False,
 ) -> SmallCall:
     """The small-communicator call of real member ``g`` (logical group rank) for the
     program's tensors, as the program passed them:
@@ -125,8 +127,11 @@ def sandbox_call(
     ``coalesce`` (the small communicator batches collectives, as NCCL does): a padded all_reduce
     runs as two all_reduces in one batch, the program's tensor in place and the padding in
     scratch, with no copy of the tensor on either side of the call (the proxy, with the same
-    ``coalesce``, splits its buffer the same way). Scratch a call does not read back (padding,
-    the proxy's slot) is never cleared: its values reach no real member's result.
+    ``coalesce``, splits its buffer the same way). ``premul`` (NCCL): a sum-like reduction of
+    floats runs as PREMUL_SUM with the factors of :func:`premul_factors`: the like_me scaling,
+    AVG's divide and PREMUL_SUM's multiply happen inside the collective, not as passes over the
+    program's tensor on its stream. Scratch a call does not read back (padding, the proxy's
+    slot) is never cleared: its values reach no real member's result.
     """
     G = p.group
     if not G.is_real(g):
@@ -138,12 +143,14 @@ def sandbox_call(
         ref = first if isinstance(first, torch.Tensor) else (first[0] if first else None)
         bufs = _Buffers(scratch, ref.device if isinstance(ref, torch.Tensor) else torch.device("cpu"))
         scale = _like_me_scale(p) if like_me else 1.0
+        factors = premul_factors(p, like_me) if premul else None
         if op == "all_reduce":
-            return bufs.bind(_sb_all_reduce(p, i, tensor, bufs, scale, coalesce))
+            return bufs.bind(_sb_all_reduce(p, i, tensor, bufs, scale, coalesce, factors))
         if op == "reduce_scatter":
-            return bufs.bind(_sb_reduce_scatter(p, i, output, input, bufs, scale))
-        if op == "all_gather":
-            return bufs.bind(_sb_all_gather(p, i, output, input, bufs, like_me))
+            return bufs.bind(_sb_reduce_scatter(p, i, output, input, bufs, scale, factors))
+        if op == "all_gather":  # values that decide shapes and flow are integers; floats keep the proxy's
+            like = like_me and not (input.dtype.is_floating_point or input.dtype.is_complex)
+            return bufs.bind(_sb_all_gather(p, i, output, input, bufs, like))
         if op == "reduce":
             return bufs.bind(_sb_reduce(p, g, i, tensor, bufs, scale))
         return bufs.bind(_sb_all_to_all(p, g, i, output, input, bufs))
@@ -170,7 +177,9 @@ def sandbox_call(
     raise CompensationError(f"no sandbox call for op {op!r}")
 
 
-def proxy_call(p: Plan, inputs: Any = None, device: Any = None, coalesce: bool = False) -> SmallCall:
+def proxy_call(
+    p: Plan, inputs: Any = None, device: Any = None, coalesce: bool = False, premul: bool = False
+) -> SmallCall:
     """The proxy's small-communicator call. ``inputs``: what each virtual member would
     contribute, indexed by logical group rank (a list of n with None for real members, or a
     dict): its tensor (all_reduce, reduce, broadcast root), its input (reduce_scatter,
@@ -178,25 +187,21 @@ def proxy_call(p: Plan, inputs: Any = None, device: Any = None, coalesce: bool =
     index -> tensor of each message a virtual member sends. ``device``: where the small call's
     buffers live (the proxy's GPU for an NCCL small group; inputs may be on the host).
 
-    ``inputs=GENERATED``: the virtual members' inputs are generated, not recorded: the proxy
-    contributes the reduce op's identity to a reduction (the sandbox's ``like_me`` post step
-    scales a sum to the group's), zeros where its data reach the sandbox (broadcast, all_to_all,
-    point-to-point) and nothing read at all to an all_gather (the sandbox fills the virtual slots
-    with its own input). One buffer a call, filled on the device, whatever the number of virtual
-    members: no reduction over thousands of generated inputs.
+    Generated inputs (no recording): ``pruning.generated.generated_proxy_call``.
 
-    ``coalesce``: as the real members' (:func:`sandbox_call`): a padded all_reduce in two parts."""
+    ``coalesce``, ``premul`` (NCCL): as the real members' (:func:`sandbox_call`): a padded
+    all_reduce in two parts, a sum-like reduction as PREMUL_SUM with the proxy's factor."""
     G = p.group
     i = G.proxy
     op = p.op
     dt = p.dtype
-    if inputs is GENERATED:
-        return _split(_generated_proxy_call(p, device), p, coalesce)
+    factors = premul_factors(p, like_me=False) if premul else None
     if op == "all_reduce":
         vin = virtual_inputs(p, inputs)
         buf = torch.empty(p.slot, dtype=dt, device=device)
         buf[: p.numel] = reduce((flat(vin[v]) for v in G.virtual), p.reduce_op, p.factor)
-        return _split(SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf), p, coalesce)
+        call = SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf)
+        return split_padding(premultiplied(call, factors, proxy=True), p, coalesce)
     if op == "reduce_scatter":
         vin = virtual_inputs(p, inputs)
         acc = [Reducer(p.reduce_op, p.factor) for _ in G.real]
@@ -207,13 +212,14 @@ def proxy_call(p: Plan, inputs: Any = None, device: Any = None, coalesce: bool =
         buf = torch.zeros(G.size, p.slot, dtype=dt, device=device)
         for j in range(len(G.real)):
             buf[j, : p.numel] = acc[j].result()
-        return SmallCall(
+        call = SmallCall(
             "reduce_scatter",
             i,
             reduce_op=p.small_reduce_op,
             input=buf.view(-1),
             output=torch.empty(p.slot, dtype=dt, device=device),
         )
+        return premultiplied(call, factors, proxy=True)
     if op == "all_gather":
         vin = virtual_inputs(p, inputs)
         buf = (
@@ -261,80 +267,40 @@ def proxy_call(p: Plan, inputs: Any = None, device: Any = None, coalesce: bool =
     raise CompensationError(f"no proxy call for op {op!r}")
 
 
-def _split(call: SmallCall, p: Plan, coalesce: bool) -> SmallCall:
+def split_padding(call: SmallCall, p: Plan, coalesce: bool) -> SmallCall:
     """The proxy's padded all_reduce buffer in the two parts the real members issue (``coalesce``)."""
     if coalesce and call.op == "all_reduce" and p.pad:
         call.parts = [call.input[: p.numel], call.input[p.numel :]]
     return call
 
 
-class _Generated:
-    """The marker of generated virtual inputs (:func:`proxy_call`)."""
-
-    def __repr__(self) -> str:
-        return "GENERATED"
-
-
-GENERATED = _Generated()
-
-
-def identity(op: str, dtype: torch.dtype) -> Any:
-    """The element a reduction with ``op`` leaves its other operand unchanged with."""
-    if op in ("sum", "avg", "premul_sum", "bor", "bxor"):
-        return 0
-    if op == "product":
-        return 1
-    if op == "band":
-        return True if dtype == torch.bool else -1
-    if op in ("max", "min"):
-        if dtype == torch.bool:
-            return op == "min"
-        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
-        return info.min if op == "max" else info.max
-    raise CompensationError(f"no identity for reduce op {op!r}")
+def premul_factors(p: Plan, like_me: bool) -> tuple[float, float] | None:
+    """A sum-like all_reduce or reduce_scatter of floats on NCCL runs as PREMUL_SUM, each member
+    scaling its own contribution inside the collective (NCCL's pre-multiplied sum takes the
+    scalar locally), so that neither side needs a pass over the tensor before or after the call:
+    (a real member's factor, the proxy's), or None where a plain SUM is right (a sum of
+    recorded inputs) or the op is not sum-like. ``like_me`` (generated inputs): the real
+    member's factor carries the group's n / k (avg: 1 / k) and the proxy contributes nothing
+    (factor 0); recorded: avg is 1/n on both sides, premul_sum(f) is f on the real member and 1
+    on the proxy, whose reduction already multiplied by f."""
+    if p.op not in ("all_reduce", "reduce_scatter") or p.reduce_op not in ("sum", "avg", "premul_sum"):
+        return None
+    if not p.dtype.is_floating_point or isinstance(p.factor, torch.Tensor):
+        return None
+    n, k = p.group.n, p.group.k
+    f = float(p.factor) if p.reduce_op == "premul_sum" else 1.0
+    if like_me:
+        return {"sum": n / k, "avg": 1.0 / k, "premul_sum": f * n / k}[p.reduce_op], 0.0
+    if p.reduce_op == "sum":
+        return None
+    return (1.0 / n, 1.0 / n) if p.reduce_op == "avg" else (f, 1.0)
 
 
-def _generated_proxy_call(p: Plan, device: Any) -> SmallCall:
-    """The proxy's call with generated virtual inputs (:func:`proxy_call`, ``GENERATED``)."""
-    G, i, op, dt = p.group, p.group.proxy, p.op, p.dtype
-    if op == "all_reduce":
-        buf = torch.full((p.slot,), identity(p.reduce_op, dt), dtype=dt, device=device)
-        return SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf)
-    if op == "reduce_scatter":
-        buf = torch.full((G.size * p.slot,), identity(p.reduce_op, dt), dtype=dt, device=device)
-        out = torch.empty(p.slot, dtype=dt, device=device)
-        return SmallCall("reduce_scatter", i, reduce_op=p.small_reduce_op, input=buf, output=out)
-    if op == "reduce":
-        buf = torch.full((p.numel,), identity(p.reduce_op, dt), dtype=dt, device=device)
-        return SmallCall("reduce", i, reduce_op=p.small_reduce_op, root=p.small_root, input=buf, output=buf, result=buf)
-    if op == "all_gather":  # never read: the sandbox's like_me fills the virtual slots
-        buf = torch.empty(len(G.virtual) * p.numel, dtype=dt, device=device)
-        return SmallCall("all_gather", i, input=buf, output=torch.empty(G.size * p.slot, dtype=dt, device=device))
-    if op == "broadcast":
-        buf = torch.zeros(p.numel, dtype=dt, device=device)
-        return SmallCall("broadcast", i, root=p.small_root, input=buf, output=buf, result=buf)
-    if op == "all_to_all":
-        buf = torch.zeros(sum(p.small_send[i]), dtype=dt, device=device)
-        out = torch.empty(sum(p.small_recv[i]), dtype=dt, device=device)
-        return SmallCall(
-            "all_to_all", i, input=buf, output=out, in_splits=list(p.small_send[i]),
-            out_splits=list(p.small_recv[i]), result=out,
-        )  # fmt: skip
-    if op in ("gather", "scatter", "send", "recv", "p2p"):
-        zeros: dict[int, torch.Tensor] = {}
-
-        def payload(m: int, kind: str) -> torch.Tensor:
-            n = p.messages[m].numel
-            if kind == "recv":
-                return torch.empty(n, dtype=dt, device=device)
-            if n not in zeros:  # read-only: one zeros per message size
-                zeros[n] = torch.zeros(n, dtype=dt, device=device)
-            return zeros[n]
-
-        return _p2p_call(p, i, payload)
-    if op == "barrier":
-        return SmallCall("barrier", i)
-    raise CompensationError(f"no proxy call for op {op!r}")
+def premultiplied(call: SmallCall, factors: tuple[float, float] | None, proxy: bool) -> SmallCall:
+    """``call`` as a PREMUL_SUM with its side's factor (:func:`premul_factors`), or as it was."""
+    if factors is not None:
+        call.reduce_op, call.factor = "premul_sum", factors[1] if proxy else factors[0]
+    return call
 
 
 def _like_me_scale(p: Plan) -> float:
@@ -359,7 +325,13 @@ def _scale(t: torch.Tensor, p: Plan, scale: float) -> None:
 
 # ---- sandbox helpers
 def _sb_all_reduce(
-    p: Plan, i: int, t: torch.Tensor, bufs: _Buffers, scale: float = 1.0, coalesce: bool = False
+    p: Plan,
+    i: int,
+    t: torch.Tensor,
+    bufs: _Buffers,
+    scale: float = 1.0,
+    coalesce: bool = False,
+    factors: tuple[float, float] | None = None,
 ) -> SmallCall:
     S = p.numel
     if t.numel() != S:
@@ -367,39 +339,60 @@ def _sb_all_reduce(
     view = contig_flat(t)
     if view is not None and (p.pad == 0 or coalesce):
         buf = view
-        pre_reduce(buf, p.reduce_op, p.factor)
+        post = None
+        if factors is None:  # else the factors do it inside the call
+            pre_reduce(buf, p.reduce_op, p.factor)
 
-        def post() -> None:
-            post_reduce(t, p.reduce_op, p.group.n)
-            _scale(t, p, scale)
+            def post() -> None:
+                post_reduce(t, p.reduce_op, p.group.n)
+                _scale(t, p, scale)
 
         call = SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf, post=post)
         if p.pad:  # the padding apart, in the same batch: no copy of the program's tensor
             call.parts = [buf, bufs.new(p.pad, t.dtype)]
-        return call
-    else:
-        buf = bufs.new(p.slot, t.dtype)
-        buf[:S].copy_(flat(t))
+        return premultiplied(call, factors, proxy=False)
+    buf = bufs.new(p.slot, t.dtype)
+    buf[:S].copy_(flat(t))
+    if factors is None:
         pre_reduce(buf[:S], p.reduce_op, p.factor)
 
-        def post() -> None:
-            t.copy_(buf[:S].view(t.shape))
+    def post() -> None:
+        t.copy_(buf[:S].view(t.shape))
+        if factors is None:
             post_reduce(t, p.reduce_op, p.group.n)
             _scale(t, p, scale)
 
-    return SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf, post=post)
+    call = SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf, post=post)
+    return premultiplied(call, factors, proxy=False)
 
 
-def _sb_reduce_scatter(p: Plan, i: int, output: Any, input: Any, bufs: _Buffers, scale: float = 1.0) -> SmallCall:
+def _sb_reduce_scatter(
+    p: Plan,
+    i: int,
+    output: Any,
+    input: Any,
+    bufs: _Buffers,
+    scale: float = 1.0,
+    factors: tuple[float, float] | None = None,
+) -> SmallCall:
     G, c = p.group, p.numel
     ch = chunks(input, G.n)
     if ch[0].numel() != c:
         raise CompensationError(f"reduce_scatter: input chunks of {ch[0].numel()} elements, plan says {c}")
     ref = ch[0]
-    buf = bufs.new(G.size * p.slot, ref.dtype).view(G.size, p.slot)
-    for j, r in enumerate(G.real):
-        buf[j, :c].copy_(ch[r])
-    pre_reduce(buf, p.reduce_op, p.factor)
+    flat_in = contig_flat(input) if isinstance(input, torch.Tensor) else None
+    pre = factors is None and p.reduce_op == "premul_sum"  # a pass over the member's own input first
+    if flat_in is not None and not pre and p.slot == c and G.real == tuple(range(G.k)) and G.size == G.n:
+        # the program's input is the small call's layout (the real members' chunks first, the one
+        # virtual member's last, no padding): issued as it is, no copy
+        buf = flat_in
+    else:
+        slots = bufs.new(G.size * p.slot, ref.dtype).view(G.size, p.slot)
+        for j, r in enumerate(G.real):
+            slots[j, :c].copy_(ch[r])
+        if factors is None:
+            pre_reduce(slots, p.reduce_op, p.factor)
+        buf = slots.view(-1)
     out_t = output if isinstance(output, torch.Tensor) else output[0]
     direct = contig_flat(out_t) if p.pad == 0 else None
     obuf = direct if direct is not None else bufs.new(p.slot, ref.dtype)
@@ -407,10 +400,12 @@ def _sb_reduce_scatter(p: Plan, i: int, output: Any, input: Any, bufs: _Buffers,
     def post() -> None:
         if direct is None:
             out_t.copy_(obuf[:c].view(out_t.shape))
-        post_reduce(out_t, p.reduce_op, G.n)
-        _scale(out_t, p, scale)
+        if factors is None:
+            post_reduce(out_t, p.reduce_op, G.n)
+            _scale(out_t, p, scale)
 
-    return SmallCall("reduce_scatter", i, reduce_op=p.small_reduce_op, input=buf.view(-1), output=obuf, post=post)
+    call = SmallCall("reduce_scatter", i, reduce_op=p.small_reduce_op, input=buf, output=obuf, post=post)
+    return premultiplied(call, factors, proxy=False)
 
 
 def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buffers, like_me: bool) -> SmallCall:

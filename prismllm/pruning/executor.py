@@ -31,6 +31,14 @@ def _torch_redop(name: str) -> Any:
     return getattr(dist.ReduceOp, _TORCH_REDOP[name])
 
 
+def _call_redop(call: SmallCall) -> Any:
+    """The ReduceOp a call is issued with: NCCL's pre-multiplied sum with this member's own factor
+    (``SmallCall.factor``), or the named op."""
+    if call.reduce_op == "premul_sum":
+        return dist._make_nccl_premul_sum(call.factor)
+    return _torch_redop(call.reduce_op)
+
+
 def issue(pg: Any, call: SmallCall) -> list:
     """Issue ``call`` on a ``ProcessGroup`` object (the small communicator) through its own
     methods; returns the Work objects (wait on all, then ``call.finish()``)."""
@@ -38,13 +46,13 @@ def issue(pg: Any, call: SmallCall) -> list:
     op = call.op
     if op == "all_reduce":
         o = dist.AllreduceOptions()
-        o.reduceOp = _torch_redop(call.reduce_op)
+        o.reduceOp = _call_redop(call)
         if call.parts:  # one batch: one NCCL group (gloo: one call after the other)
             return _batched(pg, call.parts[0].device, lambda: [pg.allreduce([t], o) for t in call.parts])
         return [pg.allreduce([call.input], o)]
     if op == "reduce_scatter":
         o = dist.ReduceScatterOptions()
-        o.reduceOp = _torch_redop(call.reduce_op)
+        o.reduceOp = _call_redop(call)
         return [pg._reduce_scatter_base(call.output, call.input, o)]
     if op == "all_gather":
         return [pg._allgather_base(call.output, call.input)]

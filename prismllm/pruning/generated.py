@@ -1,0 +1,118 @@
+"""The proxy's part of a pruned call when the virtual ranks' inputs are generated (no recording):
+buffers on the proxy's device that carry no virtual member's data, made once and reused.
+
+What the sandbox then sees (its ``like_me`` side, ``pruning.calls.sandbox_call``): a reduction
+over the real members scaled to the group (the proxy contributes nothing: the reduce op's
+identity, or on NCCL a PREMUL_SUM factor of 0), zeros where the proxy's data reach it
+(broadcast, all_to_all, point-to-point, a float all_gather's virtual slots), and for an integer
+all_gather its own input in every virtual slot.
+
+Reuse: a buffer the small call never writes (a send payload, a reduce-scatter or all-gather input,
+a broadcast root's tensor) or whose contents no longer matter (an output the proxy never reads,
+an all_reduce buffer contributed with factor 0) is made once per size and kept, per proxy group:
+no allocation, no fill and no device memory per call, whatever the number of calls in flight. A
+buffer the call overwrites and that must hold the identity again (a max/min/product all_reduce,
+an integer sum) is made afresh for each call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from prismllm.pruning.calls import SmallCall, _p2p_call, premul_factors, premultiplied, split_padding
+from prismllm.pruning.plans import CompensationError, Plan
+
+
+def identity(op: str, dtype: torch.dtype) -> Any:
+    """The element a reduction with ``op`` leaves its other operand unchanged with."""
+    if op in ("sum", "avg", "premul_sum", "bor", "bxor"):
+        return 0
+    if op == "product":
+        return 1
+    if op == "band":
+        return True if dtype == torch.bool else -1
+    if op in ("max", "min"):
+        if dtype == torch.bool:
+            return op == "min"
+        info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+        return info.min if op == "max" else info.max
+    raise CompensationError(f"no identity for reduce op {op!r}")
+
+
+class GeneratedBuffers:
+    """One proxy group's kept buffers, by (role, elements, dtype, fill value)."""
+
+    def __init__(self, device: Any = None):
+        self.device = device
+        self._kept: dict[tuple, torch.Tensor] = {}
+
+    def kept(self, role: str, numel: int, dtype: torch.dtype, fill: Any = None) -> torch.Tensor:
+        """A buffer made once: filled with ``fill`` (or left as allocated, for one never read)."""
+        key = (role, int(numel), dtype, fill)
+        t = self._kept.get(key)
+        if t is None:
+            t = torch.empty(int(numel), dtype=dtype, device=self.device)
+            if fill is not None:
+                t.fill_(fill)
+            self._kept[key] = t
+        return t
+
+    def fresh(self, numel: int, dtype: torch.dtype, fill: Any) -> torch.Tensor:
+        return torch.full((int(numel),), fill, dtype=dtype, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self._kept.values())
+
+
+def generated_proxy_call(p: Plan, bufs: GeneratedBuffers, coalesce: bool = False, premul: bool = False) -> SmallCall:
+    """The proxy's small call for plan ``p`` with generated virtual inputs (module docstring);
+    ``coalesce``, ``premul`` (NCCL): as the real members' call is issued."""
+    G, i, op, dt = p.group, p.group.proxy, p.op, p.dtype
+    factors = premul_factors(p, like_me=True) if premul else None
+    if op == "all_reduce":
+        if factors is not None:  # contributed with factor 0: whatever it holds after a call
+            buf = bufs.kept("all_reduce", p.slot, dt, 0)
+        else:
+            buf = bufs.fresh(p.slot, dt, identity(p.reduce_op, dt))
+        call = SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf)
+        return split_padding(premultiplied(call, factors, proxy=True), p, coalesce)
+    if op == "reduce_scatter":
+        buf = bufs.kept("reduce_scatter.in", G.size * p.slot, dt, identity(p.reduce_op, dt))
+        out = bufs.kept("reduce_scatter.out", p.slot, dt)
+        call = SmallCall("reduce_scatter", i, reduce_op=p.small_reduce_op, input=buf, output=out)
+        return premultiplied(call, factors, proxy=True)
+    if op == "reduce":
+        root = not G.is_real(p.root)  # the root's buffer receives the result: made for each call
+        fill = identity(p.reduce_op, dt)
+        buf = bufs.fresh(p.numel, dt, fill) if root else bufs.kept("reduce", p.numel, dt, fill)
+        return SmallCall("reduce", i, reduce_op=p.small_reduce_op, root=p.small_root, input=buf, output=buf, result=buf)
+    if op == "all_gather":
+        buf = bufs.kept("all_gather.in", len(G.virtual) * p.numel, dt, 0)
+        return SmallCall("all_gather", i, input=buf, output=bufs.kept("all_gather.out", G.size * p.slot, dt))
+    if op == "broadcast":
+        role = "zeros" if not G.is_real(p.root) else "broadcast.in"  # a real root's data: received, unread
+        buf = bufs.kept(role, p.numel, dt, 0 if role == "zeros" else None)
+        return SmallCall("broadcast", i, root=p.small_root, input=buf, output=buf, result=buf)
+    if op == "all_to_all":
+        buf = bufs.kept("zeros", sum(p.small_send[i]), dt, 0)
+        out = bufs.kept("all_to_all.out", sum(p.small_recv[i]), dt)
+        return SmallCall(
+            "all_to_all", i, input=buf, output=out, in_splits=list(p.small_send[i]),
+            out_splits=list(p.small_recv[i]), result=out,
+        )  # fmt: skip
+    if op in ("gather", "scatter", "send", "recv", "p2p"):
+
+        def payload(m: int, kind: str) -> torch.Tensor:
+            n = p.messages[m].numel
+            return bufs.kept("recv", n, dt) if kind == "recv" else bufs.kept("zeros", n, dt, 0)
+
+        return _p2p_call(p, i, payload)
+    if op == "barrier":
+        return SmallCall("barrier", i)
+    raise CompensationError(f"no proxy call for op {op!r}")
+
+
+__all__ = ["GeneratedBuffers", "generated_proxy_call", "identity"]
