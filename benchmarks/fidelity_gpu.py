@@ -408,6 +408,13 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x * 100:+.1f} %"
 
 
+def leases(r: dict) -> str:
+    """Which machine leases the real runs and the prism run came from (PRISM_LEASE)."""
+    real = ",".join(sorted({str(x.get("lease")) for x in r.get("real_runs", []) if x.get("lease")}))
+    p = (r.get("prism") or {}).get("lease")
+    return f"{real or '–'} / {p or '–'}"
+
+
 def markdown(doc: dict) -> str:
     m = doc.get("machine") or {}
     lines = [
@@ -416,8 +423,8 @@ def markdown(doc: dict) -> str:
         "as the program prints them; errors against the mean of the real runs.",
         "",
         "| case | N | stack | layout | real ms (runs) | real spread | host wait | GPU busy | predicted | "
-        "error | emulated | error | peak memory |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "error | emulated | error | peak memory | leases (real / prism) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     done = []
     for r in doc.get("rows", []):
@@ -431,7 +438,7 @@ def markdown(doc: dict) -> str:
             f"{_pct(r.get('real_spread')).lstrip('+')} | {'–' if hw is None else f'{hw * 100:.0f} %'} | "
             f"{'–' if busy is None else f'{busy * 100:.0f} %'} | "
             f"{r.get('predicted_ms') or '–'} | {_pct(r.get('predicted_error'))} | {r.get('emulated_ms') or '–'} | "
-            f"{_pct(r.get('emulated_error'))} | {peak} |"
+            f"{_pct(r.get('emulated_error'))} | {peak} | {leases(r)} |"
         )
         if r.get("predicted_error") is not None and r.get("emulated_error") is not None:
             done.append(r)

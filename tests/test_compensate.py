@@ -950,3 +950,17 @@ def test_premul_factors_give_the_logical_result(n, real, op, like_me):
         expect = C.reference(p, inputs)[real[0]]
         proxy_buf = reduce([inputs[v].reshape(-1) for v in range(n) if v not in real], op, factor).view(own.shape)
     _close(f[0] * own + f[1] * proxy_buf, expect, exact=False)
+
+
+def test_generated_buffers_keep_at_most_their_limit():
+    """The proxy keeps its generated buffers for reuse, the least recently used going past the limit."""
+    bufs = C.GeneratedBuffers(limit_bytes=3 * 1024 * 8)
+    a = bufs.kept("zeros", 1024, F64, 0)
+    assert bufs.kept("zeros", 1024, F64, 0) is a  # kept
+    bufs.kept("recv", 1024, F64)
+    bufs.kept("zeros", 1024, F64, 0)  # used again: the most recent
+    bufs.kept("all_gather.out", 1024, F64)
+    bufs.kept("x", 1024, F64)  # a fourth: the least recently used ("recv") goes
+    assert bufs.nbytes == 3 * 1024 * 8
+    assert bufs.kept("zeros", 1024, F64, 0) is a
+    assert torch.equal(a, torch.zeros(1024, dtype=F64))

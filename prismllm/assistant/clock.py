@@ -41,6 +41,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from prismllm.comm.spin import compile_kernel
+
 UNSET = -1  # a log entry not written (a call never entered, or entered before the origin was pinned)
 
 _KERNELS = r"""
@@ -169,8 +171,6 @@ def _kernels(device: int) -> tuple[Any, Any]:
     loading a kernel's first launch loads it, which waited for the device to go idle (seen on an
     H100: the host blocked 50 ms behind a waiting ``prism_enter_at``)."""
     if device not in _BUILT:
-        from prismllm.comm.spin import compile_kernel
-
         what = "real-time emulation on a GPU"
         enter = compile_kernel(_KERNELS, "prism_enter_at", device, what)
         done = compile_kernel(_KERNELS, "prism_completed", device, what)

@@ -189,6 +189,8 @@ class Assistant:
             self._planned_end = sol.result.instance_end_ns[full.inst_of[pos[self.graph.row[first]]]]
         else:
             self.replay = Replay(self.graph, compute="zero", transfer="zero", issue="zero")
+        # generated inputs: what each group's proxy keeps of its buffers (an eighth of the GPU)
+        self._kept_limit = torch.cuda.get_device_properties(self.device).total_memory // 8 if self.device else 1 << 30
         # "real" timing: the schedule of the calls with the sandbox (made once they are planned)
         self.clock: DeviceClock | HostClock | None = None
         self._stores: dict[int, TensorStore] = {}
@@ -589,7 +591,7 @@ class Assistant:
             nccl = self.backend == "nccl"  # batches and pre-multiplied sums, as the sandbox issues them
             if self.tensors is None:  # generated: kept buffers, filled once (pruning.generated)
                 if grp.generated is None:
-                    grp.generated = C.GeneratedBuffers(self.device)
+                    grp.generated = C.GeneratedBuffers(self.device, self._kept_limit)
                 make = lambda: C.generated_proxy_call(p, grp.generated, coalesce=nccl, premul=nccl)  # noqa: E731
             else:
                 make = lambda: C.proxy_call(p, ins, self.device, coalesce=nccl, premul=nccl)  # noqa: E731

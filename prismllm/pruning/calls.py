@@ -420,8 +420,18 @@ def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buf
         if ibuf is None:
             ibuf = bufs.new(c, input.dtype)
             ibuf.copy_(flat(input))
+    out_flat = contig_flat(output) if isinstance(output, torch.Tensor) else None
+    if out_flat is not None and p.pad == 0 and slot == c and G.real == tuple(range(G.k)) and G.size == G.n:
+        # the small call's output is the program's (the real members' slots first, the one virtual
+        # member's last): gathered in place, no copy; like_me gives the virtual slot this input
+        virtual_slot = out_flat[G.k * c :]
+
+        def fill() -> None:
+            virtual_slot.copy_(out_flat[i * c : (i + 1) * c])
+
+        return SmallCall("all_gather", i, input=ibuf, output=out_flat, post=fill if like_me else None)
     obuf = bufs.new(G.size * slot, input.dtype)
-    outs = chunks(output, G.n) if isinstance(output, torch.Tensor) and contig_flat(output) is not None else None
+    outs = chunks(output, G.n) if out_flat is not None else None
 
     def post() -> None:
         dst = outs if outs is not None else [None] * G.n

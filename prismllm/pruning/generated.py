@@ -17,6 +17,7 @@ an integer sum) is made afresh for each call.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -42,21 +43,29 @@ def identity(op: str, dtype: torch.dtype) -> Any:
 
 
 class GeneratedBuffers:
-    """One proxy group's kept buffers, by (role, elements, dtype, fill value)."""
+    """One proxy group's kept buffers, by (role, elements, dtype, fill value), at most ``limit_bytes``
+    of them: past it the least recently used go (a call in flight holds its own reference, so its
+    memory is freed only once it completed). Seen without a limit: a sweep of sizes up to 8 GB kept
+    every size and ran the assistant's GPU out of memory."""
 
-    def __init__(self, device: Any = None):
+    def __init__(self, device: Any = None, limit_bytes: int = 8 << 30):
         self.device = device
-        self._kept: dict[tuple, torch.Tensor] = {}
+        self.limit_bytes = limit_bytes
+        self._kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
     def kept(self, role: str, numel: int, dtype: torch.dtype, fill: Any = None) -> torch.Tensor:
         """A buffer made once: filled with ``fill`` (or left as allocated, for one never read)."""
         key = (role, int(numel), dtype, fill)
         t = self._kept.get(key)
-        if t is None:
-            t = torch.empty(int(numel), dtype=dtype, device=self.device)
-            if fill is not None:
-                t.fill_(fill)
-            self._kept[key] = t
+        if t is not None:
+            self._kept.move_to_end(key)
+            return t
+        t = torch.empty(int(numel), dtype=dtype, device=self.device)
+        if fill is not None:
+            t.fill_(fill)
+        self._kept[key] = t
+        while self.nbytes > self.limit_bytes and len(self._kept) > 1:
+            self._kept.popitem(last=False)
         return t
 
     def fresh(self, numel: int, dtype: torch.dtype, fill: Any) -> torch.Tensor:
