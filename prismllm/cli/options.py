@@ -106,8 +106,9 @@ SHARED: dict[str, Option] = {
         {
             "choices": ["auto", "recorded", "generated"],
             "default": "auto",
-            "help": "the virtual ranks' inputs: recorded (a tensor store), generated (zeros: "
-            "the real ranks' numbers then lack the virtual ranks' contributions), "
+            "help": "the virtual ranks' inputs: recorded (a tensor store), generated (every "
+            "virtual rank taken to hold what the real ranks hold: a sum is scaled to the group, "
+            "a virtual broadcast root sends the real rank's own copy, other data are zeros), "
             "or auto (the default): recorded where the graph has a store",
         },
     ),

@@ -3,6 +3,7 @@ gloo), and the logical result every real member must see."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,11 +32,17 @@ def _torch_redop(name: str) -> Any:
     return getattr(dist.ReduceOp, _TORCH_REDOP[name])
 
 
+@functools.lru_cache(maxsize=64)
+def _premul_sum(factor: float) -> Any:
+    """NCCL's pre-multiplied sum with ``factor``, one ReduceOp per factor (a call reads it)."""
+    return dist._make_nccl_premul_sum(factor)
+
+
 def _call_redop(call: SmallCall) -> Any:
     """The ReduceOp a call is issued with: NCCL's pre-multiplied sum with this member's own factor
     (``SmallCall.factor``), or the named op."""
     if call.reduce_op == "premul_sum":
-        return dist._make_nccl_premul_sum(call.factor)
+        return _premul_sum(float(call.factor))
     return _torch_redop(call.reduce_op)
 
 
