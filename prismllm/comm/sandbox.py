@@ -316,7 +316,9 @@ class PrunedWork(dist.Work):
                 self._finish()
                 return outs
 
-            if futs:
+            if len(futs) == 1:  # the common case: no collect_all (a Future more, a callback more)
+                self._fut = futs[0].then(done)
+            elif futs:
                 self._fut = torch.futures.collect_all(futs).then(done)
             else:
                 f = torch.futures.Future()
