@@ -57,6 +57,7 @@ import queue
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -96,14 +97,34 @@ from prismllm.launch.status import StatusBoard
 
 def host_store(addr: str, port: int = 0):
     """The run's rendezvous TCPStore, hosted by the launcher on ``port`` (0: one the kernel
-    picks) that stays bound until the store is dropped (torchrun's agent store)."""
+    picks) that stays bound until the store is dropped (torchrun's agent store).
+
+    It listens on ``addr`` alone (127.0.0.1 unless a multi-host run named its endpoint): torch's
+    TCPStore server binds every interface whatever host it is given (seen with ``ss -ltnp``:
+    ``*:PORT``, IPv4 and IPv6, and it served other addresses), so the launcher binds the socket
+    itself and hands it over (``master_listen_fd``)."""
     # torch once a run starts: the CLI's parsing and its refusals of bad input never load it
     from torch.distributed import TCPStore
 
     try:
-        return TCPStore(addr, port, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=30))
-    except (RuntimeError, OSError) as e:
+        family, _, _, _, where = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError as e:
         raise LaunchError(f"cannot host the rendezvous store on {addr}:{port}: {e}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(512)
+        kw = dict(is_master=True, wait_for_workers=False, timeout=timedelta(minutes=30), master_listen_fd=sock.fileno())
+        try:
+            store = TCPStore(addr, sock.getsockname()[1], **kw)
+        except (RuntimeError, ValueError):  # a torch whose libuv server cannot take a socket: the older server can
+            store = TCPStore(addr, sock.getsockname()[1], use_libuv=False, **kw)
+    except (RuntimeError, ValueError, OSError) as e:
+        sock.close()
+        raise LaunchError(f"cannot host the rendezvous store on {addr}:{port}: {e}") from None
+    sock.detach()  # the store's server owns the listening socket now
+    return store
 
 
 def _resolve_ranks(spec: LaunchSpec) -> list[int]:
