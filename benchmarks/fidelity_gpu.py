@@ -27,7 +27,8 @@ real runs' (max - min) / mean. Raw results go to ``--json`` as ``{"rows": [{"cas
 prism runs on GPUs 0 and 1 (rows say ``concurrent``): one host, disjoint GPUs.
 
 Resume: a case's finished steps are kept in the JSON (each with the machine lease it ran in,
-``PRISM_LEASE``) (a real run at a time; prism run resumes
+``PRISM_LEASE``; with it set, a case's steps from another lease, another machine, are set aside
+under ``earlier`` and run again, so that every error compares runs of one machine) (a real run at a time; prism run resumes
 inside its own directory under ``--work``); ``--deadline S`` starts no step that would not end
 within S seconds of the start (each step's estimate: the longest of its kind so far), so a
 device call of limited length ends cleanly and the next call goes on.
@@ -236,6 +237,8 @@ class Suite:
     def row(self, c: Case) -> dict:
         for r in self.doc["rows"]:
             if r["case"] == c.name:
+                if LEASE is not None:
+                    self._one_lease(r)
                 return r
         r = {
             "case": c.name,
@@ -249,6 +252,21 @@ class Suite:
         }
         self.doc["rows"].append(r)
         return r
+
+    @staticmethod
+    def _one_lease(r: dict) -> None:
+        """With PRISM_LEASE set, a case compares runs of this lease only: real and prism runs of
+        another machine move to ``earlier`` and are run again here."""
+        keep = [x for x in r["real_runs"] if x.get("lease") == LEASE]
+        old = [x for x in r["real_runs"] if x.get("lease") != LEASE]
+        p = r.get("prism")
+        if p is not None and p.get("lease") != LEASE:
+            old.append({"prism": p})
+            del r["prism"]
+        if old:
+            r.setdefault("earlier", []).extend(old)
+            r["real_runs"] = keep
+            r["real_ms"] = [x["ms"] for x in keep if "ms" in x]
 
     def _observed(self, kind: str, seconds: float) -> None:
         self._seen[kind] = max(self._seen.get(kind, 0.0), seconds)
