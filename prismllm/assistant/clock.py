@@ -120,11 +120,6 @@ class Schedule:
     def gates(self, j: int) -> np.ndarray:
         return self.gate[self.gate_ptr[j] : self.gate_ptr[j + 1]]
 
-    @classmethod
-    def ungated(cls, ready_ns: Any, planned_end_ns: Any) -> Schedule:
-        n = len(ready_ns)
-        return cls(ready_ns, planned_end_ns, np.zeros(n + 1, dtype=np.int64), np.zeros(0, dtype=np.int64))
-
 
 def arrival_report(rows: np.ndarray, ready_ns: np.ndarray, origin: int | None) -> dict[str, Any]:
     """How late the proxy entered each call against the schedule, in ns: ``late`` against the time it

@@ -37,8 +37,9 @@ What it does (docs/internals/assistant.md):
      durations (the calibration's: compute spans, each instance's transfer as the member
      that waited least measured it, issue gaps; ``prismllm.replay.solve.durations_for``);
      planned end = where the solve of the whole graph (the sandbox ranks with their calibrated
-     times too) ends the instance. Each call is entered at its ready time, moved by how late
-     (or early) the sandbox's latest real completion came against its planned end
+     times too) ends the instance. Each call is entered at its ready time, once the sandbox's
+     calls its virtual members last waited on (its gates, ``prismllm.replay.gates``) completed,
+     moved by how late (or early) they completed against their planned ends
      (``prismllm.assistant.clock``: on a GPU the schedule is kept and waited on by the device
      itself, so the host only enqueues, ahead of time).
 
@@ -62,6 +63,7 @@ through ``prismllm.childenv.report_error``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -393,8 +395,8 @@ class Assistant:
                 self._stage(grp, jobs[-1].event.instance)
                 if isinstance(clock, HostClock):
                     # the group's next call waits for this one's real end: a virtual rank cannot
-                    # go on before the op it is in completes, and the drift must include it (on a
-                    # GPU the group's stream orders its calls the same way)
+                    # go on before the op it is in completes (on a GPU the group's stream orders
+                    # its calls the same way)
                     inflight.join()
         except BaseException as e:  # noqa: BLE001 - reported by the main loop
             self._done.put((grp, e))
@@ -589,16 +591,12 @@ class Assistant:
         try:
             p, ins = self.plan(grp, ev)
             nccl = self.backend == "nccl"  # batches and pre-multiplied sums, as the sandbox issues them
-            if self.tensors is None:  # generated: kept buffers, filled once (pruning.generated)
-                if grp.generated is None:
+            with torch.cuda.stream(grp.stream) if grp.stream is not None else contextlib.nullcontext():
+                if self.tensors is not None:
+                    return C.proxy_call(p, ins, self.device, coalesce=nccl, premul=nccl)
+                if grp.generated is None:  # generated: kept buffers, filled once (pruning.generated)
                     grp.generated = C.GeneratedBuffers(self.device, self._kept_limit)
-                make = lambda: C.generated_proxy_call(p, grp.generated, coalesce=nccl, premul=nccl)  # noqa: E731
-            else:
-                make = lambda: C.proxy_call(p, ins, self.device, coalesce=nccl, premul=nccl)  # noqa: E731
-            if grp.stream is None:
-                return make()
-            with torch.cuda.stream(grp.stream):
-                return make()
+                return C.generated_proxy_call(p, grp.generated, coalesce=nccl, premul=nccl)
         except AssistantError:
             raise
         except Exception as e:  # noqa: BLE001 - named with the call it failed on
@@ -643,7 +641,7 @@ class Assistant:
         when its virtual members have all arrived, at its ready time (``fast``), or at the end
         the solve of the whole calibrated graph gives it (``real``). So the whole schedule is known before the sandbox reaches its first call,
         and each worker enters its group's calls back to back (``fast``), or each at its time
-        (``real``), where the sandbox's real completions move the clock (``_complete``)."""
+        (``real``), where the sandbox's real completions move the calls that wait on them (``clock``)."""
         self.start()
         plan = self.schedule()
         if self.timing == "real":

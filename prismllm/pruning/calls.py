@@ -110,7 +110,7 @@ def sandbox_call(
     ``scratch``: on a GPU, the arena of a device where the call's own buffers come from (see
     :class:`_Buffers`; default: PyTorch's allocator); ``SmallCall.finish`` gives them back.
     ``like_me`` (the virtual ranks' inputs are generated, not recorded: the proxy contributes
-    the reduce op's identity, :func:`proxy_call`): every virtual member is taken to hold what
+    the reduce op's identity, ``pruning.generated``): every virtual member is taken to hold what
     this member holds, as solo capture's tensor generator answers (``generate.generator``), so
     that the program stays on its normal path: an all_gather's virtual slots get this member's
     own input (values that decide shapes, such as MoE routing counts, then agree with the
@@ -467,8 +467,15 @@ def _sb_reduce(p: Plan, g: int, i: int, t: torch.Tensor, bufs: _Buffers, scale: 
         post_reduce(t, p.reduce_op, p.group.n)
         _scale(t, p, scale)
 
-    post = post if is_root else None
-    return SmallCall("reduce", i, reduce_op=p.small_reduce_op, root=p.small_root, input=buf, output=buf, post=post)
+    return SmallCall(
+        "reduce",
+        i,
+        reduce_op=p.small_reduce_op,
+        root=p.small_root,
+        input=buf,
+        output=buf,
+        post=post if is_root else None,
+    )
 
 
 def _sb_gather(p: Plan, g: int, i: int, input: torch.Tensor, output: Any) -> SmallCall:
