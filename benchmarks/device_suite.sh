@@ -20,11 +20,14 @@
 #              compared; first the GPU recording tests with PRISM_NATIVE=1; ROUNDS (3) rounds of ~100 s
 #   clock      one GPU: the GPU tests of the real-time schedule and the emulation, then `prism run` of a DDP job
 #              at N = 4 on one shared GPU (a padded all-reduce in two parts, the device clock); ~3 min
+#   kernels    a DDP job's sandbox rank kernel by kernel (PyTorch profiler): real run, slice, emulation,
+#              at N = 2 and 4 (WORLDS), with the emulation's host under cProfile and a real recording; ~7 min
 #   prune-all  pruned latency of every collective kind and send/recv against real 2- and 4-GPU runs (four GPUs),
 #              64 KB - 8 GB (issue 36); writes $OUT/pruning_latency_<gpu>x4.json; ~5 min
 #   fidelity-gpu [CASES]  the GPU fidelity suite (benchmarks/fidelity_gpu.py) for DEADLINE s (540); resumes
 #              from $OUT/fidelity_gpu.json or benchmarks/results/fidelity_gpu.json (carry the last one back);
-#              FID_ARGS: more options, e.g. --concurrent on four GPUs
+#              FID_ARGS: more options, e.g. --concurrent on four GPUs, --record (the real job recorded and solved);
+#              the logs and the graphs (slices', recordings') come back as two tarballs
 #   cpu-fid N [CASES]  CPU fidelity rows at N ranks on the host's cores (fair while N <= cores;
 #              ~3.5 min a case at N = 8 on 16 cores, so three cases a call: e.g. tp,pp,vpp then
 #              dpopt,moe,mixed): merged into $OUT/fidelity_cpu_<cores>c.json (carry the last one
@@ -36,7 +39,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -121,6 +124,37 @@ clock)
     python3 -c "import json; print(json.dumps(json.load(open('$OUT/ddp4/emulate/emulate.json'))['replay'], indent=1))" \
         2>&1 | tail -40
     tar czf "$OUT/clock-logs.tgz" "$OUT/ddp4/logs" "$OUT/ddp4/emulate/emulate.json" 2>/dev/null ;;
+kernels)
+    # a DDP job's sandbox rank, kernel by kernel: the real run, its slice and its emulation under the
+    # PyTorch profiler (benchmarks/programs/kineto_rank.py), summarised by benchmarks/kernel_timeline.py;
+    # the emulation once more under cProfile (host time); the real job recorded (prism record) for a
+    # span-by-span comparison with the slice's timed graph. N = 2 and N = 4 (four GPUs; prism on two)
+    P=benchmarks/programs/torch_parallel.py K=benchmarks/programs/kineto_rank.py D="$OUT/k" W=out/kernels
+    A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    mkdir -p "$D" "$W"
+    for n in ${WORLDS:-2 4}; do
+        r=$((n - 1)) w="$W/ddp$n" pk="PRISM_PROGRAM_CHECK=off PROFILE_RANK=all PROFILE_OUT=$D"
+        timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" $P $A >"$D/real$n.log" 2>&1; echo "real $n: $?"
+        env PROFILE_RANK=$r PROFILE_OUT="$D" PROFILE_TAG="real$n" timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
+            $K $P $A >"$D/real${n}k.log" 2>&1; echo "real $n kineto: $?"
+        timeout 200 prism run --world "$n" --layout tp=1,pp=1 --devices cuda:0,1 --sandbox $r --out "$w" --force -- $P $A \
+            >"$D/prism$n.log" 2>&1; echo "prism run $n: $?"
+        env $pk PROFILE_TAG="slice$n" timeout 150 prism time --graph "$w/bare" --out "$w/time-k" --devices cuda:0,1 --force \
+            -- $K $P $A >"$D/slice${n}k.log" 2>&1; echo "slice $n kineto: $?"
+        env $pk PROFILE_TAG="emu$n" timeout 150 prism emulate --graph "$w/cal/graph" --sandbox $r --devices cuda:0,1 \
+            --out "$w/emu-k" --force -- $K $P $A >"$D/emu${n}k.log" 2>&1; echo "emulate $n kineto: $?"
+        env PRISM_PROGRAM_CHECK=off PROFILE_RANK=$r PROFILE_OUT="$D/cprof$n" timeout 150 prism emulate --graph "$w/cal/graph" \
+            --sandbox $r --devices cuda:0,1 --out "$w/emu-p" --force -- benchmarks/programs/profile_rank.py $P $A \
+            >"$D/emu${n}p.log" 2>&1; echo "emulate $n cProfile: $?"
+        [ "$n" = 2 ] && { timeout 150 prism record --nproc 2 --devices cuda:0,1 --out "$w/rec" --force -- $P $A \
+            >"$D/rec$n.log" 2>&1; echo "record $n: $?"; }
+        python3 benchmarks/kernel_timeline.py "$D"/rank*-*"$n".json.gz --json "$D/kernels$n.json" 2>&1 | tail -5
+    done
+    tar czf "$OUT/kernel-traces.tgz" "$D"/*.json.gz 2>/dev/null
+    tar czf "$OUT/kernel-logs.tgz" "$D"/*.log "$D"/*.json "$D"/cprof* 2>/dev/null
+    tar czf "$OUT/kernel-graphs.tgz" "$W"/*/time/graph "$W"/*/time-k/graph "$W"/*/rec/graph "$W"/*/cal/summary.json \
+        "$W"/*/emu*/emulate.json 2>/dev/null
+    ls -la "$OUT" ;;
 prune-all)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'H' 'h')
     timeout "${PRUNE_TIMEOUT:-580}" python3 benchmarks/pruning_latency.py --devices cuda --worlds 2,4 --rounds "${ROUNDS:-1}" \
@@ -130,7 +164,11 @@ fidelity-gpu)
     timeout $((${DEADLINE:-540} + 45)) python3 benchmarks/fidelity_gpu.py --cases "${2:-all}" --json "$OUT/fidelity_gpu.json" \
         --work out/fidelity_gpu --deadline "${DEADLINE:-540}" ${FID_ARGS:-} 2>&1 | tee "$OUT/fidelity-gpu.log" | tail -40
     tar czf "$OUT/fidelity-logs.tgz" out/fidelity_gpu/*/*.log out/fidelity_gpu/*/prism/logs \
-        out/fidelity_gpu/*/prism/emulate/emulate.json out/fidelity_gpu/*/prism/run.json 2>/dev/null ;;
+        out/fidelity_gpu/*/prism/emulate/emulate.json out/fidelity_gpu/*/prism/run.json 2>/dev/null
+    # the slices' timed graphs and the real recordings' graphs, to compare span by span
+    tar czf "$OUT/fidelity-graphs.tgz" out/fidelity_gpu/*/prism/time/graph out/fidelity_gpu/*/prism/cal/summary.json \
+        out/fidelity_gpu/*/record/graph out/fidelity_gpu/*/record-cal/summary.json \
+        out/fidelity_gpu/*/prism/emulate/ranklogs 2>/dev/null ;;
 cpu-fid)
     N=${2:?usage: device_suite.sh cpu-fid N}
     cores=$(nproc)

@@ -18,6 +18,10 @@ Per case (a program, a layout, a world size N):
    sandbox rank's iteration time as the program itself prints it in the emulation
    (``emulated_ms``); the sandbox rank R is the rank that prints (the last).
 
+3. **record** (``--record``): the real job under ``prism record`` on N GPUs, its graph solved by
+   ``prism calibrate`` (``solved_ms``): the solve's own error on a real run's measurements, apart
+   from the slices' (``recorded_ms``: the recorded run's iteration as the program prints it).
+
 Errors are (x - real) / real against the mean of the real runs' medians; ``real_spread`` is the
 real runs' (max - min) / mean. Raw results go to ``--json`` as ``{"rows": [{"case", "world",
 "machine", "real_ms": [...], "predicted_ms", "emulated_ms", "predicted_error", "emulated_error",
@@ -226,7 +230,8 @@ class Suite:
     def __init__(self, a: argparse.Namespace):
         self.a = a
         self.t0 = time.monotonic()
-        self.estimate = {"real": 60.0, "prism": 240.0}  # until a step of the kind ran: then the longest seen
+        # until a step of the kind ran: then the longest seen
+        self.estimate = {"real": 60.0, "prism": 240.0, "record": 90.0}
         self._seen: dict[str, float] = {}
         self.doc = json.loads(a.json.read_text()) if a.json.exists() else {"rows": []}
         self.doc.setdefault("rows", [])
@@ -259,10 +264,11 @@ class Suite:
         another machine move to ``earlier`` and are run again here."""
         keep = [x for x in r["real_runs"] if x.get("lease") == LEASE]
         old = [x for x in r["real_runs"] if x.get("lease") != LEASE]
-        p = r.get("prism")
-        if p is not None and p.get("lease") != LEASE:
-            old.append({"prism": p})
-            del r["prism"]
+        for step in ("prism", "record"):
+            p = r.get(step)
+            if p is not None and p.get("lease") != LEASE:
+                old.append({step: p})
+                del r[step]
         if old:
             r.setdefault("earlier", []).extend(old)
             r["real_runs"] = keep
@@ -359,6 +365,33 @@ class Suite:
             flush=True,
         )
 
+    def record(self, c: Case, r: dict) -> None:
+        """The real job recorded (``prism record`` on N GPUs) and its own graph solved (``prism
+        calibrate``): the solve's error on a real run's measurements, apart from the slices'."""
+        d = self.work(c)
+        gpus = "cuda:" + ",".join(str(i) for i in range(c.world))
+        cmd = [sys.executable, "-m", "prismllm.cli.main", "record", "--nproc", str(c.world), "--devices", gpus]
+        cmd += ["--out", str(d / "record"), "--force", "--timeout", str(self.a.timeout), "--", *c.command()]
+        print(f"[{c.name}] recorded run ...", flush=True)
+        t0 = time.monotonic()
+        rc, text, _ = run_streamed(cmd, {**NVLS_OFF, "OMP_NUM_THREADS": "4"}, self.a.timeout * 2, d / "record.log")
+        rec: dict[str, Any] = {"rc": rc, "lease": LEASE}
+        its = iterations(text)
+        if rc == 0 and its:
+            rec["recorded_ms"] = steady(its)["ms"]
+            cal = [sys.executable, "-m", "prismllm.cli.main", "calibrate", str(d / "record" / "graph"), "--out"]
+            crc, _, _ = run_streamed([*cal, str(d / "record-cal")], {}, 300, d / "record-cal.log")
+            if crc == 0:
+                summary = json.loads((d / "record-cal" / "summary.json").read_text())
+                rec["solved_ms"] = round(summary["predicted_iteration_ns"] / 1e6, 3)
+        else:
+            rec["error"] = text[-1500:]
+        rec["wall_s"] = round(time.monotonic() - t0, 1)
+        self._observed("record", rec["wall_s"] + 5)
+        with self.lock:
+            r["record"] = rec
+        print(f"[{c.name}] recorded run: {rec.get('recorded_ms')} ms, solved {rec.get('solved_ms')} ms", flush=True)
+
     def work(self, c: Case) -> Path:
         d = self.a.work / c.name
         d.mkdir(parents=True, exist_ok=True)
@@ -390,6 +423,8 @@ class Suite:
                 if not self.time_left("prism"):
                     return
                 self.prism(c, r)
+        if self.a.record and "record" not in r and not self.stopped and self.time_left("record"):
+            self.record(c, r)
         finish(r)
         self.save()
 
@@ -413,6 +448,11 @@ def finish(r: dict) -> None:
         v = p.get(f"{key}_ms")
         r[f"{key}_ms"] = v
         r[f"{key}_error"] = round((v - mean) / mean, 5) if v else None
+    rec = r.get("record") or {}
+    for key in ("recorded_ms", "solved_ms"):
+        v = rec.get(key)
+        r[key] = v
+        r[key.replace("_ms", "_error")] = round((v - mean) / mean, 5) if v else None
     r["captured_peak_bytes"] = p.get("captured_peak_bytes")
     r["emulated_peak_bytes"] = p.get("emulated_peak_memory_bytes")
     tol = 10_000 if "gpt3d" in r["stack"] else 0  # gpt3d prints MB to two decimals: equal to that precision
@@ -441,8 +481,8 @@ def markdown(doc: dict) -> str:
         "as the program prints them; errors against the mean of the real runs.",
         "",
         "| case | N | stack | layout | real ms (runs) | real spread | host wait | GPU busy | predicted | "
-        "error | emulated | error | peak memory | leases (real / prism) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "error | emulated | error | real recording solved | error | peak memory | leases (real / prism) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     done = []
     for r in doc.get("rows", []):
@@ -456,7 +496,8 @@ def markdown(doc: dict) -> str:
             f"{_pct(r.get('real_spread')).lstrip('+')} | {'–' if hw is None else f'{hw * 100:.0f} %'} | "
             f"{'–' if busy is None else f'{busy * 100:.0f} %'} | "
             f"{r.get('predicted_ms') or '–'} | {_pct(r.get('predicted_error'))} | {r.get('emulated_ms') or '–'} | "
-            f"{_pct(r.get('emulated_error'))} | {peak} | {leases(r)} |"
+            f"{_pct(r.get('emulated_error'))} | {r.get('solved_ms') or '–'} | {_pct(r.get('solved_error'))} | "
+            f"{peak} | {leases(r)} |"
         )
         if r.get("predicted_error") is not None and r.get("emulated_error") is not None:
             done.append(r)
@@ -485,6 +526,12 @@ def main(argv: list[str] | None = None) -> int:
         "--concurrent",
         action="store_true",
         help="run the real runs of a case that fits on the GPUs past the first two while prism runs on those",
+    )
+    ap.add_argument(
+        "--record",
+        action="store_true",
+        help="also record the real job (prism record on N GPUs) and solve its own graph: the solve's error apart "
+        "from the slices' (recorded_ms, solved_ms)",
     )
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     a = ap.parse_args(argv)

@@ -52,3 +52,17 @@ def test_empty_buffers_and_foreign_ones():
 
 def test_no_arena_for_cpu_devices():
     assert arena(torch.device("cpu")) is None  # CPU buffers come from PyTorch (no device memory)
+
+
+def test_unread_buffers_are_shared_and_never_handed_out_by_take():
+    """Padding no call reads back: one segment for every such buffer (calls in flight share it),
+    a view per size, grown by powers of two; ``take`` never hands that segment out."""
+    a = _arena()
+    p1 = a.unread(1000, torch.float32)
+    assert a.unread(1000, torch.float32) is p1 and a.reserved_bytes == SEGMENT_ALIGN
+    p2 = a.unread(500, torch.bfloat16)  # fits: the same segment
+    assert p2.data_ptr() == p1.data_ptr() and a.reserved_bytes == SEGMENT_ALIGN
+    big = a.unread(9 * MiB // 16, torch.float32)  # 2.25 MiB: a 4 MiB segment
+    assert a.reserved_bytes == SEGMENT_ALIGN + 4 * MiB and big.numel() == 9 * MiB // 16
+    t = a.take(10, torch.float32)
+    assert t.data_ptr() not in (p1.data_ptr(), big.data_ptr())

@@ -91,6 +91,8 @@ class DeviceArena:
         self._busy: dict[int, _Segment] = {}  # data_ptr of a handed-out buffer -> its segment
         self._lock = threading.Lock()
         self.reserved_bytes = 0
+        self._unread: torch.Tensor | None = None  # the segment of unread() buffers
+        self._unread_views: dict[tuple, torch.Tensor] = {}
 
     def take(self, numel: int, dtype: torch.dtype, zero: bool = False) -> torch.Tensor:
         """A flat ``numel``-element buffer (zero-filled with ``zero``), on the current stream."""
@@ -114,6 +116,26 @@ class DeviceArena:
         if zero:
             buf.zero_()
         return buf
+
+    def unread(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A ``numel``-element buffer whose contents no call reads back (a padded all_reduce's
+        padding): one segment per arena shared by every such call, in flight or not, with no
+        hand-back and no event (what it holds reaches no result, so calls may overwrite each
+        other's). Grown by powers of two; views are kept per size, so a call costs a lookup."""
+        key = (int(numel), dtype)
+        view = self._unread_views.get(key)
+        if view is not None:
+            return view
+        nbytes = key[0] * dtype.itemsize
+        with self._lock:
+            if self._unread is None or self._unread.numel() < nbytes:
+                size = max(SEGMENT_ALIGN, 1 << max(nbytes - 1, 1).bit_length())
+                # a smaller segment stays with the views of calls that may be in flight
+                self._unread = self._segment(size)
+                self.reserved_bytes += size
+                self._unread_views = {}
+            view = self._unread_views[key] = self._unread[:nbytes].view(dtype)
+        return view
 
     def _driver_segment(self, nbytes: int) -> torch.Tensor:
         return torch.as_tensor(_DeviceBytes(_Driver.alloc(self.device, nbytes), nbytes), device=self.device)

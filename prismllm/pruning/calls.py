@@ -74,6 +74,13 @@ class _Buffers:
         self.taken.append(t)
         return t
 
+    def unread(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer no one reads back (padding): shared by every call on a GPU (the arena's
+        ``unread``), never handed back."""
+        if self.scratch is None:
+            return torch.empty(numel, dtype=dtype, device=self.device)
+        return self.scratch.unread(numel, dtype)
+
     def bind(self, call: SmallCall) -> SmallCall:
         if self.taken:
             taken, scratch = self.taken, self.scratch
@@ -349,7 +356,7 @@ def _sb_all_reduce(
 
         call = SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf, post=post)
         if p.pad:  # the padding apart, in the same batch: no copy of the program's tensor
-            call.parts = [buf, bufs.new(p.pad, t.dtype)]
+            call.parts = [buf, bufs.unread(p.pad, t.dtype)]
         return premultiplied(call, factors, proxy=False)
     buf = bufs.new(p.slot, t.dtype)
     buf[:S].copy_(flat(t))

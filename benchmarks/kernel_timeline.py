@@ -1,0 +1,132 @@
+"""What a rank's GPU did, iteration by iteration, from a Kineto Chrome trace
+(benchmarks/programs/kineto_rank.py): set a real run's kernel timeline beside a slice's and an
+emulation's of the same rank to see whether a span grew because its kernels ran slower (e.g.
+sharing the GPU with a collective kernel that waits for a late peer) or because the device sat
+idle waiting for its host.
+
+    python benchmarks/kernel_timeline.py TRACE.json.gz [TRACE ...] [--json OUT] [--skip 2]
+
+Iterations are cut at the host's device-wide synchronizations (``cudaDeviceSynchronize``, which
+the suite's programs call at each iteration's start and end). Per iteration and trace: the span
+from the first kernel to the last, the device's busy time (union of all kernels), compute
+kernels' own time (every kernel but NCCL's) and busy union, NCCL kernels' time, the time compute
+kernels ran while an NCCL kernel was resident (overlap), the compute stream's idle gaps, and the
+host's time in the pruned layer's hot path is not visible here (see emulate.json). Prints the
+median over the steady iterations (all but the first ``--skip``)."""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+from pathlib import Path
+
+
+def load(path: Path) -> list[dict]:
+    op = gzip.open if path.suffix == ".gz" else open
+    with op(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def union(iv: list[tuple[float, float]]) -> float:
+    tot, end = 0.0, float("-inf")
+    for s, e in sorted(iv):
+        if e <= end:
+            continue
+        tot += e - max(s, end)
+        end = e
+    return tot
+
+
+def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Time covered by both interval sets (each merged first)."""
+
+    def merged(iv):
+        out: list[list[float]] = []
+        for s, e in sorted(iv):
+            if out and s <= out[-1][1]:
+                out[-1][1] = max(out[-1][1], e)
+            else:
+                out.append([s, e])
+        return out
+
+    A, B = merged(a), merged(b)
+    i = j = 0
+    tot = 0.0
+    while i < len(A) and j < len(B):
+        s, e = max(A[i][0], B[j][0]), min(A[i][1], B[j][1])
+        if e > s:
+            tot += e - s
+        if A[i][1] < B[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tot
+
+
+def iterations(events: list[dict]) -> list[dict]:
+    syncs = sorted(
+        e["ts"] + e.get("dur", 0) for e in events if e.get("ph") == "X" and e.get("name") == "cudaDeviceSynchronize"
+    )
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    out = []
+    for lo, hi in zip(syncs, syncs[1:]):
+        ks = [k for k in kernels if lo <= k["ts"] < hi]
+        if not ks:
+            continue
+        nccl = [(k["ts"], k["ts"] + k["dur"]) for k in ks if "nccl" in k["name"].lower()]
+        comp = [
+            (k["ts"], k["ts"] + k["dur"]) for k in ks if "nccl" not in k["name"].lower() and "prism" not in k["name"]
+        ]
+        streams: dict = {}
+        for k in ks:
+            if "nccl" not in k["name"].lower():
+                streams.setdefault(k.get("args", {}).get("stream"), []).append((k["ts"], k["ts"] + k["dur"]))
+        main = max(streams.values(), key=len) if streams else []
+        gaps = [b[0] - a[1] for a, b in zip(sorted(main), sorted(main)[1:]) if b[0] > a[1]]
+        t0, t1 = min(k["ts"] for k in ks), max(k["ts"] + k["dur"] for k in ks)
+        gemm = sum(k["dur"] for k in ks if "gemm" in k["name"].lower() or "cutlass" in k["name"].lower())
+        out.append(
+            {
+                "span_ms": (t1 - t0) / 1e3,
+                "busy_ms": union([(k["ts"], k["ts"] + k["dur"]) for k in ks]) / 1e3,
+                "compute_kernels_ms": sum(e - s for s, e in comp) / 1e3,
+                "compute_busy_ms": union(comp) / 1e3,
+                "gemm_ms": gemm / 1e3,
+                "nccl_kernels_ms": sum(e - s for s, e in nccl) / 1e3,
+                "compute_under_nccl_ms": overlap(comp, nccl) / 1e3,
+                "main_stream_idle_ms": sum(gaps) / 1e3,
+                "main_stream_gaps_over_50us": sum(1 for g in gaps if g > 50),
+                "kernels": len(ks),
+            }
+        )
+    return out
+
+
+def summary(path: Path, skip: int) -> dict:
+    its = iterations(load(path))
+    st = its[skip:] or its
+    keys = list(st[0]) if st else []
+    return {
+        "trace": str(path),
+        "iterations": len(its),
+        **{k: round(statistics.median(x[k] for x in st), 3) for k in keys},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("traces", nargs="+", type=Path)
+    ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("--json", type=Path)
+    a = ap.parse_args()
+    rows = [summary(p, a.skip) for p in a.traces]
+    for r in rows:
+        print(json.dumps(r))
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
