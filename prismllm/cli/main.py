@@ -125,7 +125,7 @@ def describe(e: Exception) -> tuple[str, int]:
 
 
 def _has_torch() -> bool:
-    """Whether torch can be imported, without importing it (seconds)."""
+    """Whether torch can be imported, without importing it (an import takes seconds)."""
     try:
         return importlib.util.find_spec("torch") is not None
     except (ImportError, ValueError):  # hidden (sys.modules["torch"] = None), or a broken install
@@ -139,7 +139,7 @@ def _missing_module(e: ModuleNotFoundError) -> str:
             f"prism needs PyTorch, which this Python ({sys.executable}) does not have: pip install torch "
             "(the build for your CUDA version, or the CPU one: https://pytorch.org/get-started/locally/)"
         )
-    return f"the Python module {e.name!r} is missing: reinstall prismllm with its dependencies (pip install prismllm)"
+    return f"the Python module {e.name!r} is missing: reinstall prismllm with its dependencies"
 
 
 def _first_line(e: BaseException) -> str:
