@@ -211,7 +211,8 @@ def test_a_difference_beyond_rounding_is_one_and_rounding_is_not():
     assert difference(torch.tensor([1, 2]), torch.tensor([1, 3])) == (math.inf, math.inf)
     assert difference(rec[:2], rec) == (math.inf, math.inf)
     assert rounding_tolerance(torch.int64, 8) == 0.0
-    assert rounding_tolerance(torch.float32, 16) > 1.27e-5  # the largest seen at N = 32 (docs/accuracy.md)
+    # the bounds test_emulate_n8 accepts: 1e-5 for MoE's DP sums of 4 terms, 1.27e-5 seen of 16 at N = 32
+    assert rounding_tolerance(torch.float32, 4) > 1e-5 and rounding_tolerance(torch.float32, 16) > 2 * 1.27e-5
 
 
 def test_assistant_failure_ends_the_sandbox_with_one_clear_line(tp2, tmp_path, capsys):

@@ -120,7 +120,7 @@ def prepare(rank: int, child: ChildEnv) -> None:
 # from the recording by rounding, which grows with the terms summed (docs/accuracy.md#values): up to
 # this many units of the dtype's precision per group member, relative to the recorded output's
 # largest magnitude. Anything more, and any difference of an exact type, is a difference.
-ROUNDING_ULPS = 16
+ROUNDING_ULPS = 32
 
 
 def rounding_tolerance(dtype: torch.dtype, members: int) -> float:
