@@ -203,6 +203,7 @@ def read_error(path: str | os.PathLike | None) -> ChildError | None:
 # What a user may set
 
 USER_SETTINGS: dict[str, str] = {
+    "PRISM_DEBUG": "1: an error of a prism command prints its traceback after its one line (as prism --debug)",
     "PRISM_STATUS_AFTER": "seconds without progress before the launcher says where each process stands "
     "(default 300; 'off' never)",
     "PRISM_NATIVE": "record through the native backend (1) or the Python path (0) when `prism record` "

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from prismllm.calibrate import calibrate, solve, summarize
+from prismllm.errors import ExitCode
 from prismllm.trace import PrismTrace, assemble
 from prismllm.trace.ranklog import GroupInfo, RankLog
 from prismllm.trace.synth import synthetic_logs
@@ -378,8 +379,8 @@ def test_durations_from_a_scaled_graph(recorded, calibrated, tmp_path):
 
 
 # ---------------------------------------------------------------------- bad input
-def assert_error(p: subprocess.CompletedProcess, *needles: str) -> str:
-    assert p.returncode == 2, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
+def assert_error(p: subprocess.CompletedProcess, *needles: str, code: int = ExitCode.BAD_INPUT) -> str:
+    assert p.returncode == code, (p.returncode, p.stdout[-500:], p.stderr[-2000:])
     err = p.stderr.strip()
     assert err.startswith("prism calibrate: error: ") and "\n" not in err and "Traceback" not in err, err
     for n in needles:
@@ -428,5 +429,5 @@ def test_bad_inputs(recorded, tmp_path):
     # an --out that holds something else
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "file.txt").write_text("x")
-    assert_error(prism("calibrate", str(pp), "--out", str(tmp_path / "busy")), "not empty")
+    assert_error(prism("calibrate", str(pp), "--out", str(tmp_path / "busy")), "not empty", code=ExitCode.USAGE)
     assert not (tmp_path / "cal").exists()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from prismllm.emulate import EmulateOptions, emulate
-from prismllm.errors import PrismError
+from prismllm.errors import ExitCode, PrismError
 from prismllm.specs import parse_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -162,6 +163,58 @@ def test_tp2_sandbox_first_rank_sees_what_it_saw_in_the_real_run(tp2, tmp_path):
     assert_check(res, 0, graph)
 
 
+def test_check_fails_when_an_output_differs_from_the_recording(tp2, tmp_path, capsys, monkeypatch):
+    """The sandbox runs the recorded program with other weights (--seed 7; PRISM_PROGRAM_CHECK=off
+    lets the other argument through): every sum with the virtual rank's recorded input differs
+    from the recording, and --check ends `prism emulate` with exit 1 and one line naming the
+    rank, the call and the difference."""
+    from prismllm.cli.main import main
+
+    graph, _ = tp2
+    monkeypatch.setenv("PRISM_PROGRAM_CHECK", "off")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    out = tmp_path / "emu"
+    argv = ["emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--check", "--timeout", "120"]
+    rc = main([*argv, "--", GPT3D, *LAYOUTS["tp2"], *SIZES, "--seed", "7"])
+    err = capsys.readouterr().err
+    assert rc == ExitCode.FAILED, err
+    last = err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        r"prism emulate: error: --check: sandbox rank 1: \w+ #\d+ on group \S+ \[0, 1\] differs from the "
+        r"recording: max abs diff \S+, relative \S+ \(rounding allows \S+\)(; \d+ other call\(s\) differ too)?",
+        last,
+    ), last
+    assert "Traceback" not in err
+    info = json.loads((out / "emulate.json").read_text())
+    assert info["outcome"] == "check_failed" and not info["ok"] and info["message"] == last.split("error: ", 1)[1]
+    assert info["returncodes"] == {"1": 0}  # the program itself ended well
+
+
+def test_a_difference_beyond_rounding_is_one_and_rounding_is_not():
+    """What --check counts as a difference: anything in an exact type, a NaN or infinity that the
+    recording does not have, or more than rounding_tolerance on floats."""
+    import math
+
+    import torch
+
+    from prismllm.comm.sandbox import difference, rounding_tolerance
+
+    rec = torch.tensor([1.0, -2.0, 4.0])
+    assert difference(rec.clone(), rec) == (0.0, 0.0)
+    ulp = torch.tensor([1.0, -2.0, 4.0 + 4 * torch.finfo(torch.float32).eps])
+    d, r = difference(ulp, rec)
+    assert 0 < r <= rounding_tolerance(torch.float32, 2)
+    assert difference(torch.tensor([1.0, -2.0, 4.5]), rec)[1] > rounding_tolerance(torch.float32, 2)
+    assert difference(torch.tensor([1.0, float("nan"), 4.0]), rec) == (math.inf, math.inf)
+    nan = torch.tensor([float("nan"), 1.0])
+    assert difference(nan.clone(), nan) == (0.0, 0.0)  # NaN where the recording has one
+    assert difference(torch.tensor([1, 2]), torch.tensor([1, 3])) == (math.inf, math.inf)
+    assert difference(rec[:2], rec) == (math.inf, math.inf)
+    assert rounding_tolerance(torch.int64, 8) == 0.0
+    # the bounds test_emulate_n8 accepts: 1e-5 for MoE's DP sums of 4 terms, 1.27e-5 seen of 16 at N = 32
+    assert rounding_tolerance(torch.float32, 4) > 1e-5 and rounding_tolerance(torch.float32, 16) > 2 * 1.27e-5
+
+
 def test_assistant_failure_ends_the_sandbox_with_one_clear_line(tp2, tmp_path, capsys):
     """The virtual rank's inputs are missing: the assistant fails, the launcher ends the
     sandbox rank, `prism emulate` reports the assistant's own error in one line."""
@@ -191,7 +244,7 @@ def test_assistant_failure_ends_the_sandbox_with_one_clear_line(tp2, tmp_path, c
             *SIZES,
         ]
     )
-    assert rc == 2
+    assert rc == ExitCode.FAILED
     err = capsys.readouterr().err
     first = next(ln for ln in err.splitlines() if ln.startswith("prism emulate: error:"))
     assert first.startswith("prism emulate: error: assistant exited with code 1: no recorded input for rank 0 node"), (

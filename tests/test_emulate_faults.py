@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 from test_emulate import GPT3D, LAYOUTS, PRISM, SIZES, assert_all_ended, pid_alive, shared_record
 
+from prismllm.errors import ExitCode
 from prismllm.launch import LaunchSpec, launch
 
 WRAPPER = textwrap.dedent(f"""
@@ -223,7 +224,7 @@ def test_launcher_names_the_cause_of_a_cascade_not_the_first_exit(tmp_path):
 def test_sandbox_rank_that_raises_ends_the_run_with_its_own_error(setup, tmp_path):
     out = tmp_path / "emu"
     rc, err = run_to_end(setup, out, "raise")
-    assert rc == 2, err
+    assert rc == ExitCode.FAILED, err  # as torchrun exits for a failed worker
     assert verdict(err) == "sandbox rank 1 exited with code 1: RuntimeError: boom"
     assert "[rank1]: RuntimeError: boom" in err  # the program's own traceback, passed through
     info = json.loads((out / "emulate.json").read_text())
@@ -235,7 +236,7 @@ def test_sandbox_rank_that_raises_ends_the_run_with_its_own_error(setup, tmp_pat
 def test_sandbox_rank_out_of_memory_is_reported_as_a_result(setup, tmp_path):
     out = tmp_path / "emu"
     rc, err = run_to_end(setup, out, "oom")
-    assert rc == 1, err  # not 2: a reproduced OOM is what the emulation found, not an error
+    assert rc == ExitCode.FAILED, err  # a reproduced OOM: what the emulation found, on a line of its own
     line = verdict(err, "prism emulate: ")
     assert line.startswith(
         "sandbox rank 1 ran out of memory, reproduced by the emulation (a result, not "
@@ -249,7 +250,7 @@ def test_sandbox_rank_out_of_memory_is_reported_as_a_result(setup, tmp_path):
 
 def test_sandbox_rank_killed_mid_run(setup, tmp_path):
     rc, err, took, out = kill_mid_run(setup, tmp_path, "sandbox")
-    assert rc == 2 and took < 15, (took, err)
+    assert rc == ExitCode.FAILED and took < 15, (took, err)
     assert verdict(err).startswith("sandbox rank 1 was killed by SIGKILL (9)"), err
     info = json.loads((out / "emulate.json").read_text())
     assert info["returncodes"] == {"1": -9}, info
@@ -257,7 +258,7 @@ def test_sandbox_rank_killed_mid_run(setup, tmp_path):
 
 def test_assistant_killed_mid_run(setup, tmp_path):
     rc, err, took, out = kill_mid_run(setup, tmp_path, "assistant")
-    assert rc == 2 and took < 15, (took, err)
+    assert rc == ExitCode.FAILED and took < 15, (took, err)
     assert verdict(err) == (
         "assistant was killed by SIGKILL (9) (out of memory?): the virtual rank(s) 0 "
         "it played are gone, so sandbox rank(s) 1 were ended"
@@ -292,7 +293,7 @@ def test_program_that_deviates_from_its_graph_is_one_clear_error(setup, tmp_path
     ]
     # refused at the start: the launched arguments are not the graph's (the fingerprint)
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.returncode == 2
+    assert p.returncode == ExitCode.USAGE
     line = verdict(p.stderr)
     assert "with --hidden 32 but you launched --hidden 64" in line and "PRISM_PROGRAM_CHECK=off" in line, line
     assert not (out / "pids.json").exists()  # nothing was started
@@ -372,7 +373,7 @@ def test_a_stuck_slice_of_prism_time_is_not_silent(setup, tmp_path):
         timeout=200,
     )
     err = p.stderr
-    assert p.returncode == 2, err
+    assert p.returncode == ExitCode.FAILED, err
     assert re.search(
         r"^prism time: slice 1 \(ranks 1\): no communication for \d+ s; where each process stands:$", err, re.M
     ), err

@@ -19,6 +19,7 @@ from conftest import COLLECTIVES, GPT3D, PRISM, ROOT
 
 torch = pytest.importorskip("torch")
 
+from prismllm.errors import ExitCode  # noqa: E402
 from prismllm.trace import PrismTrace, validate  # noqa: E402
 from prismllm.trace.compare import compare_structure  # noqa: E402
 
@@ -227,9 +228,9 @@ def test_record_takes_the_native_path_unless_it_cannot_be_built(tmp_path):
     assert PrismTrace.load(tmp_path / "fallback").manifest["recorder"] == "python"
 
     p = _prism_record(tmp_path, "required", "--recorder", "native", env=broken)
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert p.returncode == ExitCode.ENVIRONMENT and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert "prism record: error: the native recording backend could not be built" in p.stderr
 
     p = _prism_record(tmp_path, "saving", "--recorder", "native", "--save-tensors", "all")
-    assert p.returncode == 2
+    assert p.returncode == ExitCode.USAGE
     assert "--save-tensors records through the Python path" in p.stderr

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from prismllm.errors import ExitCode
 from prismllm.trace.compare import compare_traces
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.ranklog import read_ranklog
@@ -110,7 +111,8 @@ def test_time_slices_every_representative_once_and_resumes(bare, tmp_path):
 
 def test_time_refuses_bad_input(bare, tmp_path):
     p = prism("time", "--graph", str(tmp_path / "nothing"), "--out", str(tmp_path / "o"), "--", GPT3D)
-    assert p.returncode == 2 and p.stderr.startswith("prism time: error: ") and "Traceback" not in p.stderr
+    assert p.returncode == ExitCode.BAD_INPUT and p.stderr.startswith("prism time: error: graph ")
+    assert "Traceback" not in p.stderr
     p = prism("time", "--graph", str(bare), "--out", str(tmp_path / "o"), "--slice-size", "4", "--", GPT3D, *ARGS)
     assert p.returncode == 2 and "must leave some of the 4 ranks virtual" in p.stderr, p.stderr
 

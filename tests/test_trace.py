@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from prismllm.errors import ExitCode, PrismError
 from prismllm.trace import PrismTrace, TraceError, assemble, assemble_spool, validate
 from prismllm.trace.ranklog import GroupInfo, RankLog, ranklog_path, write_ranklog
 from prismllm.trace.schema import EDGE_SCHEMA, FORMAT_VERSION, NODE_SCHEMA
@@ -188,8 +189,9 @@ def test_save_refuses_foreign_directory(tmp_path, trace):
     d = tmp_path / "stuff"
     d.mkdir()
     (d / "precious.txt").write_text("x")
-    with pytest.raises(TraceError, match="not empty and holds no graph"):
+    with pytest.raises(PrismError, match="not empty and holds no graph") as e:
         trace.save(d)
+    assert e.value.exit_code == ExitCode.USAGE  # an output path, not a graph that was read
     assert (d / "precious.txt").exists()
 
 

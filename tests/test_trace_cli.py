@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from prismllm.cli import main as climain
+from prismllm.errors import ExitCode
 from prismllm.trace import assemble, compare_traces
 from prismllm.trace.synth import example_logs
 
@@ -40,8 +41,8 @@ def graph(tmp_path):
     return save(example_logs(), tmp_path / "g")
 
 
-def assert_one_line_error(rc, out, err, command, *needles):
-    assert rc == 2
+def assert_one_line_error(rc, out, err, command, *needles, code=ExitCode.BAD_INPUT):
+    assert rc == code, err
     assert "Traceback" not in err and "Traceback" not in out
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -167,7 +168,7 @@ def test_show_errors(cli, graph, tmp_path):
 
 
 def test_real_entry_point(graph, tmp_path):
-    """The installed `prism` script: JSON on stdout; a corrupt graph is one line on stderr, exit 2."""
+    """The installed `prism` script: JSON on stdout; a corrupt graph is one line on stderr, exit 3."""
     exe = Path(sys.executable).with_name("prism")
     cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "prismllm.cli.main"]
     p = subprocess.run(cmd + ["show", str(graph), "--json"], capture_output=True, text=True, timeout=120)
@@ -176,7 +177,7 @@ def test_real_entry_point(graph, tmp_path):
     data = (graph / "edges.parquet").read_bytes()
     (graph / "edges.parquet").write_bytes(data[:100])
     p = subprocess.run(cmd + ["show", str(graph)], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.returncode == ExitCode.BAD_INPUT and "Traceback" not in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "edges.parquet" in p.stderr
 
 
@@ -238,7 +239,7 @@ def test_export_bare_graph(cli, tmp_path):
 
 
 def test_export_needs_a_format(cli, graph):
-    assert_one_line_error(*cli("export", graph), "export", "--perfetto")
+    assert_one_line_error(*cli("export", graph), "export", "--perfetto", code=ExitCode.USAGE)
 
 
 def test_export_some_ranks(cli, graph, tmp_path):
@@ -250,7 +251,9 @@ def test_export_some_ranks(cli, graph, tmp_path):
     assert {e["pid"] for e in ev} == {0, 2}
     # flows only where both ends are kept: dp0 all_reduce (0-2) and send 0 -> 2, per iteration
     assert len([e for e in ev if e["ph"] == "s"]) == 4
-    assert_one_line_error(*cli("export", graph, "--perfetto", out, "--ranks", "3-9"), "export", "rank 4")
+    assert_one_line_error(
+        *cli("export", graph, "--perfetto", out, "--ranks", "3-9"), "export", "rank 4", code=ExitCode.USAGE
+    )
 
 
 # ---------------------------------------------------------------------- compare

@@ -22,6 +22,7 @@ import re
 
 import pytest
 
+from prismllm.errors import PrismError
 from prismllm.trace import TraceError, assemble
 from prismllm.trace.chakra import COMM_GROUP_FILE, export_chakra
 from prismllm.trace.kineto import STREAM_COMPUTE, export_kineto
@@ -149,7 +150,7 @@ def test_kineto_files(trace, tmp_path):
 def test_kineto_ranks(trace, tmp_path):
     stats = export_kineto(trace, tmp_path / "k", ranks=[2])
     assert stats["files"] == [str(tmp_path / "k" / "rank-2.json")] and stats["kernels"] == 12
-    with pytest.raises(TraceError, match="rank 7 is outside the graph's world of 4 ranks"):
+    with pytest.raises(PrismError, match="rank 7 is outside the graph's world of 4 ranks"):
         export_kineto(trace, tmp_path / "k2", ranks=[7])
 
 

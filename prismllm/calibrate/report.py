@@ -14,8 +14,9 @@ import pyarrow.parquet as pq
 from rich.table import Table
 
 from prismllm.calibrate.analyze import Timeline
+from prismllm.errors import PrismError
 from prismllm.fsutil import write_dir_atomically
-from prismllm.replay import INST_P2P, CalibrationError, Solution
+from prismllm.replay import INST_P2P, Solution
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.summary import fmt_ns
 
@@ -261,7 +262,8 @@ def write(
         if graph is not None:
             graph.save(tmp / GRAPH_DIR)
 
-    return write_dir_atomically(out_dir, SUMMARY_FILE, fill, CalibrationError, "calibration")
+    # an --out that holds something else: a usage error, not one of the input graph
+    return write_dir_atomically(out_dir, SUMMARY_FILE, fill, PrismError, "calibration")
 
 
 # ---------------------------------------------------------------------- the table

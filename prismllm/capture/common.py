@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from prismllm import __version__
-from prismllm.errors import PrismError
+from prismllm.errors import PrismError, RequirementError
 from prismllm.launch.program import program_fingerprint
 from prismllm.specs import cuda_on_cpu_devices, parse_devices
 from prismllm.trace.schema import FILES, MANIFEST_FILE
@@ -67,7 +67,7 @@ def resolve_devices(devices: str | None, nproc: int, cuda_on_cpu: bool = False) 
     if devices == "cuda" or devices.startswith("cuda:"):
         available, count = cuda_info()
         if not available:
-            raise PrismError("--devices cuda: no CUDA device is available (use --devices cpu)")
+            raise RequirementError("--devices cuda: no CUDA device is available (use --devices cpu)")
         if devices == "cuda":
             gpus = list(range(nproc))
         else:
@@ -76,12 +76,12 @@ def resolve_devices(devices: str | None, nproc: int, cuda_on_cpu: bool = False) 
                 raise PrismError(f"--devices {devices}: {nproc} ranks need {nproc} GPUs, {len(gpus)} listed")
             gpus = gpus[:nproc]
             if min(gpus) < 0 or max(gpus) >= count:
-                raise PrismError(
+                raise RequirementError(
                     f"--devices {devices}: GPU {max(gpus) if max(gpus) >= count else min(gpus)} "
                     f"does not exist ({count} visible: 0..{count - 1})"
                 )
         if nproc > count and len(set(gpus)) == len(gpus):
-            raise PrismError(
+            raise RequirementError(
                 f"--devices cuda: {nproc} ranks need {nproc} GPUs, but {count} "
                 f"{'is' if count == 1 else 'are'} visible (one rank per GPU, or list shared ones: "
                 f"--devices cuda:0,0,...; or use --devices cpu)"

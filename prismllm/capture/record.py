@@ -31,7 +31,7 @@ from prismllm.capture.common import (
     trace_counts,
 )
 from prismllm.childenv import ChildEnv
-from prismllm.errors import PrismError
+from prismllm.errors import PrismError, RequirementError
 from prismllm.fromfields import FromFields
 from prismllm.launch import (
     DEFAULT_RUNNER,
@@ -161,7 +161,7 @@ def choose_recorder(opts: RecordOptions) -> str:
     except RuntimeError as e:
         reason = str(e).removeprefix("prism: ")
         if opts.recorder == "native":
-            raise PrismError(reason) from None
+            raise RequirementError(reason) from None
         print(
             f"prism record: WARNING: {reason}\n"
             "prism record: WARNING: recording through the Python path instead, which costs more "

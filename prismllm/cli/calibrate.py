@@ -10,8 +10,6 @@ steady iteration, busy/idle time per rank, the pipeline bubble); docs/commands/c
 --durations OTHER: solve GRAPH's structure with OTHER's measured durations (a graph of the same
 program and layout, e.g. re-recorded after a kernel change): same ranks, node count per rank
 and op at every position, else an error naming the rank and first differing node.
-
-Exit status 0, or 2 with one line `prism calibrate: error: ...`.
 """
 
 from __future__ import annotations

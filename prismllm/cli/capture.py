@@ -22,6 +22,7 @@ from prismllm.cli.progress import Display, count, key_values
 from prismllm.launch import LaunchInterrupted, RankOutOfMemory
 
 SUMMARY = "capture the execution graph of an N-rank job from a few ranks run alone"
+RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,11 +92,11 @@ def run(args: argparse.Namespace) -> int:
         res = capture(opts, on_plan=progress.plan, on_progress=progress.update)
     except LaunchInterrupted as e:
         display.say(f"{e}; re-run the same command to resume")
-        return 128 + e.signum
+        return e.exit_code
     except RankOutOfMemory as e:  # a result of the capture: the program needs more than the device
         display.stop()
         display.say(str(e))
-        return 1
+        return e.exit_code
     finally:
         display.stop()
     _summary(res)

@@ -5,8 +5,7 @@ bytes, dtype, reduce op, peer, splits); prints "equal" or the first difference. 
 steady iteration time of each graph (median over all iterations but the first, of the slowest
 rank), the relative error (B - A) / A overall and per rank, compute time per rank.
 
-Exit status: 0 when the structure is equal (or not compared: --timing-only), 1 when it
-differs, 2 on an error (a graph that cannot be loaded or is invalid).
+Exit status 0 when the structure is equal (or not compared: --timing-only), 1 when it differs.
 With --json one object is printed: {"structure": {"equal", "first_difference"} | null,
 "timing": {"iteration_time_a_ns", "iteration_time_b_ns", "rel_error", "per_rank",
 "iterations", "compute_ns"} | null}; see prismllm.trace.compare for the fields.
@@ -20,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from prismllm.cli import options
+from prismllm.errors import ExitCode
 from prismllm.trace.compare import compare_traces
 from prismllm.trace.summary import fmt_ns
 
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         options.print_json(res.to_dict())
     else:
         render(res, Console(), args.a, args.b)
-    return 1 if res.structure_equal is False else 0
+    return ExitCode.FAILED if res.structure_equal is False else 0
 
 
 def _pct(x: float | None) -> str:

@@ -9,9 +9,9 @@ environment for each of them, WORLD_SIZE = N); every other rank is virtual, repl
 by one assistant process that takes part in every collective with the sandbox, contributing the
 virtual ranks' recorded (or generated) inputs; CPU (gloo) or GPU (NCCL).
 
-Exit status: 0 when every sandbox rank and the assistant ended well; 1 when a sandbox rank ran
-out of memory (a reproduced OOM: a result of the emulation, reported as such); 2 for any error
-(one line ``prism emulate: error: ...`` naming who failed and with what).
+Exit status 1 (failed) when a sandbox rank crashed or ran out of memory (a reproduced OOM: a
+result of the emulation, reported as such), or when --check finds an output that differs from the
+recording by more than rounding (one line naming the rank, the call and the difference).
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ import sys
 from prismllm.cli import options
 from prismllm.cli.program import add_program_args, line_prefix, program_args
 from prismllm.emulate.run import EmulateOptions, SandboxOutOfMemory, emulate
+from prismllm.errors import ExitCode
 from prismllm.launch import LaunchInterrupted
 
 SUMMARY = "run a few ranks for real inside the virtual world of a recorded graph"
+RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,8 +36,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--check",
         action="store_true",
         help="compare every pruned collective's output on the sandbox with the recorded "
-        "run's (needs outputs in the store: --save-tensors all,inputs); summary in "
-        "DIR/check-rank-R.json",
+        "run's (needs outputs in the store: --save-tensors all,inputs) and exit 1 when one differs "
+        "by more than rounding; summary in DIR/check-rank-R.json",
     )
     p.add_argument(
         "--rdzv-endpoint",
@@ -121,10 +123,10 @@ def run(args: argparse.Namespace) -> int:
         res = emulate(opts)
     except LaunchInterrupted as e:
         print(f"prism emulate: {e}", file=sys.stderr)
-        return 128 + e.signum
+        return e.exit_code
     except SandboxOutOfMemory as e:  # a result of the emulation, not an error of prism
         print(f"prism emulate: {e}", file=sys.stderr)
-        return 1
+        return e.exit_code
     for r, rc in res.returncodes.items():
         print(f"prism emulate: sandbox rank {r} of {res.world_size}: exit status {rc}", file=sys.stderr)
         c = res.checks.get(r)
@@ -135,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
                 + (f" ({c['worst']})" if c["max_rel_diff"] > 0 else "")
                 + (f"; {c['missing']} not in the store" if c["missing"] else "")
                 + (f"; {c['unfinished']} never finished" if c.get("unfinished") else "")
-                + (f"; {c['errors']} could not be compared" if c.get("errors") else ""),
+                + (f"; {c['errors']} could not be compared" if c.get("errors") else "")
+                + (f"; {c['differing']} differ by more than rounding" if c.get("differing") else ""),
                 file=sys.stderr,
             )
     _print_figures(res)
@@ -146,4 +149,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     print(f"prism emulate: done in {res.wall_s:.1f} s; output in {res.out}", file=sys.stderr)
+    if res.check_failure is not None:
+        print(f"prism emulate: error: --check: {res.check_failure}", file=sys.stderr)
+        return ExitCode.FAILED
     return 0

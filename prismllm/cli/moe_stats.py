@@ -7,8 +7,6 @@ br_min, br_max, br_avg, br_std, br_med, br_skew of the tokens per expert over th
 the mean over the calls. --write FILE writes them as a routing file: `prism capture --routing FILE
 --router-module SPEC` then forces that skew on every rank of a job of any size.
 docs/commands/moe-stats.md.
-
-Exit status 0, or 2 with one line `prism moe-stats: error: ...`.
 """
 
 from __future__ import annotations

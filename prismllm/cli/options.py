@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from prismllm.errors import EXIT_CODES_HELP
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.validate import validate
 
@@ -170,14 +171,31 @@ SHARED: dict[str, Option] = {
 }
 
 
+class _ProseHelpFormatter(argparse.HelpFormatter):
+    """Wraps a description written in prose to the terminal; the exit codes stay laid out as written."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        if text == EXIT_CODES_HELP:
+            return argparse.RawDescriptionHelpFormatter._fill_text(self, text, width, indent)
+        return super()._fill_text(text, width, indent)
+
+
 def command(
     subparsers: argparse._SubParsersAction, name: str, summary: str, description: str, raw: bool = False
 ) -> argparse.ArgumentParser:
     """A command's parser: ``summary`` in ``prism --help``, ``description`` in its own ``--help``
-    (``raw``: kept as written, for descriptions laid out by hand)."""
-    kw = {"formatter_class": argparse.RawDescriptionHelpFormatter} if raw else {}
+    (``raw``: kept as written, for descriptions laid out by hand), then the exit codes that every
+    command shares."""
+    formatter = argparse.RawDescriptionHelpFormatter if raw else _ProseHelpFormatter
     # no abbreviations: a flag that is gone (capture's old --device) must not quietly mean another
-    return subparsers.add_parser(name, help=summary, description=description, allow_abbrev=False, **kw)
+    return subparsers.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog=EXIT_CODES_HELP,
+        formatter_class=formatter,
+        allow_abbrev=False,
+    )
 
 
 def add(p: argparse.ArgumentParser, *names: str, required: tuple[str, ...] = ()) -> None:

@@ -22,6 +22,7 @@ from prismllm.cli.progress import Display, count, key_values
 from prismllm.launch import LaunchInterrupted
 
 SUMMARY = "run a program like torchrun and record its execution graph"
+RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,6 +84,6 @@ def run(args: argparse.Namespace) -> int:
         )
     except LaunchInterrupted as e:
         display.say(str(e))
-        return 128 + e.signum
+        return e.exit_code
     _summary(res)
     return 0

@@ -28,6 +28,7 @@ from prismllm.launch import LaunchInterrupted, RankOutOfMemory
 from prismllm.pipeline.run import RunOptions, run_pipeline
 
 SUMMARY = "capture, time, calibrate (and emulate) a job of N ranks, then write its report"
+RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -121,11 +122,11 @@ def run(args: argparse.Namespace) -> int:
     except LaunchInterrupted as e:
         display.stop()
         display.say(f"{e}; run the same command again to go on where it stopped")
-        return 128 + e.signum
+        return e.exit_code
     except RankOutOfMemory as e:  # a result (capture or emulate): the job runs out of memory at this scale
         display.stop()
         display.say(str(e))
-        return 1
+        return e.exit_code
     finally:
         display.stop()
     if args.json:

@@ -28,12 +28,14 @@ from prismllm.cli import options
 from prismllm.cli.program import add_program_args, program_args
 from prismllm.cli.progress import Display, fmt_seconds
 from prismllm.cli.run import PIPELINE_FLAGS, UI
+from prismllm.errors import ExitCode
 from prismllm.launch import LaunchInterrupted
 from prismllm.pipeline.sweep import Point, SweepOptions, parse_grid, run_sweep
 from prismllm.report.html import fmt_bytes, fmt_ns
 from prismllm.report.sweep import best_point
 
 SUMMARY = "run the pipeline for every point of a grid of configurations: time and memory per point"
+RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -107,11 +109,11 @@ def run(args: argparse.Namespace) -> int:
     except LaunchInterrupted as e:
         display.stop()
         display.say(f"{e}; run the same command again to go on where it stopped")
-        return 128 + e.signum
+        return e.exit_code
     finally:
         display.stop()
     if args.json:
         options.print_json(state)
     else:
         render(state, Console(file=sys.stdout))
-    return 0 if all(p["status"] != "failed" for p in state["points"]) else 1
+    return 0 if all(p["status"] != "failed" for p in state["points"]) else ExitCode.FAILED

@@ -18,6 +18,7 @@ from prismllm.cli.progress import Display
 from prismllm.time import TimeOptions, time_slices
 
 SUMMARY = "time every rank of a bare graph for real, a slice of ranks at a time"
+RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -19,8 +19,6 @@ docs/commands/whatif.md.
 again (as `prism time`, into DIR/time) with every compute span labelled LABEL longer by DURATION
 of device work (a GPU spin kernel, a busy CPU), calibrated (DIR/cal), and the measured iteration
 is printed beside CAL's and the re-solve's: what overlap and contention do to the change.
-
-Exit status 0, or 2 with one line `prism whatif: error: ...`.
 """
 
 from __future__ import annotations

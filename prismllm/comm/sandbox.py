@@ -23,8 +23,10 @@ Check (``ChildEnv.check_tensors``: a recorded-tensor store, ``check_out``: a dir
 pruned call's output is compared, once the call finished, with what this rank received in the
 recorded run (``prism record --save-tensors all``); at exit ``<dir>/check-rank-<r>.json`` holds
 the number of calls compared, missing from the store, never finished (never waited on) and not
-comparable, and the largest absolute and relative differences, with the call that had them. It is how a sandbox rank that prints nothing (e.g. TP rank 0 of gpt3d) is shown
-to see exactly what the real run saw.
+comparable, the largest absolute and relative differences with the call that had them, and the
+calls that differ by more than rounding (:func:`rounding_tolerance`), the first named. It is how
+a sandbox rank that prints nothing (e.g. TP rank 0 of gpt3d) is shown to see exactly what the
+real run saw.
 
 Rendezvous: the program's ``env://`` store is the launcher's real TCPStore (its clients do
 not wait for absent ranks); the store-based barriers torch adds with
@@ -114,6 +116,39 @@ def prepare(rank: int, child: ChildEnv) -> None:
         atexit.register(_CHECK.write)
 
 
+# A pruned sum adds its members in another order than the real ring, so a float output may differ
+# from the recording by rounding, which grows with the terms summed (docs/accuracy.md#values): up to
+# this many units of the dtype's precision per group member, relative to the recorded output's
+# largest magnitude. Anything more, and any difference of an exact type, is a difference.
+ROUNDING_ULPS = 32
+
+
+def rounding_tolerance(dtype: torch.dtype, members: int) -> float:
+    """The relative difference a pruned call's output of ``dtype`` on a group of ``members`` may
+    show from the recording by rounding alone (0 for an exact type)."""
+    if not dtype.is_floating_point:
+        return 0.0
+    return ROUNDING_ULPS * members * torch.finfo(dtype).eps
+
+
+def difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """(largest absolute difference, it relative to ``b``'s largest finite magnitude) of two flat
+    tensors: inf when they cannot be compared (size, dtype), when an exact type differs at all,
+    or when a NaN or an infinity of one is not in the other at the same place."""
+    if a.numel() != b.numel() or a.dtype != b.dtype:
+        return math.inf, math.inf
+    if not a.is_floating_point():
+        return (0.0, 0.0) if torch.equal(a, b) else (math.inf, math.inf)
+    a, b = a.double(), b.double()
+    same = (a == b) | (a.isnan() & b.isnan())
+    if bool(same.all()):
+        return 0.0, 0.0
+    d = float(torch.nan_to_num((a - b).abs()[~same], nan=math.inf).max())
+    finite = b[b.isfinite()]
+    scale = float(finite.abs().max()) if finite.numel() else 0.0
+    return d, d / max(scale, 1e-30)
+
+
 class OutputCheck:
     """Compares pruned calls' outputs with the recorded run's (``ChildEnv.check_tensors``)."""
 
@@ -127,6 +162,8 @@ class OutputCheck:
         self.max_abs = 0.0
         self.max_rel = 0.0
         self.worst = ""
+        self.differing = 0  # calls whose outputs differ by more than rounding
+        self.first_difference = ""  # the first of them, with its difference
         self._lock = threading.Lock()
         self._open: dict[int, str] = {}  # calls issued, not finished yet: id -> description
         self.errors: list[str] = []  # calls the check itself failed on
@@ -153,22 +190,22 @@ class OutputCheck:
                 self.errors.append(f"{c.op} #{c.index} on group {c.group_name}: {e}")
 
     def _compare(self, c: Call, outs: list[torch.Tensor], rec: list[torch.Tensor]) -> None:
+        what = f"{c.op} #{c.index} on group {c.group_name} {list(c.group_ranks)}"
+        differs = ""
         for a, b in zip(outs, rec):
-            a = a.detach().cpu().reshape(-1)
-            b = b.reshape(-1)
-            if a.numel() != b.numel() or a.dtype != b.dtype:
-                d = r = math.inf
-            elif not a.numel():
-                d = r = 0.0
-            elif a.is_floating_point():
-                diff = (a.double() - b.double()).abs()
-                d = float(diff.max())
-                r = d / max(float(b.double().abs().max()), 1e-30)
-            else:
-                d = r = 0.0 if torch.equal(a, b) else math.inf
+            d, r = difference(a.detach().cpu().reshape(-1), b.reshape(-1))
             if r > self.max_rel or (r == self.max_rel and d > self.max_abs):
-                self.worst = f"{c.op} #{c.index} on group {c.group_name} {list(c.group_ranks)}"
+                self.worst = what
             self.max_abs, self.max_rel = max(self.max_abs, d), max(self.max_rel, r)
+            allowed = rounding_tolerance(b.dtype, len(c.group_ranks))
+            if r > allowed and not differs:
+                differs = (
+                    f"{what} differs from the recording: max abs diff {d:.3g}, relative {r:.3g} "
+                    f"(rounding allows {allowed:.3g})"
+                )
+        if differs:
+            self.differing += 1
+            self.first_difference = self.first_difference or differs
 
     def summary(self) -> dict:
         with self._lock:
@@ -180,6 +217,8 @@ class OutputCheck:
             "max_abs_diff": self.max_abs,
             "max_rel_diff": self.max_rel,
             "worst": self.worst,
+            "differing": self.differing,
+            "first_difference": self.first_difference,
             # issued but never finished by exit (the program never waited on the Work)
             "unfinished": len(unfinished),
             "unfinished_calls": unfinished[:8],

@@ -87,6 +87,7 @@ class EmulateResult:
     wall_s: float
     launch: LaunchResult
     checks: dict[int, dict] = dataclasses.field(default_factory=dict)  # --check: per sandbox rank
+    check_failure: str | None = None  # --check: why it fails (check_failure()), None when it passes
     timing: str = "fast"
     sandbox_results: dict[int, dict] = dataclasses.field(default_factory=dict)  # per sandbox rank, see _measured
     prediction: dict | None = None  # the calibration's, when the graph is a calibrated one
@@ -175,6 +176,19 @@ def _endpoint(opts: EmulateOptions) -> tuple[str, int]:
     return host, int(port)
 
 
+def check_failure(checks: dict[int, dict]) -> str | None:
+    """Why a --check fails, in one line: the first sandbox rank with a pruned call whose output
+    differs from the recording by more than rounding, or that could not be compared; None when
+    every compared output agrees."""
+    for r, c in sorted(checks.items()):
+        if c.get("differing"):
+            more = f"; {c['differing'] - 1} other call(s) differ too" if c["differing"] > 1 else ""
+            return f"sandbox rank {r}: {c['first_difference']}{more}"
+        if c.get("errors"):
+            return f"sandbox rank {r}: {c['errors']} call(s) could not be compared, first {c['error_calls'][0]}"
+    return None
+
+
 def emulate(opts: EmulateOptions) -> EmulateResult:
     """Run the emulation; raise PrismError (one clear message) on bad input or a failed run:
     SandboxOutOfMemory when a sandbox rank ran out of memory (a result), else LaunchError."""
@@ -242,6 +256,13 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
     codes = {r: result.returncodes.get(r) for r in local}
     prediction = _calibration(graph)
     comms = communicators(graph, sandbox)
+    checked = check_failure(run.checks) if opts.check and failure is None else None
+    if failure is not None:
+        outcome, message = "out_of_memory" if isinstance(failure, SandboxOutOfMemory) else "failed", str(failure)
+    elif checked is not None:
+        outcome, message = "check_failed", f"--check: {checked}"
+    else:
+        outcome, message = "ok", ""
     record: dict[str, Any] = {
         "graph": str(graph.resolve()),
         "tensors": str(tensors.resolve()) if tensors is not None else None,
@@ -253,16 +274,14 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         "rdzv_endpoint": opts.rdzv_endpoint,
         "sandbox": list(sandbox),
         "command": [opts.script, *opts.args],
-        "ok": result.ok,
-        "outcome": (
-            "ok" if failure is None else "out_of_memory" if isinstance(failure, SandboxOutOfMemory) else "failed"
-        ),
+        "ok": outcome == "ok",
+        "outcome": outcome,
         "returncodes": {str(r): c for r, c in codes.items()},
         "assistant_returncode": result.returncodes.get(-1),
         "assistants": opts.assistants,
         "assistant_returncodes": [result.returncodes.get(-(a + 1)) for a in range(opts.assistants)],
         "wall_s": round(wall, 3),
-        "message": "" if failure is None else str(failure),
+        "message": message,
         "pids": pids_by_role(result.pids),
         "timing": timing,
         "sandbox_results": {str(r): m for r, m in run.sandbox_results.items()},
@@ -283,6 +302,7 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
         wall_s=wall,
         launch=result,
         checks=run.checks,
+        check_failure=checked,
         timing=timing,
         sandbox_results=run.sandbox_results,
         prediction=prediction,
@@ -292,4 +312,4 @@ def emulate(opts: EmulateOptions) -> EmulateResult:
     )
 
 
-__all__ = ["EmulateOptions", "EmulateResult", "SandboxOutOfMemory", "emulate"]
+__all__ = ["EmulateOptions", "EmulateResult", "SandboxOutOfMemory", "check_failure", "emulate"]

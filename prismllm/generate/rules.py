@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from prismllm.errors import PrismError
+from prismllm.errors import InputError
 
 _REGISTRY: list[Rule] | None = None
 
@@ -144,7 +144,7 @@ def load_rules(path: str | os.PathLike) -> list[Rule]:
     global _REGISTRY
 
     if not os.path.exists(path):
-        raise PrismError(f"--rules {path}: no such file")
+        raise InputError(f"--rules {path}: no such file")
     prev, _REGISTRY = _REGISTRY, []
     try:
         ns = runpy.run_path(str(path), run_name="prism_rules")
@@ -154,7 +154,7 @@ def load_rules(path: str | os.PathLike) -> list[Rule]:
     for extra in ns.get("RULES", []) or []:
         r = extra if isinstance(extra, Rule) else getattr(extra, "prism_rule", None)
         if r is None:
-            raise PrismError(f"--rules {path}: RULES holds {extra!r}, not a rule")
+            raise InputError(f"--rules {path}: RULES holds {extra!r}, not a rule")
         if r not in found:
             found.append(r)
     return found

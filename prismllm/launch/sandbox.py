@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from prismllm.childenv import ChildEnv
-from prismllm.errors import PrismError
+from prismllm.errors import InputError, PrismError, RequirementError
 from prismllm.fromfields import FromFields
 from prismllm.launch.environment import gpu_ids
 from prismllm.launch.launcher import launch
@@ -234,7 +234,7 @@ def recorded_inputs(graph: Path, tensors: str | os.PathLike | None, inputs: str)
     if inputs == "auto" and not has and tensors is None:
         return None
     if not has:
-        raise PrismError(
+        raise InputError(
             f"no recorded tensors in {store}: the assistant needs the virtual ranks' inputs "
             f"(`prism record --save-tensors all,inputs`; --tensors DIR; or --inputs generated)"
         )
@@ -280,7 +280,7 @@ def gpus_of(devices: DeviceSpec, n_sandbox: int, n_assistants: int) -> tuple[lis
     need = n_sandbox + n_assistants
     if devices.gpus is None:
         if have < need:
-            raise PrismError(
+            raise RequirementError(
                 f"--devices cuda: this invocation's {need} process(es) (sandbox ranks and "
                 f"assistants) need {need} GPU(s), {have} visible (list shared ones: "
                 f"--devices cuda:{','.join(['0'] * need)})"
@@ -295,7 +295,7 @@ def gpus_of(devices: DeviceSpec, n_sandbox: int, n_assistants: int) -> tuple[lis
             )
         bad = [g for g in gpus if not 0 <= g < have]
         if bad:
-            raise PrismError(f"--devices {devices.text}: GPU {bad[0]} does not exist ({have} visible)")
+            raise RequirementError(f"--devices {devices.text}: GPU {bad[0]} does not exist ({have} visible)")
         gpus = gpus[:need]  # a longer list is a pool (prism run hands every stage the same one)
     return gpus[:n_sandbox], gpus[n_sandbox:]
 

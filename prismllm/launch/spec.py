@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from prismllm.childenv import ChildError, user_setting
-from prismllm.errors import PrismError
+from prismllm.errors import ExitCode, PrismError
 from prismllm.fromfields import FromFields
 
 DEFAULT_RUNNER = "prismllm.comm.bootstrap"
@@ -40,6 +40,8 @@ class ExtraProcess:
 class LaunchError(PrismError):
     """A launch that could not start, or whose ranks failed; ``result`` has the details."""
 
+    exit_code = ExitCode.FAILED
+
     def __init__(self, message: str, result: LaunchResult | None = None):
         super().__init__(message)
         self.result = result
@@ -59,6 +61,7 @@ class LaunchInterrupted(PrismError):
 
     def __init__(self, signum: int):
         self.signum = signum
+        self.exit_code = 128 + signum  # the shell's code for a process ended by signal N
         super().__init__(f"received {signal.Signals(signum).name}; all ranks were ended")
 
 

@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prismllm.errors import PrismError
+from prismllm.errors import InputError
 from prismllm.replay.graph import ReplayGraph, ranges
 from prismllm.trace.graph import PrismTrace
 
@@ -44,7 +44,7 @@ _I64 = np.int64
 TRANSFER_RULES = ("auto", "min", "slice", "last")
 
 
-class CalibrationError(PrismError):
+class CalibrationError(InputError):
     """A graph that cannot be calibrated (no durations, structures that differ, ...)."""
 
 

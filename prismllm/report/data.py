@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from prismllm import __version__
-from prismllm.errors import PrismError
+from prismllm.errors import InputError, PrismError
 from prismllm.fsutil import read_json
 from prismllm.layout import Layout
 from prismllm.trace.graph import PrismTrace, group_desc, ranks_text, read_manifest
@@ -55,7 +55,7 @@ def collect(run_dir: str | Path, reference: str | Path | None = None, ranks: lis
     cal = run_dir / CAL_DIR
     summary = read_json(cal / "summary.json")
     if summary is None or summary.get("format") != "prism-calibration":
-        raise PrismError(
+        raise InputError(
             f"{run_dir} holds no calibration ({CAL_DIR}/summary.json): `prism report` reads the "
             f"directory of a `prism run` that got at least as far as calibrate"
         )

@@ -34,9 +34,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from prismllm.errors import PrismError
+from prismllm.errors import PrismError, RequirementError
 from prismllm.fromfields import FromFields
-from prismllm.launch import LAUNCHER_ID, STATUS_PREFIX, LaunchInterrupted
+from prismllm.launch import LAUNCHER_ID, STATUS_PREFIX, LaunchError, LaunchInterrupted
 from prismllm.launch.program import check_program
 from prismllm.launch.sandbox import (
     RANKLOGS_DIR,
@@ -138,7 +138,7 @@ def slice_devices(opts: TimeOptions, at_once: int, cuda_on_cpu: bool = False) ->
     if dev.gpus is None:
         have = cuda_count()
         if have < per * at_once:
-            raise PrismError(
+            raise RequirementError(
                 f"{at_once} slice(s) at a time of {opts.slice_size} sandbox GPU(s) and one assistant GPU "
                 f"need {per * at_once} GPUs, {have} visible (lower --parallel or --slice-size, or list "
                 f"shared ones: --devices cuda:{','.join(['0'] * per)})"
@@ -285,8 +285,9 @@ def _run_slice(
     }
     (so / SLICE_FILE).write_text(json.dumps(record, indent=1) + "\n")
     if run.failure is not None:
-        raise PrismError(
-            f"slice {k} (ranks {','.join(map(str, ranks))}) failed: {run.failure}; its output: {_slice_log(out, k)}"
+        raise LaunchError(
+            f"slice {k} (ranks {','.join(map(str, ranks))}) failed: {run.failure}; its output: {_slice_log(out, k)}",
+            run.failure.result,
         )
     return record
 

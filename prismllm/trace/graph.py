@@ -16,14 +16,17 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from prismllm.errors import PrismError
+from prismllm.errors import InputError, PrismError
 from prismllm.fsutil import write_dir_atomically
 from prismllm.trace.schema import (
     EDGE_SCHEMA,
@@ -33,12 +36,14 @@ from prismllm.trace.schema import (
     GROUP_SCHEMA,
     ITERATION_SCHEMA,
     MANIFEST_FILE,
+    MANIFEST_VALUES,
+    MAX_WORLD_SIZE,
     NODE_DEFAULTS,
     NODE_SCHEMA,
 )
 
 
-class TraceError(PrismError):
+class TraceError(InputError):
     """A graph that cannot be built, read or trusted; the message says what and where."""
 
 
@@ -184,7 +189,8 @@ class PrismTrace:
                 json.dump(manifest, f, indent=2, sort_keys=True, default=_json_default)
                 f.write("\n")
 
-        return write_dir_atomically(path, MANIFEST_FILE, fill, TraceError, "graph")
+        # a path that holds something else: a usage error, not one of a graph read
+        return write_dir_atomically(path, MANIFEST_FILE, fill, PrismError, "graph")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> PrismTrace:
@@ -202,21 +208,20 @@ class PrismTrace:
                     f"graph {path}: {fname} is unreadable, truncated or corrupt ({_short(e)}); re-record the graph"
                 ) from None
             tables[name] = _conform(table, schema, name, where=f"graph {path}: {fname}")
+            _check_table(tables[name], schema, manifest["world_size"], f"graph {path}: {fname}")
         return cls(manifest=manifest, **tables)
 
 
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """A graph's manifest without its tables (what a stage checks before it runs anything),
-    with a world size of at least 1; TraceError naming the problem otherwise."""
-    path = Path(path)
-    manifest = _checked_manifest(path)
-    ws = manifest.get("world_size")
-    if not isinstance(ws, int) or ws < 1:
-        raise TraceError(f"graph {path}: {MANIFEST_FILE} has no world_size; re-record the graph")
-    return manifest
+    its values checked as :meth:`PrismTrace.load` checks them; TraceError naming the problem
+    otherwise."""
+    return _checked_manifest(Path(path))
 
 
 def _checked_manifest(path: Path) -> dict[str, Any]:
+    """The manifest of the graph at ``path``: the one place a graph's manifest is read, and its
+    values checked (format, version, world size, the types of :data:`MANIFEST_VALUES`)."""
     if not path.exists():
         raise TraceError(f"graph {path} does not exist")
     if not path.is_dir():
@@ -229,6 +234,10 @@ def _checked_manifest(path: Path) -> dict[str, Any]:
     try:
         with open(mpath) as f:
             manifest = json.load(f)
+    except RecursionError:
+        raise TraceError(
+            f"graph {path}: {MANIFEST_FILE} nests too deep to be a manifest; re-record the graph"
+        ) from None
     except (OSError, ValueError) as e:
         raise TraceError(f"graph {path}: {MANIFEST_FILE} is unreadable ({_short(e)}); re-record the graph") from None
     if not isinstance(manifest, dict):
@@ -237,14 +246,93 @@ def _checked_manifest(path: Path) -> dict[str, Any]:
     if fmt != FORMAT_NAME:
         raise TraceError(f"graph {path}: {MANIFEST_FILE} has format {fmt!r}, expected {FORMAT_NAME!r}")
     version = manifest.get("format_version")
-    if not isinstance(version, int):
-        raise TraceError(f"graph {path}: {MANIFEST_FILE} has no integer format_version")
+    if not _whole(version) or version < 1:
+        raise TraceError(f"graph {path}: {MANIFEST_FILE} has no format_version of 1 or more")
     if version > FORMAT_VERSION:
         raise TraceError(
             f"graph {path} has format version {version}, newer than this prismllm reads "
             f"({FORMAT_VERSION}): upgrade prismllm"
         )
+    _check_values(manifest, f"graph {path}: {MANIFEST_FILE}")
     return manifest
+
+
+def _whole(v: Any) -> bool:
+    """An integer of JSON (not a bool, which Python counts as one)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _strings(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+# what each kind of MANIFEST_VALUES accepts
+_KINDS: dict[str, Callable[[Any], bool]] = {
+    "a string": lambda v: isinstance(v, str),
+    "a list of strings": _strings,
+    "a string or a list of strings": lambda v: isinstance(v, str) or _strings(v),
+    "true or false": lambda v: isinstance(v, bool),
+    "an object": lambda v: isinstance(v, dict),
+}
+# the layout's sizes (prismllm.layout.Layout; ``edp`` as its to_dict writes it)
+_LAYOUT_SIZES = ("tp", "cp", "ep", "pp", "dp", "edp")
+
+
+def _check_values(m: dict[str, Any], where: str) -> None:
+    """The manifest's values that prism reads, by type and range: TraceError naming the field."""
+    if "world_size" not in m:
+        raise TraceError(f"{where} has no world_size; re-record the graph")
+    ws = m["world_size"]
+    if not _whole(ws) or not 1 <= ws <= MAX_WORLD_SIZE:
+        raise _bad_value(where, "world_size", ws, f"a whole number from 1 to {MAX_WORLD_SIZE}")
+    for key, kind in MANIFEST_VALUES.items():
+        v = m.get(key)
+        if v is not None and not _KINDS[kind](v):
+            raise _bad_value(where, key, v, kind)
+    for k, v in (m.get("layout") or {}).items():
+        if k in _LAYOUT_SIZES and not (_whole(v) and 1 <= v <= MAX_WORLD_SIZE):
+            raise _bad_value(where, f"layout.{k}", v, "a whole number of 1 or more")
+    for r, b in (m.get("peak_memory_bytes") or {}).items():
+        if not re.fullmatch(r"[0-9]+", r) or int(r) >= ws:
+            raise TraceError(
+                f"{where}: peak_memory_bytes has {_shown(r)}, not a rank of the world of {ws}; re-record the graph"
+            )
+        if not _whole(b) or b < -1:
+            raise _bad_value(where, f"peak_memory_bytes.{r}", b, "a whole number of bytes (-1: not measured)")
+
+
+def _bad_value(where: str, field: str, value: Any, expected: str) -> TraceError:
+    return TraceError(f"{where}: {field} is {_shown(value)}, expected {expected}; re-record the graph")
+
+
+def _shown(v: Any) -> str:
+    """A value as a message shows it: a scalar as written (shortened), a container by its kind
+    (its repr could be huge, or nest deeper than repr can go)."""
+    if isinstance(v, dict | list):
+        return f"{'an object' if isinstance(v, dict) else 'a list'} of {len(v)}"
+    s = json.dumps(v) if v is None or isinstance(v, bool | float) else repr(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def _check_table(table: pa.Table, schema: pa.Schema, world_size: int, where: str) -> None:
+    """No null in a column of the format; every rank a table names inside the manifest's world."""
+    for field in schema:
+        col = table.column(field.name)
+        if col.null_count:
+            raise TraceError(f"{where}: column {field.name!r} has {col.null_count} null value(s); re-record the graph")
+    if "rank" in schema.names:
+        ranks = table.column("rank")
+    elif "ranks" in schema.names:
+        ranks = pc.list_flatten(table.column("ranks"))
+    else:
+        return
+    if len(ranks):
+        lo, hi = pc.min_max(ranks).values()
+        bad = lo.as_py() if lo.as_py() < 0 else hi.as_py()
+        if not 0 <= bad < world_size:
+            raise TraceError(
+                f"{where}: rank {bad} is outside the world of {world_size} (manifest's world_size); re-record the graph"
+            )
 
 
 # ---------------------------------------------------------------------- helpers

@@ -28,7 +28,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prismllm import specs
-from prismllm.trace.graph import PrismTrace, TraceError, group_desc, ranks_text
+from prismllm.errors import PrismError, RequirementError
+from prismllm.trace.graph import PrismTrace, group_desc, ranks_text
 from prismllm.trace.schema import CALL_COLUMNS, EDGE_SYNC
 from prismllm.trace.spans import node_spans, select_ranks
 
@@ -63,11 +64,11 @@ def _us(ns: int) -> str:
 
 
 def parse_ranks(spec: str, world_size: int) -> list[int]:
-    """ "0-7,12,16-31" -> ranks; TraceError on a bad spec or a rank outside the world."""
+    """ "0-7,12,16-31" -> ranks; PrismError (a usage error) on a bad spec or a rank outside the world."""
     try:
         return list(specs.parse_ranks(spec, world_size))
     except ValueError as e:
-        raise TraceError(str(e)) from None
+        raise PrismError(str(e)) from None
 
 
 def export_perfetto(trace: PrismTrace, out: str | os.PathLike, ranks: list[int] | None = None) -> dict[str, Any]:
@@ -82,7 +83,7 @@ def export_perfetto(trace: PrismTrace, out: str | os.PathLike, ranks: list[int] 
             stats = _write(trace, f)
         os.replace(tmp, out)
     except OSError as e:
-        raise TraceError(f"cannot write {out}: {e.strerror or e}") from None
+        raise RequirementError(f"cannot write {out}: {e.strerror or e}") from None
     return stats
 
 

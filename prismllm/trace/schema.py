@@ -151,6 +151,30 @@ FILES = {
     "iterations": ("iterations.parquet", ITERATION_SCHEMA),
 }
 MANIFEST_FILE = "manifest.json"
+# The largest world a graph may describe: above any real job, and low enough that arrays of one
+# entry per rank stay small (a world size of 2**31 read from a damaged manifest would otherwise
+# allocate gigabytes).
+MAX_WORLD_SIZE = 1 << 24
+# What the manifest's other keys hold when present and not null (every load checks them, and
+# world_size: a whole number from 1 to MAX_WORLD_SIZE; peak_memory_bytes: {rank: bytes, -1 unknown}).
+MANIFEST_VALUES = {
+    "mode": "a string",
+    "recorder": "a string",
+    "device": "a string or a list of strings",
+    "clock": "a string or a list of strings",
+    "command": "a list of strings",
+    "argv": "a list of strings",
+    "gpus": "a list of strings",
+    "cuda_on_cpu": "true or false",
+    "layout": "an object",
+    "program": "an object",
+    "routing": "an object",
+    "capture": "an object",
+    "timing": "an object",
+    "calibration": "an object",
+    "versions": "an object",
+    "peak_memory_bytes": "an object",
+}
 # A graph directory may also hold the collective tensors its recording saved (prismllm.generate.store).
 TENSORS_DIR = "tensors"
 

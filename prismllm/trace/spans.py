@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prismllm.errors import PrismError, RequirementError
 from prismllm.trace.graph import PrismTrace, TraceError
 
 
@@ -39,12 +40,12 @@ def measured_spans(trace: PrismTrace, what: str) -> tuple[np.ndarray, np.ndarray
 
 
 def rank_rows(trace: PrismTrace, ranks: list[int] | None) -> tuple[PrismTrace, list[int], list[np.ndarray]]:
-    """The graph restricted to ``ranks`` (all when None; TraceError for a rank outside the
-    world), the ranks with nodes, and per rank its node rows in program order."""
+    """The graph restricted to ``ranks`` (all when None; PrismError, a usage error, for a rank
+    outside the world), the ranks with nodes, and per rank its node rows in program order."""
     if ranks is not None:
         bad = [r for r in ranks if not 0 <= int(r) < trace.world_size]
         if bad:
-            raise TraceError(f"rank {bad[0]} is outside the graph's world of {trace.world_size} ranks")
+            raise PrismError(f"rank {bad[0]} is outside the graph's world of {trace.world_size} ranks")
         trace = select_ranks(trace, ranks)
     order = trace.program_order()
     rank_o = trace.column("rank").astype(np.int64)[order]
@@ -56,7 +57,7 @@ def rank_rows(trace: PrismTrace, ranks: list[int] | None) -> tuple[PrismTrace, l
 
 def write_atomically(path: Path, write: Any, binary: bool = False) -> Any:
     """``write(file)`` into a temp file beside ``path``, then rename (a reader never sees half a
-    file); TraceError on an OS error."""
+    file); RequirementError on an OS error."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -64,7 +65,7 @@ def write_atomically(path: Path, write: Any, binary: bool = False) -> Any:
             result = write(f)
         os.replace(tmp, path)
     except OSError as e:
-        raise TraceError(f"cannot write {path}: {e.strerror or e}") from None
+        raise RequirementError(f"cannot write {path}: {e.strerror or e}") from None
     return result
 
 
