@@ -22,6 +22,8 @@
 #              at N = 4 on one shared GPU (a padded all-reduce in two parts, the device clock); ~3 min
 #   kernels    a DDP job's sandbox rank kernel by kernel (PyTorch profiler): real run, slice, emulation,
 #              at N = 2 and 4 (WORLDS), with the emulation's host under cProfile and a real recording; ~7 min
+#   hostcost   the host's cost of an async collective, real and emulated, N = 2 and 4 (issue_cost.py), the
+#              emulation's host under cProfile; ~4 min
 #   prune-all  pruned latency of every collective kind and send/recv against real 2- and 4-GPU runs (four GPUs),
 #              64 KB - 8 GB (issue 36); writes $OUT/pruning_latency_<gpu>x4.json; ~5 min
 #   fidelity-gpu [CASES]  the GPU fidelity suite (benchmarks/fidelity_gpu.py) for DEADLINE s (540); resumes
@@ -39,7 +41,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -155,6 +157,22 @@ kernels)
     tar czf "$OUT/kernel-graphs.tgz" "$W"/*/time/graph "$W"/*/time-k/graph "$W"/*/rec/graph "$W"/*/cal/summary.json \
         "$W"/*/emu*/emulate.json 2>/dev/null
     ls -la "$OUT" ;;
+hostcost)
+    # the host's cost of issuing an async collective (benchmarks/programs/issue_cost.py), real (torchrun) and
+    # emulated (prism run, sandbox on GPU 0, assistant on GPU 1) at N = 2 and 4; the emulation's host under cProfile
+    P=benchmarks/programs/issue_cost.py D="$OUT/hc" W=out/hostcost
+    mkdir -p "$D" "$W"
+    for n in ${WORLDS:-2 4}; do
+        r=$((n - 1))
+        timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" $P >"$D/real$n.log" 2>&1
+        timeout 200 prism run --world "$n" --devices cuda:0,1 --sandbox $r --out "$W/n$n" --force -- $P >"$D/prism$n.log" 2>&1
+        cp "$W/n$n/logs/emulate.log" "$D/emu$n.log" 2>/dev/null
+        env PRISM_PROGRAM_CHECK=off PROFILE_RANK=$r PROFILE_OUT="$D/cprof$n" timeout 120 prism emulate --graph "$W/n$n/cal/graph" \
+            --sandbox $r --devices cuda:0,1 --out "$W/n$n/emu-p" --force -- benchmarks/programs/profile_rank.py $P \
+            >"$D/emu${n}p.log" 2>&1
+        echo "N=$n real / emulated / emulated under cProfile:"; grep -h "^ISSUE" "$D/real$n.log" "$D/emu$n.log" "$D/emu${n}p.log"
+    done
+    tar czf "$OUT/hostcost.tgz" "$D" ;;
 prune-all)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'H' 'h')
     timeout "${PRUNE_TIMEOUT:-580}" python3 benchmarks/pruning_latency.py --devices cuda --worlds 2,4 --rounds "${ROUNDS:-1}" \
@@ -167,7 +185,7 @@ fidelity-gpu)
         out/fidelity_gpu/*/prism/emulate/emulate.json out/fidelity_gpu/*/prism/run.json 2>/dev/null
     # the slices' timed graphs and the real recordings' graphs, to compare span by span
     tar czf "$OUT/fidelity-graphs.tgz" out/fidelity_gpu/*/prism/time/graph out/fidelity_gpu/*/prism/cal/summary.json \
-        out/fidelity_gpu/*/record/graph out/fidelity_gpu/*/record-cal/summary.json \
+        out/fidelity_gpu/*/record/*.parquet out/fidelity_gpu/*/record/manifest.json out/fidelity_gpu/*/record-cal/summary.json \
         out/fidelity_gpu/*/prism/emulate/ranklogs 2>/dev/null ;;
 cpu-fid)
     N=${2:?usage: device_suite.sh cpu-fid N}

@@ -45,7 +45,8 @@ def main() -> None:
         torch.cuda.set_device(dev)
     n = a.numel - a.numel % world
     bufs = [torch.ones(n, device=dev) for _ in range(a.calls)]
-    outs = [torch.empty(n // world if a.op == "reduce_scatter" else n * world, device=dev) for _ in range(a.calls)]
+    out_numel = {"all_reduce": 0, "reduce_scatter": n // world, "all_gather": n * world}[a.op]
+    outs = [torch.empty(out_numel, device=dev) for _ in range(a.calls)]
     cycles = None
     if cuda:  # the clock rate of torch.cuda._sleep: measured once
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
