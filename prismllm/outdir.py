@@ -241,6 +241,8 @@ def storage_problem(e: BaseException, where: str | os.PathLike) -> str | None:
 
 
 def _free_space(path: str) -> str | None:
+    """The free space on ``path``'s file system (of its nearest existing ancestor), or None when
+    the file system cannot say."""
     p = Path(path)
     while not p.exists() and p != p.parent:
         p = p.parent
@@ -248,11 +250,11 @@ def _free_space(path: str) -> str | None:
         n = float(shutil.disk_usage(p).free)
     except OSError:
         return None
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    while n >= 1024 and len(units) > 1:
         n /= 1024
-    return None
+        units.pop(0)
+    return f"{n:.0f} B" if units[0] == "B" else f"{n:.1f} {units[0]}"
 
 
 @contextlib.contextmanager
