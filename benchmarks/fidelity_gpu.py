@@ -429,10 +429,20 @@ class Suite:
         self.save()
 
 
+# a row's figures, made by finish() from its steps
+DERIVED = (
+    "real_mean_ms", "real_spread", "real_host_wait", "busy_share", "real_peak_bytes", "predicted_ms",
+    "predicted_error", "emulated_ms", "emulated_error", "recorded_ms", "recorded_error", "solved_ms", "solved_error",
+    "captured_peak_bytes", "emulated_peak_bytes", "captured_peak_equal", "emulated_peak_equal",
+)  # fmt: skip
+
+
 def finish(r: dict) -> None:
     """The row's figures from its steps."""
     real = r["real_ms"]
     p = r.get("prism") or {}
+    for key in DERIVED:  # from this lease's steps only: none of a step set aside stays
+        r.pop(key, None)
     if not real:
         return
     mean = statistics.fmean(real)

@@ -7,16 +7,18 @@ idle waiting for its host.
     python benchmarks/kernel_timeline.py TRACE.json.gz [TRACE ...] [--json OUT] [--skip 2]
 
 Iterations are cut at the host's device-wide synchronizations (``cudaDeviceSynchronize``, which
-the suite's programs call at each iteration's start and end). Per iteration and trace: the span
+the suite's programs call at each iteration's start and end; an interval of fewer than
+``--min-kernels`` kernels, the host's data loading between them, is no iteration). Per iteration and trace: the span
 from the first kernel to the last, the device's busy time (union of all kernels), compute
 kernels' own time (every kernel but NCCL's) and busy union, NCCL kernels' time, the time compute
-kernels ran while an NCCL kernel was resident (overlap), the compute stream's idle gaps, and the
-host's time in the pruned layer's hot path is not visible here (see emulate.json). Prints the
-median over the steady iterations (all but the first ``--skip``)."""
+kernels ran while an NCCL kernel was resident (overlap), the compute stream's idle gaps: the median over the steady iterations (all but the first
+``--skip``). And the host's time in each autograd function that issued a collective (a DDP
+bucket's hook): the calls' host cost, which the device waits for where it runs out of work."""
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import json
 import statistics
@@ -104,14 +106,37 @@ def iterations(events: list[dict]) -> list[dict]:
     return out
 
 
-def summary(path: Path, skip: int) -> dict:
-    its = iterations(load(path))
+def issuing_hooks(events: list[dict]) -> list[float]:
+    """Host µs of each autograd function during which a collective was issued (a data-parallel
+    bucket's hook: DDP's reducer issues its all-reduce from the AccumulateGrad that fills it)."""
+    comms = sorted(e["ts"] for e in events if e.get("ph") == "X" and e.get("name") == "record_param_comms")
+    fns = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "cpu_op"
+        and e["name"].startswith("autograd::engine::evaluate_function")
+    ]
+    out = []
+    for f in fns:
+        i = bisect.bisect_left(comms, f["ts"])
+        if i < len(comms) and comms[i] < f["ts"] + f["dur"]:
+            out.append(f["dur"])
+    return out
+
+
+def summary(path: Path, skip: int, min_kernels: int) -> dict:
+    events = load(path)
+    its = [x for x in iterations(events) if x["kernels"] >= min_kernels]
     st = its[skip:] or its
     keys = list(st[0]) if st else []
+    hooks = issuing_hooks(events)
     return {
-        "trace": str(path),
+        "trace": path.name,
         "iterations": len(its),
         **{k: round(statistics.median(x[k] for x in st), 3) for k in keys},
+        "issuing_hooks": len(hooks),
+        "issuing_hook_us_median": round(statistics.median(hooks), 1) if hooks else None,
     }
 
 
@@ -119,9 +144,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("traces", nargs="+", type=Path)
     ap.add_argument("--skip", type=int, default=2)
+    ap.add_argument("--min-kernels", type=int, default=50, help="intervals with fewer kernels are no iteration")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
-    rows = [summary(p, a.skip) for p in a.traces]
+    rows = [summary(p, a.skip, a.min_kernels) for p in a.traces]
     for r in rows:
         print(json.dumps(r))
     if a.json:

@@ -159,9 +159,10 @@ def _parse(name: str, raw: str) -> Any:
 @dataclasses.dataclass(frozen=True)
 class ChildError:
     """Why a child stopped. ``kind``: ``prism`` (prism stopped the program: a message that
-    names the rank, the call and the fix), ``assistant`` (an assistant cannot play its part) or
+    names the rank, the call and the fix), ``assistant`` (an assistant cannot play its part),
     ``out_of_memory`` (the program's allocation failed; ``calls``: the communication calls the
-    rank had made, where in the program it ran out)."""
+    rank had made, where in the program it ran out) or ``storage`` (a write failed on a full disk
+    or a failing file system: the path and the free space there, ``prismllm.outdir``)."""
 
     kind: str
     message: str

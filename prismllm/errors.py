@@ -6,6 +6,7 @@ Every exception that reaches the command line ends as one line and one of :class
 from __future__ import annotations
 
 import enum
+import os
 
 
 class ExitCode(enum.IntEnum):
@@ -63,3 +64,24 @@ class RequirementError(PrismError):
     the permission to write a file."""
 
     exit_code = ExitCode.ENVIRONMENT
+
+
+class OutputBusy(PrismError):
+    """Another live run writes the output directory (``prismllm.outdir``): a usage error (choose
+    another --out, or wait)."""
+
+
+class StorageError(RequirementError):
+    """A write failed on a full disk or a failing file system. ``problem``: the path, what
+    failed and the free space there; ``kept``: the output directory left incomplete, once the
+    command writing it knows (``prismllm.outdir.writing``)."""
+
+    def __init__(self, problem: str, kept: str | os.PathLike | None = None):
+        self.problem = problem
+        self.kept = kept
+        super().__init__(
+            problem
+            if kept is None
+            else f"{problem}; {kept} is left incomplete, earlier outputs are kept: make room (or repair the "
+            f"file system) and run the command again"
+        )

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from prismllm.cli.main import main
-from prismllm.errors import PrismError
+from prismllm.errors import PrismError, StorageError
+from prismllm.launch import LaunchInterrupted
+from prismllm.pipeline import sweep
 from prismllm.pipeline.sweep import SweepOptions, parse_grid, plan_points
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -129,3 +131,22 @@ def test_the_peak_rank_is_named_with_its_layout_coordinates_once(tmp_path):
     assert "rank 0 " in shown and "rank 0, rank 0" not in shown and "rank 5, pp 0 · ep 5" in shown
     page = render_sweep_html(state, tmp_path)
     assert "(rank 0)" in page and "(rank 5, pp 0 · ep 5)" in page
+
+
+@pytest.mark.parametrize(
+    "stop", [StorageError("/out/points/000-mb-1/bare: No space left on device (0 B free)"), LaunchInterrupted(15)]
+)
+def test_a_full_disk_or_a_signal_ends_the_sweep(tmp_path, monkeypatch, stop):
+    """Unlike a point that fails, a full disk (every later point would hit it too) or a signal
+    ends the sweep at the point it stopped."""
+    ran = []
+
+    def run_pipeline(opts, ui):
+        ran.append(opts.out)
+        raise stop
+
+    monkeypatch.setattr(sweep, "run_pipeline", run_pipeline)
+    opts = SweepOptions(out=tmp_path / "sweep", script=GPT3D, world=2, grid=[("mb", ["1", "2"])])
+    with pytest.raises(type(stop)):
+        sweep.run_sweep(opts)
+    assert len(ran) == 1

@@ -17,12 +17,14 @@ from prismllm.assistant.proxy import Assistant, AssistantError
 from prismllm.childenv import ChildEnv, report_error, user_setting, variable
 from prismllm.errors import PrismError
 from prismllm.launch.status import reporter
+from prismllm.outdir import storage_problem
 from prismllm.trace.graph import PrismTrace
 
 
 def main() -> int:
     t0 = time.monotonic()
     status = reporter()  # the launcher's hang diagnosis: its stacks from the start, its proxies once made
+    child: ChildEnv | None = None
     try:
         child = ChildEnv.current()
         inputs = child.inputs or "recorded"
@@ -64,7 +66,12 @@ def main() -> int:
         if child.replay_out:
             a.write_result(child.replay_out)
     except (PrismError, ValueError, OSError, RuntimeError) as e:
-        report_error("assistant", str(e))
+        # a write that names no path: the replay plan's, the assistant's one file
+        problem = storage_problem(e, (child and child.replay_out) or os.getcwd())
+        if problem is None:
+            report_error("assistant", str(e))
+        else:
+            report_error("storage", problem)
         print(f"prism assistant: error: {e}", file=sys.stderr, flush=True)
         return 1
     virt = a.graph.ranks

@@ -25,6 +25,7 @@ from prismllm.calibrate.report import (
     summarize,
     write,
 )
+from prismllm.outdir import writing
 from prismllm.replay import TRANSFER_RULES, CalibrationError, Solution, solve
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.summary import steady_iteration_time
@@ -40,28 +41,32 @@ def calibrate(
     write_graph: bool = False,
 ) -> dict[str, Any]:
     """Load GRAPH (and OTHER), solve, write CAL when ``out`` is given (with ``write_graph``
-    also CAL/graph, the calibrated PrismTrace); return the summary."""
-    t0 = time.perf_counter()
-    trace = PrismTrace.load(graph)
-    other = PrismTrace.load(durations) if durations is not None else None
-    load_s = time.perf_counter() - t0
-    sol = solve(trace, durations=other, rule=rule, validate_graph=validate_graph, names=(str(graph), str(durations)))
-    t0 = time.perf_counter()
-    summary = summarize(
-        sol, str(graph), str(durations) if durations is not None else None, {"load": load_s, **sol.timings_s}
-    )
-    if other is not None:
-        ref = steady_iteration_time(other)
-        pred = summary["predicted_iteration_ns"]
-        summary["durations_recorded_iteration_ns"] = ref
-        summary["durations_rel_error"] = (pred - ref) / ref if (ref and pred is not None) else None
-    summary["solve"]["analyze_s"] = round(time.perf_counter() - t0, 4)
-    if out is not None:
+    also CAL/graph, the calibrated PrismTrace), as its one writer from the start
+    (``prismllm.outdir``); return the summary."""
+    with writing(out):
         t0 = time.perf_counter()
-        table = calibrated_table(sol)
-        write(out, table, summary, calibrated_trace(sol) if write_graph else None)
-        summary["solve"]["write_s"] = round(time.perf_counter() - t0, 4)
-    return summary
+        trace = PrismTrace.load(graph)
+        other = PrismTrace.load(durations) if durations is not None else None
+        load_s = time.perf_counter() - t0
+        sol = solve(
+            trace, durations=other, rule=rule, validate_graph=validate_graph, names=(str(graph), str(durations))
+        )
+        t0 = time.perf_counter()
+        summary = summarize(
+            sol, str(graph), str(durations) if durations is not None else None, {"load": load_s, **sol.timings_s}
+        )
+        if other is not None:
+            ref = steady_iteration_time(other)
+            pred = summary["predicted_iteration_ns"]
+            summary["durations_recorded_iteration_ns"] = ref
+            summary["durations_rel_error"] = (pred - ref) / ref if (ref and pred is not None) else None
+        summary["solve"]["analyze_s"] = round(time.perf_counter() - t0, 4)
+        if out is not None:
+            t0 = time.perf_counter()
+            table = calibrated_table(sol)
+            write(out, table, summary, calibrated_trace(sol) if write_graph else None)
+            summary["solve"]["write_s"] = round(time.perf_counter() - t0, 4)
+        return summary
 
 
 __all__ = [

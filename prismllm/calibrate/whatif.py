@@ -61,6 +61,7 @@ from rich.table import Table
 from prismllm.calibrate.report import SUMMARY_FILE, calibrated_table, summarize, write
 from prismllm.errors import PrismError
 from prismllm.layout import Layout
+from prismllm.outdir import writing
 from prismllm.replay import INST_P2P, Durations, ReplayGraph, Solution, solve
 from prismllm.specs import parse_ranks
 from prismllm.trace.graph import PrismTrace
@@ -464,37 +465,40 @@ def whatif(
     """Solve CAL's graph as calibrated (the baseline) and with the changes; return both
     summaries and what changed. ``layout``: the layout ``group=`` conditions read, where the
     graph's manifest has none. ``out``: write the changed solution as a calibration directory
-    (``prism report`` reads it)."""
-    network = network or []
-    if not changes and not network:
-        raise WhatIfError("nothing to change: give --scale SELECTOR:AMOUNT and/or --network FILE")
-    cal_path = Path(cal)
-    src = calibration_source(cal_path) if graph is None else {"graph": str(graph), "durations": None, "rule": "auto"}
-    trace = PrismTrace.load(src["graph"])
-    other = PrismTrace.load(src["durations"]) if src["durations"] else None
-    lay = Layout.parse(layout, trace.world_size) if layout else None
-    if lay is None and not trace.manifest.get("layout") and any(c.selector.group for c in changes):
-        raise WhatIfError(
-            f"group= needs the graph's layout, and {src['graph']} has none (recorded without --layout): give --layout, "
-            f"e.g. --layout tp=2,pp=2, or select by size=N"
+    (``prism report`` reads it), as its one writer from the start (``prismllm.outdir``)."""
+    with writing(out):
+        network = network or []
+        if not changes and not network:
+            raise WhatIfError("nothing to change: give --scale SELECTOR:AMOUNT and/or --network FILE")
+        cal_path = Path(cal)
+        src = (
+            calibration_source(cal_path) if graph is None else {"graph": str(graph), "durations": None, "rule": "auto"}
         )
-    names = (src["graph"], str(src["durations"]))
-    base = solve(trace, durations=other, rule=src["rule"], names=names)
-    log: list[Applied] = []
-    new = solve(
-        trace,
-        durations=other,
-        rule=src["rule"],
-        names=names,
-        validate_graph=False,
-        adjust=lambda g, d: _apply(g, d, changes, network, lay, log),
-    )
-    before = summarize(base, src["graph"], src["durations"])
-    after = summarize(new, src["graph"], src["durations"])
-    after["whatif"] = {"changes": [c.text for c in changes], "network": [link.selector.text for link in network]}
-    if out is not None:
-        write(out, calibrated_table(new), after)
-    return _result(base, new, before, after, log, out)
+        trace = PrismTrace.load(src["graph"])
+        other = PrismTrace.load(src["durations"]) if src["durations"] else None
+        lay = Layout.parse(layout, trace.world_size) if layout else None
+        if lay is None and not trace.manifest.get("layout") and any(c.selector.group for c in changes):
+            raise WhatIfError(
+                f"group= needs the graph's layout, and {src['graph']} has none (recorded without --layout): give --layout, "
+                f"e.g. --layout tp=2,pp=2, or select by size=N"
+            )
+        names = (src["graph"], str(src["durations"]))
+        base = solve(trace, durations=other, rule=src["rule"], names=names)
+        log: list[Applied] = []
+        new = solve(
+            trace,
+            durations=other,
+            rule=src["rule"],
+            names=names,
+            validate_graph=False,
+            adjust=lambda g, d: _apply(g, d, changes, network, lay, log),
+        )
+        before = summarize(base, src["graph"], src["durations"])
+        after = summarize(new, src["graph"], src["durations"])
+        after["whatif"] = {"changes": [c.text for c in changes], "network": [link.selector.text for link in network]}
+        if out is not None:
+            write(out, calibrated_table(new), after)
+        return _result(base, new, before, after, log, out)
 
 
 def _result(base: Solution, new: Solution, before: dict, after: dict, log: list[Applied], out) -> dict[str, Any]:

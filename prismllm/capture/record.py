@@ -42,6 +42,7 @@ from prismllm.launch import (
     LineSink,
     launch,
 )
+from prismllm.outdir import writing
 from prismllm.routing.contract import OBSERVE_DIR, child_fields, manifest_entry
 from prismllm.specs import format_ranks, parse_layout
 from prismllm.trace.assemble import assemble_spool
@@ -174,11 +175,17 @@ def choose_recorder(opts: RecordOptions) -> str:
 
 
 def record(opts: RecordOptions, *, on_start: Callable[[str, int], None] | None = None) -> RecordResult:
-    """Run ``opts.script`` on ``opts.nproc`` ranks with the recording backend and save the trace.
+    """Run ``opts.script`` on ``opts.nproc`` ranks with the recording backend and save the trace,
+    as the one writer of OUT and of the tensor store (``prismllm.outdir``).
 
     Raises PrismError (one clear message) on bad input, a failed rank, or a trace that cannot
     be assembled or validated. ``on_start(device, nproc)`` is called just before the launch.
     """
+    with writing(opts.out), writing(opts.tensor_store):
+        return _record(opts, on_start)
+
+
+def _record(opts: RecordOptions, on_start: Callable[[str, int], None] | None) -> RecordResult:
     t0 = time.monotonic()
     if opts.nproc < 1:
         raise PrismError(f"--nproc must be at least 1, not {opts.nproc}")

@@ -55,6 +55,7 @@ from prismllm.launch import (
     says_out_of_memory,
 )
 from prismllm.layout import Layout, ReplicaPlan, replica_plan
+from prismllm.outdir import writing
 from prismllm.routing.contract import child_fields, manifest_entry
 from prismllm.specs import format_ranks, parse_devices
 from prismllm.trace.alltoall import reconcile_all_to_all
@@ -350,7 +351,15 @@ def capture(
     command finished), assemble the N-rank graph and save it into ``opts.out``.
 
     Raises PrismError (one clear message) on bad input, a failed rank (named, spool kept:
-    re-run to resume), or a graph that cannot be assembled or validated."""
+    re-run to resume), or a graph that cannot be assembled or validated. The one writer of
+    ``opts.out`` while it runs (``prismllm.outdir``)."""
+    with writing(opts.out):
+        return _capture(opts, on_plan, on_progress)
+
+
+def _capture(
+    opts: CaptureOptions, on_plan: Callable[[CapturePlan], None] | None, on_progress: ProgressFn | None
+) -> CaptureResult:
     t0 = time.monotonic()
     plan, fp, state = plan_capture(opts)
     if opts.runner == DEFAULT_RUNNER:

@@ -19,7 +19,9 @@ import argparse
 
 from prismllm.cli import options
 from prismllm.errors import PrismError
+from prismllm.outdir import writing
 from prismllm.trace.chakra import export_chakra
+from prismllm.trace.graph import PrismTrace
 from prismllm.trace.kineto import export_kineto
 from prismllm.trace.perfetto import export_perfetto, parse_ranks
 
@@ -41,6 +43,11 @@ def run(args: argparse.Namespace) -> int:
     trace = options.load_graph(args.graph, check=not args.no_validate)
     ranks = parse_ranks(args.ranks, trace.world_size) if args.ranks else None
     shown = f"{len(set(ranks))} of {trace.world_size}" if ranks else f"{trace.world_size}"
+    with writing(args.hta or args.chakra):  # a directory of files (--perfetto: one file, written atomically)
+        return _export(args, trace, ranks, shown)
+
+
+def _export(args: argparse.Namespace, trace: PrismTrace, ranks: list[int] | None, shown: str) -> int:
     if args.hta:
         stats = export_kineto(trace, args.hta, ranks=ranks)
         print(

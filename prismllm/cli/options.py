@@ -55,7 +55,8 @@ SHARED: dict[str, Option] = {
         ("--force",),
         {
             "action": "store_true",
-            "help": "replace DIR if it holds an earlier output of prism (never another directory)",
+            "help": "replace DIR if it holds an earlier output of prism (never another directory, nor one that "
+            "another run is writing)",
         },
     ),
     "devices": Option(("--devices",), {"default": "auto", "metavar": "DEVICES", "help": DEVICES_HELP}),

@@ -9,9 +9,12 @@ the graph) is reported to the launcher (``childenv.report_error``) and printed a
 ``prism: error: ...`` to stderr; the exit status is 3, with no traceback.
 At exit (normal end, ``sys.exit(n)``, or an exception) the rank's RankLog is written to the
 spool -- once, from the process that started (never from forked workers) -- and the
-program's own exit status and traceback are kept. With ``memory_history`` the rank's
-allocator history is written too (GPU; ``prismllm.comm.memhistory``). With ``cuda_on_cpu``
-(with or without a mode) the program's CUDA calls run on the CPU (``prismllm.devicemap``).
+program's own exit status and traceback are kept. A rank log that a full disk or a failing file
+system kept from being written is a ``storage`` error reported to the launcher (a program that
+ended well then exits 3), and so is such an error of the program's own writes. With
+``memory_history`` the rank's allocator history is written too (GPU;
+``prismllm.comm.memhistory``). With ``cuda_on_cpu`` (with or without a mode) the program's
+CUDA calls run on the CPU (``prismllm.devicemap``).
 
 The interception's modules are imported only when a mode is set: a plain run of the
 bootstrap loads nothing of prism's (nor torch) before the program does.
@@ -29,6 +32,7 @@ from prismllm.childenv import ChildEnv, report_error
 from prismllm.errors import PrismError
 from prismllm.launch.messages import is_out_of_memory
 from prismllm.launch.status import reporter
+from prismllm.outdir import storage_problem
 
 USAGE = "usage: python -m prismllm.comm.bootstrap SCRIPT [ARGS...]"
 
@@ -40,6 +44,7 @@ class _Flusher:
         self.history = history  # ChildEnv.memory_history (prismllm.comm.memhistory)
         self.pid = os.getpid()
         self.done = False
+        self.lost = False  # the rank log could not be written for a full disk or a failing file system
 
     def __call__(self) -> None:
         if self.done or self.rec is None or os.getpid() != self.pid:
@@ -65,9 +70,15 @@ class _Flusher:
                 from prismllm.comm import memhistory
 
                 memhistory.dump(self.history, self.rec.rank)
-        except Exception:  # never mask the program's own outcome
-            print("prism: could not write the rank log:", file=sys.stderr)
-            traceback.print_exc()
+        except Exception as e:  # never mask the program's own outcome
+            problem = storage_problem(e, self.spool or ".")
+            if problem is None:
+                print("prism: could not write the rank log:", file=sys.stderr)
+                traceback.print_exc()
+                return
+            self.lost = True
+            report_error("storage", problem)
+            print(f"prism: error: could not write the rank log: {problem}", file=sys.stderr)
 
 
 def _program_traceback(tb, script: str):
@@ -160,7 +171,12 @@ def main(argv: list[str] | None = None) -> None:
     sys.path[0] = os.path.dirname(os.path.abspath(script))
     try:
         runpy.run_path(script, run_name="__main__")
-    except (SystemExit, KeyboardInterrupt):
+    except SystemExit as e:
+        flush()
+        if flush.lost and not e.code:
+            raise SystemExit(3) from None
+        raise
+    except KeyboardInterrupt:
         flush()
         raise
     except BaseException as e:  # the program's own error: same report, same exit status
@@ -169,7 +185,10 @@ def main(argv: list[str] | None = None) -> None:
         if perr is not None:  # prism's own error (e.g. the tensor generator): one line
             _stop(str(perr))
         text = f"{type(e).__name__}: {e}"
-        if is_out_of_memory(text):  # with where in the program: solo ranks, run apart, are compared by it
+        problem = storage_problem(e, os.getcwd())
+        if problem is not None:  # the program's own write: the launcher names the disk, not a traceback
+            report_error("storage", problem)
+        elif is_out_of_memory(text):  # with where in the program: solo ranks, run apart, are compared by it
             report_error("out_of_memory", text.splitlines()[0], calls=rec.calls() if rec else None)
         tb = _program_traceback(e.__traceback__, script)
         e.__traceback__ = tb
@@ -177,6 +196,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.flush()
         raise SystemExit(1) from None
     flush()
+    if flush.lost:
+        raise SystemExit(3)
 
 
 if __name__ == "__main__":

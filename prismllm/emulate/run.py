@@ -37,6 +37,7 @@ from prismllm.launch.sandbox import (
     recorded_inputs,
     sandbox_devices,
 )
+from prismllm.outdir import writing
 from prismllm.specs import parse_ranks
 from prismllm.trace.graph import read_manifest
 from prismllm.trace.schema import FILES
@@ -190,8 +191,14 @@ def check_failure(checks: dict[int, dict]) -> str | None:
 
 
 def emulate(opts: EmulateOptions) -> EmulateResult:
-    """Run the emulation; raise PrismError (one clear message) on bad input or a failed run:
-    SandboxOutOfMemory when a sandbox rank ran out of memory (a result), else LaunchError."""
+    """Run the emulation, as the one writer of ``opts.out`` (``prismllm.outdir``); raise PrismError
+    (one clear message) on bad input or a failed run: SandboxOutOfMemory when a sandbox rank ran
+    out of memory (a result), else LaunchError."""
+    with writing(opts.out):
+        return _emulate(opts)
+
+
+def _emulate(opts: EmulateOptions) -> EmulateResult:
     t0 = time.monotonic()
     if not isinstance(opts.assistants, int) or opts.assistants < 1:
         raise PrismError(f"--assistants must be 1 or more, not {opts.assistants!r}")

@@ -68,6 +68,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from prismllm.childenv import ChildEnv, read_error
+from prismllm.errors import StorageError
 from prismllm.launch.environment import (
     build_env,
     build_extra_env,
@@ -76,9 +77,11 @@ from prismllm.launch.environment import (
 )
 from prismllm.launch.messages import (
     error_file_message,
+    error_line,
     failure_message,
     has_error_line,
     lost_peer,
+    says_storage_error,
     who_is,
 )
 from prismllm.launch.output import OutputPump, Stream, default_sink
@@ -370,6 +373,10 @@ class _Launcher:
             slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", ex.name)
             jobs.append(_Job(xid, -1, list(ex.argv), env, None, prefix, spec.passthrough, slug))
         status_dir = log_dir / "status" if log_dir is not None else Path(tempfile.mkdtemp(prefix="prism-status-"))
+        if self.watchdog is not None:  # a launcher killed with SIGKILL leaves no temporary directory either
+            self.watchdog.remove(err_dir)
+            if log_dir is None:
+                self.watchdog.remove(status_dir)
         self.board = StatusBoard(status_dir, {j.id: j.log_name for j in jobs})
         for job in jobs:
             rank, cmd, env = job.id, job.cmd, job.env
@@ -424,6 +431,8 @@ class _Launcher:
         if not where:  # plain scripts: nothing to ask
             return []
         self.status_kept = True
+        if self.watchdog is not None:
+            self.watchdog.keep(self.board.dir)
         return [head, *where, f"  every thread's stack, per process: {self.board.dir}{os.sep}*.status"]
 
     def _print(self, lines: list[str]) -> None:
@@ -578,7 +587,15 @@ def launch(spec: LaunchSpec) -> LaunchResult:
 
     Returns a LaunchResult (``ok`` False with ``message`` on a rank failure or timeout; call
     ``raise_for_failure()`` to turn that into a LaunchError). Raises LaunchError if the job
-    cannot start, LaunchInterrupted on SIGTERM/SIGHUP and KeyboardInterrupt on SIGINT, in every
-    case after all children have been ended.
+    cannot start, LaunchInterrupted on SIGTERM/SIGHUP, KeyboardInterrupt on SIGINT, and
+    StorageError when a child failed on a full disk or a failing file system (no stage can do
+    anything else with its failure), in every case after all children have been ended.
     """
-    return _Launcher(spec).run()
+    result = _Launcher(spec).run()
+    for c in sorted(c for c, rc in result.returncodes.items() if (rc or 0) > 0):
+        err, tail = result.errors.get(c), result.stderr_tail.get(c, [])
+        if err is not None and err.kind == "storage":
+            raise StorageError(f"{who_is([c], result.names)}: {err.message}")
+        if err is None and says_storage_error(tail):  # a child that could not write its error file either
+            raise StorageError(f"{who_is([c], result.names)}: {error_line(tail)[0]}")
+    return result

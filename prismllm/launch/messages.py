@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from prismllm.launch.spec import RankFailure
+from prismllm.outdir import STORAGE_ERRNOS
 from prismllm.specs import format_ranks
 
 
@@ -44,6 +45,16 @@ _OUT_OF_MEMORY = re.compile(
     r"MemoryError|out of memory|can(?:'|no)t allocate memory|not enough memory|_ALLOC_FAILED",
     re.IGNORECASE,
 )
+
+
+# What a full disk or a failing file system says (the messages of prismllm.outdir.STORAGE_ERRNOS).
+_STORAGE = re.compile("|".join(re.escape(os.strerror(e)) for e in sorted(STORAGE_ERRNOS)))
+
+
+def says_storage_error(lines: Sequence[str]) -> bool:
+    """Whether the error a process reported last (:func:`error_line`) is a write that failed on a
+    full disk or a failing file system."""
+    return any(_STORAGE.search(ln) for ln in error_line(lines)[1])
 
 
 def says_out_of_memory(lines: Sequence[str]) -> bool:

@@ -30,19 +30,24 @@ def pdeathsig_preexec(parent_pid: int) -> Callable[[], None] | None:
 
 
 # A tiny process, in its own session, that outlives a launcher killed with SIGKILL: it reads the
-# process groups of the ranks from a pipe and, if the pipe closes without "done" (the launcher
-# died without cleaning up), ends those groups, and with them what the ranks started (PDEATHSIG
-# only reaches the ranks themselves).
+# process groups of the ranks and the launcher's temporary directories from a pipe and, if the
+# pipe closes without "done" (the launcher died without cleaning up), ends those groups, and with
+# them what the ranks started (PDEATHSIG only reaches the ranks themselves), then removes the
+# directories it was not told to keep.
 _WATCHDOG_SRC = r"""
-import os, signal, sys, time
-groups, done = [], False
+import os, shutil, signal, sys, time
+groups, dirs, done = [], [], False
 for line in sys.stdin:
-    line = line.strip()
+    line = line.rstrip("\n")
     if line == "done":
         done = True
         break
     if line.isdigit():
         groups.append(int(line))
+    elif line.startswith("dir "):
+        dirs.append(line[4:])
+    elif line.startswith("keep "):
+        dirs = [d for d in dirs if d != line[5:]]
 if not done:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pg in groups:
@@ -51,6 +56,8 @@ if not done:
             except OSError:
                 pass
         time.sleep(1.0)
+    for d in dirs:
+        shutil.rmtree(d, ignore_errors=True)
 """
 
 
@@ -66,8 +73,19 @@ class Watchdog:
         )
 
     def watch(self, pgid: int) -> None:
+        self._say(str(pgid))
+
+    def remove(self, directory: str | os.PathLike) -> None:
+        """Remove ``directory`` (a temporary one of the launcher's) if the launcher dies."""
+        self._say(f"dir {directory}")
+
+    def keep(self, directory: str | os.PathLike) -> None:
+        """Keep ``directory`` after all (a message named it)."""
+        self._say(f"keep {directory}")
+
+    def _say(self, line: str) -> None:
         try:
-            self.proc.stdin.write(f"{pgid}\n".encode())
+            self.proc.stdin.write(f"{line}\n".encode())
             self.proc.stdin.flush()
         except (OSError, ValueError):
             pass

@@ -11,7 +11,8 @@
 
 Resume: a run that stopped (Ctrl-C, a failure, a lost machine) goes on where it stopped when the
 same command is run again: a stage whose output is complete is not run again, capture and time
-resume inside their own stage. Another command on the same OUT is refused unless ``force``.
+resume inside their own stage. Another command on the same OUT is refused unless ``force``; another
+run while this one goes on, even with ``force`` (``prismllm.outdir``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from prismllm.fromfields import FromFields
 from prismllm.fsutil import read_json, write_file_atomically
 from prismllm.launch import LineSink
 from prismllm.layout import Layout
+from prismllm.outdir import writing
 from prismllm.report import write_report
 from prismllm.report.data import BARE_DIR, CAL_DIR, EMULATE_DIR, RUN_FILE, TIME_DIR, coords_text
 from prismllm.time import TimeOptions, check_time_devices, plan_slices, time_slices
@@ -159,8 +161,13 @@ def _log_sink(path: Path) -> tuple[LineSink, Callable[[], None]]:
 
 
 def run_pipeline(opts: RunOptions, ui: RunUI | None = None) -> dict[str, Any]:
-    """Run every stage not done yet; returns the summary (also in OUT/run.json)."""
-    ui = ui or RunUI()
+    """Run every stage not done yet, as the one writer of OUT, the stages' directories inside it
+    included (``prismllm.outdir``); returns the summary (also in OUT/run.json)."""
+    with writing(opts.out):
+        return _run_pipeline(opts, ui or RunUI())
+
+
+def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
     if opts.stop_after not in (None, "capture"):
         raise PrismError(f"stop_after {opts.stop_after!r}: only 'capture' (or None: every stage)")
     if not os.path.isfile(opts.script):

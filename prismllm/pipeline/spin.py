@@ -18,6 +18,7 @@ from typing import Any
 
 from prismllm.calibrate import calibrate
 from prismllm.calibrate.whatif import WhatIfError, calibration_source, duration_ns, parse_change, whatif
+from prismllm.outdir import writing
 from prismllm.time import TimeOptions, time_slices
 
 
@@ -49,39 +50,41 @@ def parse_spin(text: str) -> tuple[str, float]:
 
 
 def spin_whatif(opts: SpinOptions, say: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Time CAL's graph again with the spins, calibrate, and compare (see the module docstring)."""
-    if not opts.spins:
-        raise WhatIfError("nothing to spin: give --spin LABEL=DURATION")
-    cal = Path(opts.cal)
-    src = calibration_source(cal)
-    out = Path(opts.out)
-    resolve = whatif(cal, [parse_change(f"op=compute,label={label}:+{ms:g}ms") for label, ms in opts.spins.items()])
-    unlabelled = [label for label, a in zip(opts.spins, resolve["applied"]) if not a["compute_spans"]]
-    if unlabelled:
-        raise WhatIfError(
-            f"no compute span of {src['graph']} is labelled {', '.join(map(repr, unlabelled))}: label it in the "
-            "program (prismllm.mark / prismllm.span) and capture again"
+    """Time CAL's graph again with the spins, calibrate, and compare (see the module docstring), as
+    the one writer of OUT (``prismllm.outdir``)."""
+    with writing(opts.out):
+        if not opts.spins:
+            raise WhatIfError("nothing to spin: give --spin LABEL=DURATION")
+        cal = Path(opts.cal)
+        src = calibration_source(cal)
+        out = Path(opts.out)
+        resolve = whatif(cal, [parse_change(f"op=compute,label={label}:+{ms:g}ms") for label, ms in opts.spins.items()])
+        unlabelled = [label for label, a in zip(opts.spins, resolve["applied"]) if not a["compute_spans"]]
+        if unlabelled:
+            raise WhatIfError(
+                f"no compute span of {src['graph']} is labelled {', '.join(map(repr, unlabelled))}: label it in the "
+                "program (prismllm.mark / prismllm.span) and capture again"
+            )
+        timed = time_slices(
+            TimeOptions.from_fields(
+                opts, graph=src["graph"], out=out / "time", args=list(opts.args), spin=dict(opts.spins)
+            ),
+            say=say,
         )
-    timed = time_slices(
-        TimeOptions.from_fields(
-            opts, graph=src["graph"], out=out / "time", args=list(opts.args), spin=dict(opts.spins)
-        ),
-        say=say,
-    )
-    measured = calibrate(timed.graph, out / "cal")
-    base = resolve["baseline_iteration_ns"]
-    m = measured["predicted_iteration_ns"]
-    return {
-        "spins_ms": dict(opts.spins),
-        "baseline_iteration_ns": base,
-        "resolve_iteration_ns": resolve["whatif_iteration_ns"],
-        "measured_iteration_ns": m,
-        "resolve_change_ns": resolve["whatif_iteration_ns"] - base,
-        "measured_change_ns": m - base,
-        "spans_per_label": {label: a["compute_spans"] for label, a in zip(opts.spins, resolve["applied"])},
-        "time": str(out / "time"),
-        "cal": str(out / "cal"),
-    }
+        measured = calibrate(timed.graph, out / "cal")
+        base = resolve["baseline_iteration_ns"]
+        m = measured["predicted_iteration_ns"]
+        return {
+            "spins_ms": dict(opts.spins),
+            "baseline_iteration_ns": base,
+            "resolve_iteration_ns": resolve["whatif_iteration_ns"],
+            "measured_iteration_ns": m,
+            "resolve_change_ns": resolve["whatif_iteration_ns"] - base,
+            "measured_change_ns": m - base,
+            "spans_per_label": {label: a["compute_spans"] for label, a in zip(opts.spins, resolve["applied"])},
+            "time": str(out / "time"),
+            "cal": str(out / "cal"),
+        }
 
 
 __all__ = ["SpinOptions", "parse_spin", "spin_whatif"]

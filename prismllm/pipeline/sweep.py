@@ -31,10 +31,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from prismllm.errors import PrismError
+from prismllm.errors import PrismError, StorageError
 from prismllm.fromfields import FromFields
 from prismllm.fsutil import read_json, write_file_atomically
-from prismllm.launch import LaunchError, RankOutOfMemory
+from prismllm.launch import LaunchError, LaunchInterrupted, RankOutOfMemory
+from prismllm.outdir import writing
 from prismllm.pipeline.run import RunOptions, RunUI, run_pipeline
 from prismllm.report.data import BARE_DIR, CAL_DIR
 from prismllm.report.sweep import write_sweep_report
@@ -184,8 +185,14 @@ def run_sweep(
     ui: RunUI | None = None,
     on_point: Callable[[Point, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run every point (``on_point(point, total)`` before each); returns OUT/sweep.json's content.
-    A point that runs out of memory or fails is a row of the table, not the end of the sweep."""
+    """Run every point (``on_point(point, total)`` before each), as the one writer of OUT
+    (``prismllm.outdir``); returns OUT/sweep.json's content. A point that runs out of memory or
+    fails is a row of the table, not the end of the sweep; a signal or a full disk is."""
+    with writing(opts.out):
+        return _run_sweep(opts, ui, on_point)
+
+
+def _run_sweep(opts: SweepOptions, ui: RunUI | None, on_point: Callable[[Point, int], None] | None) -> dict[str, Any]:
     points = plan_points(opts)
     out = Path(opts.out)
     if out.exists() and not out.is_dir():
@@ -226,6 +233,8 @@ def run_sweep(
             status, error, oom_rank = "out_of_memory", str(e), e.rank
         except LaunchError as e:
             status, error = "failed", str(e)
+        except (LaunchInterrupted, StorageError):  # a signal, or a full disk every later point would hit too
+            raise
         except PrismError as e:
             status, error = "failed", str(e)
         for stage, sub in (("capture", Path(BARE_DIR)), ("calibrate", Path(CAL_DIR) / "graph")):

@@ -36,6 +36,7 @@ import pyarrow as pa
 
 from prismllm.errors import PrismError, RequirementError
 from prismllm.fromfields import FromFields
+from prismllm.fsutil import write_file_atomically
 from prismllm.launch import LAUNCHER_ID, STATUS_PREFIX, LaunchError, LaunchInterrupted
 from prismllm.launch.program import check_program
 from prismllm.launch.sandbox import (
@@ -47,6 +48,7 @@ from prismllm.launch.sandbox import (
     sandbox_devices,
 )
 from prismllm.layout import Layout, replica_plan
+from prismllm.outdir import writing
 from prismllm.specs import DeviceSpec, parse_devices
 from prismllm.trace.assemble import assemble_spool
 from prismllm.trace.graph import PrismTrace, read_manifest
@@ -346,7 +348,17 @@ def time_slices(
     """Run every slice not done yet, then assemble the timed graph. ``progress(done, total,
     ranks, seconds)`` is called after each slice; ``say(line)`` with each status report line a
     running slice's launcher writes (a slice that makes no progress: ``prismllm.launch.status``),
-    so that a stuck slice is not a silent one."""
+    so that a stuck slice is not a silent one. The one writer of ``opts.out`` while it runs
+    (``prismllm.outdir``)."""
+    with writing(opts.out):
+        return _time_slices(opts, progress, say)
+
+
+def _time_slices(
+    opts: TimeOptions,
+    progress: Callable[[int, int, list[int], float], None] | None,
+    say: Callable[[str], None] | None,
+) -> TimeResult:
     t0 = time.monotonic()
     graph = Path(opts.graph)
     manifest = read_manifest(graph)
@@ -394,7 +406,7 @@ def time_slices(
             raise PrismError(f"output directory {out} exists and is not empty (use --force to replace it)")
         shutil.rmtree(out)
     (out / SLICES_DIR).mkdir(parents=True, exist_ok=True)
-    sf.write_text(json.dumps(state, indent=1) + "\n")
+    write_file_atomically(sf, json.dumps(state, indent=1) + "\n")  # read back unguarded by a resume
 
     todo = [(k, s) for k, s in enumerate(slices) if not _done(_slice_dir(out, k), s)]
     resumed = len(slices) - len(todo)
