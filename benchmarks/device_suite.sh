@@ -22,6 +22,7 @@
 #              at N = 4 on one shared GPU (a padded all-reduce in two parts, the device clock); ~3 min
 #   kernels    a DDP job's sandbox rank kernel by kernel (PyTorch profiler): real run, slice, emulation,
 #              at N = 2 and 4 (WORLDS), with the emulation's host under cProfile and a real recording; ~7 min
+#   issue-thread  PRISM_ISSUE_THREAD=1: GPU tests, a DDP job's prism run beside its real run, host cost; ~4 min
 #   hostcost   the host's cost of an async collective, real and emulated, N = 2 and 4 (issue_cost.py), the
 #              emulation's host under cProfile; ~4 min
 #   prune-all  pruned latency of every collective kind and send/recv against real 2- and 4-GPU runs (four GPUs),
@@ -41,7 +42,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -157,6 +158,22 @@ kernels)
     tar czf "$OUT/kernel-graphs.tgz" "$W"/*/time/graph "$W"/*/time-k/graph "$W"/*/rec/graph "$W"/*/cal/summary.json \
         "$W"/*/emu*/emulate.json 2>/dev/null
     ls -la "$OUT" ;;
+issue-thread)
+    # PRISM_ISSUE_THREAD=1 on two GPUs (four for the real DDP run beside it): the GPU tests of the pruned
+    # all_reduce and of a DP2 emulation's values, a DDP job's prism run beside its real run (GPUs 2, 3), the
+    # host's cost of an async call real and emulated; ~4 min
+    export PRISM_ISSUE_THREAD=1
+    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_pruned_nccl_gpu.py \
+        "tests/test_emulate_gpu.py::test_losses_and_pruned_outputs_equal_the_real_run[dp2_distopt]" 2>&1 | tail -3
+    P=benchmarks/programs/torch_parallel.py A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    CUDA_VISIBLE_DEVICES=2,3 timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P $A \
+        >"$OUT/ddp2-real.log" 2>&1 &
+    timeout 150 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out out/thread/ddp2 --force \
+        -- $P $A >"$OUT/ddp2-prism.log" 2>&1
+    wait
+    cp out/thread/ddp2/logs/emulate.log "$OUT/ddp2-emulate.log" 2>/dev/null
+    grep -h "iteration 10/\|predicted iteration\|emulated, rank" "$OUT"/ddp2-*.log
+    WORLDS=2 timeout 100 bash benchmarks/device_suite.sh hostcost >"$OUT/hostcost.log" 2>&1; grep -h "^ISSUE" "$OUT/hc"/*.log ;;
 hostcost)
     # the host's cost of issuing an async collective (benchmarks/programs/issue_cost.py), real (torchrun) and
     # emulated (prism run, sandbox on GPU 0, assistant on GPU 1) at N = 2 and 4; the emulation's host under cProfile

@@ -277,6 +277,21 @@ def test_other_layouts_sandbox_last_rank_losses_equal_the_real_run(layout, tmp_p
     assert_check(res, 0, graph)
 
 
+@pytest.mark.parametrize("layout", ["pp2", "dp2_distopt"])
+def test_the_issue_thread_keeps_every_value_and_the_order(layout, tmp_path, gpt3d_recording, monkeypatch):
+    """PRISM_ISSUE_THREAD (here ``all``: the CPU's gloo calls too): the asynchronous pruned
+    calls (the pipeline's isend/irecv, the distributed optimizer's) are planned and issued on a
+    thread of their own, calls on the program's thread wait for it: the same losses as the real
+    run, every output as recorded, and the calls were indeed issued off the program's thread."""
+    graph, real = shared_record(gpt3d_recording, layout)
+    monkeypatch.setenv("PRISM_ISSUE_THREAD", "all")
+    res, emu = run_emulation(graph, tmp_path / "emu", layout, "1")
+    assert_same_losses(real, emu)
+    assert_check(res, 1, graph)
+    info = json.loads((tmp_path / "emu" / "emulate.json").read_text())
+    assert info["sandbox_results"]["1"]["emulation_calls_off_thread"] > 0
+
+
 @pytest.mark.slow
 def test_n4_two_sandbox_ranks(tmp_path, gpt3d_recording):
     """TP2 x DP2 at N = 4 with two sandbox processes: {2, 3} holds a whole TP group (a real
@@ -413,3 +428,24 @@ def test_solo_captured_graph_with_the_recorded_runs_tensors(tmp_path, gpt3d_reco
     res, emu = run_emulation(bare, tmp_path / "emu", "tp2", "3", tensors=real_graph / "tensors")
     assert_same_losses(real, emu)
     assert res.checks[3]["compared"] > 0 and res.checks[3]["missing"] == 0, res.checks[3]
+
+
+def test_a_pruned_works_duration_is_its_small_calls_device_time():
+    """On NCCL the recorder reads an async call's transfer from ``Work._get_duration`` (NCCL's
+    own events); a pruned call answers with its small calls' (one after the other on one stream:
+    their sum), so that a GPU slice measures pruned transfers as a recording measures real ones.
+    A small Work without timing raises, as NCCL's does, and the recorder then reads none."""
+    from prismllm.comm.sandbox import PrunedWork
+
+    class Small:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def _get_duration(self):
+            if self.ms is None:
+                raise RuntimeError("TORCH_NCCL_ENABLE_TIMING is not set")
+            return self.ms
+
+    assert PrunedWork([Small(0.25), Small(0.5)], [], [])._get_duration() == 0.75
+    with pytest.raises(RuntimeError):
+        PrunedWork([Small(None)], [], [])._get_duration()

@@ -527,6 +527,7 @@ def collect(rec: Recorder) -> RankLog:
         excluded_ns=int(rec.excluded_ns),
         emulation_host_ns=int(rec.emulation_host_ns),
         scratch_bytes=scratch.reserved_bytes(),
+        calls_off_thread=rec.calls_off_thread,
     )
 
 

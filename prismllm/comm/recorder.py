@@ -207,6 +207,7 @@ class Recorder:
         self.excluded_ns = 0
         # the same layer's host time on every backend (on GPU counted, not left out)
         self.emulation_host_ns = 0
+        self.calls_off_thread = 0  # emulation: pruned calls the issue thread issued (comm.sandbox)
 
     # ---- points -------------------------------------------------------------------------
     def _host_point(self, t: int) -> int:

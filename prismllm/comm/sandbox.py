@@ -28,6 +28,14 @@ calls that differ by more than rounding (:func:`rounding_tolerance`), the first 
 a sandbox rank that prints nothing (e.g. TP rank 0 of gpt3d) is shown to see exactly what the
 real run saw.
 
+Issue thread (``PRISM_ISSUE_THREAD=1``, GPU): an asynchronous pruned call is recorded and checked
+against the graph on the program's thread, which then only marks where its stream stands (a CUDA
+event) and returns, as NCCL's own enqueue does; :class:`IssueThread` plans it and issues its small
+calls after that mark. DDP issues its gradient buckets from autograd's thread between backward
+kernels: the emulation's host work there (~100 µs a call beside NCCL's ~35 µs, H100 host) left
+the device without work in every bucket. Calls stay in the program's order on every small group:
+a call issued on the program's thread first waits until the issue thread is done.
+
 Rendezvous: the program's ``env://`` store is the launcher's real TCPStore (its clients do
 not wait for absent ranks); the store-based barriers torch adds with
 ``TORCH_DIST_INIT_BARRIER=1`` would wait for absent ranks and are skipped (as in solo mode).
@@ -38,6 +46,7 @@ own store protocol expects from absent ranks.
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import math
 import os
@@ -52,7 +61,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from prismllm import pruning as C
-from prismllm.childenv import ChildEnv, variable
+from prismllm.childenv import ChildEnv, user_setting, variable
 from prismllm.comm import scratch, solo
 from prismllm.comm.graphcheck import GraphExpectation
 from prismllm.comm.recording import RecordingProcessGroup
@@ -74,6 +83,9 @@ _EXPECT: Any = None  # this rank's calls in the graph (GraphExpectation): a devi
 # the virtual ranks' inputs are generated: every virtual member is taken to hold what this rank
 # holds (pruning.sandbox_call's like_me: all_gather slots, sums scaled to the group's)
 _LIKE_ME = False
+_ISSUE: IssueThread | None = None  # PRISM_ISSUE_THREAD=1: asynchronous pruned calls issued off the program's thread
+# the issue thread serves CUDA calls; PRISM_ISSUE_THREAD=all gloo's too (the CPU tests of its order)
+_ISSUE_ON_CPU = False
 
 
 def _close_small_groups() -> None:
@@ -81,6 +93,11 @@ def _close_small_groups() -> None:
     destroy_process_group does not reach them (torch shuts down NCCL backends only, and a
     RecordingProcessGroup and its inner backend reference each other, so they are freed at
     teardown at the earliest)."""
+    if _ISSUE is not None:
+        try:
+            _ISSUE.drain()
+        except BaseException:  # noqa: BLE001 - reported where the program waited; the groups still go
+            pass
     while _BACKENDS:
         _BACKENDS.pop().shutdown()
 
@@ -96,7 +113,7 @@ def sandbox() -> tuple[int, ...]:
 def prepare(rank: int, child: ChildEnv) -> None:
     """Read the sandbox set; skip store-based barriers (they wait for absent ranks); set up
     the output check when asked."""
-    global _SANDBOX, _CHECK, _EXPECT, _LIKE_ME
+    global _SANDBOX, _CHECK, _EXPECT, _LIKE_ME, _ISSUE, _ISSUE_ON_CPU
     if not child.sandbox:
         raise PrismError(f"{variable('mode')}=emulate needs {variable('sandbox')} (the ranks that run for real)")
     _SANDBOX = child.sandbox
@@ -114,6 +131,9 @@ def prepare(rank: int, child: ChildEnv) -> None:
     if child.check_tensors:
         _CHECK = OutputCheck(child.check_tensors, rank, child.check_out)
         atexit.register(_CHECK.write)
+    issue = user_setting("PRISM_ISSUE_THREAD")
+    if issue in ("1", "all"):
+        _ISSUE, _ISSUE_ON_CPU = IssueThread(), issue == "all"
 
 
 # A pruned sum adds its members in another order than the real ring, so a float output may differ
@@ -299,6 +319,7 @@ class PrunedWork(dist.Work):
         outputs: list,
         checks: Sequence[tuple[Call, list]] = (),
         leave_out: Callable[[int], None] | None = None,
+        issued: bool = True,
     ):
         super().__init__()
         self._leave_out = leave_out  # the backend's _leave_out on CPU: the post step is ours
@@ -309,6 +330,48 @@ class PrunedWork(dist.Work):
         self._lock = threading.Lock()
         self._finished = False
         self._fut: Any = None
+        # issued later by the IssueThread (``issued=False``): set by ``_bind`` or ``_fail``
+        self._issued = threading.Event()
+        self._failure: BaseException | None = None
+        self._fut_lock = threading.Lock()  # not _lock: a chained callback may run _finish inside
+        self._fut_waiting = False  # get_future came first: the Future is completed from the bind
+        self._complete_at_finish = False  # ... or, where the small Works have none, by _finish
+        if issued:
+            self._issued.set()
+
+    def _bind(self, works: Sequence[Any], calls: Sequence[C.SmallCall], checks: Sequence) -> None:
+        """The small calls the issue thread made for this Work."""
+        self._works, self._calls, self._checks = list(works), list(calls), list(checks)
+        with self._fut_lock:
+            self._issued.set()
+            if self._fut_waiting:
+                fut = self._fut
+
+                def complete(f: Any) -> None:
+                    try:
+                        fut.set_result(f.value())
+                    except Exception as e:  # noqa: BLE001 - the program sees it where it waits
+                        fut.set_exception(e)
+
+                try:
+                    chained = self._chain()
+                except RuntimeError:  # gloo's point-to-point Works have no Future: completed at the wait
+                    self._complete_at_finish = True
+                else:
+                    chained.add_done_callback(complete)
+
+    def _fail(self, e: BaseException) -> None:
+        with self._fut_lock:
+            self._failure = e
+            self._issued.set()
+            if self._fut_waiting:
+                self._fut.set_exception(e)
+
+    def _ready(self) -> None:
+        """Wait until the small calls are issued; raise what stopped them."""
+        self._issued.wait()
+        if self._failure is not None:
+            raise self._failure
 
     def _finish(self) -> None:
         with self._lock:
@@ -319,8 +382,11 @@ class PrunedWork(dist.Work):
                 if _CHECK is not None:
                     for call, outs in self._checks:
                         _CHECK.compare(call, outs)
+                if self._complete_at_finish:
+                    self._fut.set_result(self._outputs)
 
     def wait(self, timeout=None) -> bool:
+        self._ready()
         for w in self._works:
             if timeout is None:
                 w.wait()
@@ -335,6 +401,9 @@ class PrunedWork(dist.Work):
     def is_completed(self) -> bool:
         if self._finished:
             return True
+        if not self._issued.is_set():
+            return False
+        self._ready()
         if all(w.is_completed() for w in self._works):
             self._finish()
             return True
@@ -347,23 +416,41 @@ class PrunedWork(dist.Work):
         return None
 
     def get_future(self):
-        if self._fut is None:
-            futs = [w.get_future() for w in self._works]  # raises where gloo has none (p2p)
-            outs = self._outputs
+        with self._fut_lock:
+            if self._fut is None:
+                if self._failure is not None:
+                    raise self._failure
+                if self._issued.is_set():
+                    self._fut = self._chain()
+                else:  # completed once the issue thread bound the small calls (``_bind``)
+                    devices = sorted({str(t.device) for t in self._outputs if t.device.type == "cuda"})
+                    self._fut = torch.futures.Future(devices=devices or None)
+                    self._fut_waiting = True
+            return self._fut
 
-            def done(_f):
-                self._finish()
-                return outs
+    def _chain(self):
+        """The small calls' Future, then the post step: completes with the program's outputs."""
+        futs = [w.get_future() for w in self._works]  # raises where gloo has none (p2p)
+        outs = self._outputs
 
-            if len(futs) == 1:  # the common case: no collect_all (a Future more, a callback more)
-                self._fut = futs[0].then(done)
-            elif futs:
-                self._fut = torch.futures.collect_all(futs).then(done)
-            else:
-                f = torch.futures.Future()
-                f.set_result(None)
-                self._fut = f.then(done)
-        return self._fut
+        def done(_f):
+            self._finish()
+            return outs
+
+        if len(futs) == 1:  # the common case: no collect_all (a Future more, a callback more)
+            return futs[0].then(done)
+        if futs:
+            return torch.futures.collect_all(futs).then(done)
+        f = torch.futures.Future()
+        f.set_result(None)
+        return f.then(done)
+
+    def _get_duration(self) -> float:
+        """NCCL's device time of the small calls, in ms (TORCH_NCCL_ENABLE_TIMING=1, as the
+        sandbox runs): what the recorder reads as an async call's duration, so that a GPU slice
+        measures a pruned transfer as a recording measures a real one. The small calls run one
+        after the other on the communicator's stream: their sum."""
+        return sum(w._get_duration() for w in self._works)
 
     def synchronize(self) -> None:
         self.wait()
@@ -382,6 +469,60 @@ class PrunedWork(dist.Work):
 
     def __repr__(self) -> str:
         return f"PrunedWork({', '.join(c.op for c in self._calls)}, {len(self._works)} small works)"
+
+
+class IssueThread:
+    """Plans and issues the sandbox's asynchronous pruned calls on a thread of its own (module
+    docstring, "Issue thread"), one after the other in the order the program made them. A call
+    issued on the program's thread first waits until this one is done (:meth:`drain`), so every
+    small communicator sees the program's order. A call that fails here fails its Work, where the
+    program waits, and every later one (the order the small groups expect is lost)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._jobs: collections.deque[tuple[PrunedWork, Callable[[], tuple]]] = collections.deque()
+        self._busy = 0
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: PrunedWork, job: Callable[[], tuple]) -> None:
+        """``job()`` -> (works, calls, checks) is bound to ``work`` once it ran."""
+        with self._cv:
+            if self._error is not None:
+                raise self._error
+            self._jobs.append((work, job))
+            self._busy += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="prism-issue", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every call submitted is issued; raise what stopped one."""
+        with self._cv:
+            while self._busy:
+                self._cv.wait()
+            if self._error is not None:
+                raise self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs:
+                    self._cv.wait()
+                work, job = self._jobs.popleft()
+            try:
+                if self._error is not None:
+                    raise self._error
+                work._bind(*job())
+            except BaseException as e:  # noqa: BLE001 - handed to the program where it waits
+                if self._error is None:
+                    self._error = e if isinstance(e, PrismError) else EmulateError(f"issuing a pruned call: {e}")
+                work._fail(self._error)
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify_all()
 
 
 # ---- the backend ----------------------------------------------------------------------------
@@ -414,6 +555,7 @@ class PrunedBackend(solo.GeneratedBackend):
         self._batch: list[PrunedWork] | None = None  # gloo: the open batch's Works
         # nccl: the open batch's calls, issued together by _end_coalescing
         self._nccl_batch: list[tuple[list, list, list]] | None = None
+        self._issue_streams: dict[int | None, Any] = {}  # the issue thread's stream per device
 
     def supports_coalescing(self, device) -> bool:
         # as the real backend: NCCL batches (one NCCL group), gloo posts ops one by one
@@ -536,18 +678,8 @@ class PrunedBackend(solo.GeneratedBackend):
             return p, self._sandbox_call(p)
         raise EmulateError(f"{c.where()}: {op} is not supported in emulation")
 
-    def _run(self, calls: list[Call], ins, outs, tag: int = 0):
-        """Issue every call on the small group; one PrunedWork for all of them (inside an
-        NCCL batch: nothing yet, as NCCL returns no Work there; the batch's Work comes from
-        ``_end_coalescing``)."""
-        t0 = time.perf_counter_ns()
-        tensors = solo._flat(ins) + solo._flat(outs)
-        cuda = any(t.device.type == "cuda" for t in tensors)  # not is_cuda: --cuda-on-cpu maps it
-        if cuda != (self.backend == "nccl") and tensors:
-            raise EmulateError(
-                f"{calls[0].where()}: {'CUDA' if cuda else 'CPU'} tensors on a group whose "
-                f"small group is {self.backend} (one device type per pruned group)"
-            )
+    def _plans(self, calls: list[Call], tag: int) -> tuple[list[C.SmallCall], list]:
+        """Each call's small call, and the (call, outputs) pairs to compare with the recording."""
         smalls, checks = [], []
         for c in calls:
             try:
@@ -560,6 +692,27 @@ class PrunedBackend(solo.GeneratedBackend):
                 if got:
                     checks.append((c, got))
                     _CHECK.issued(c)
+        return smalls, checks
+
+    def _run(self, calls: list[Call], ins, outs, opts: Any = None, tag: int = 0):
+        """Issue every call on the small group; one PrunedWork for all of them (inside an
+        NCCL batch: nothing yet, as NCCL returns no Work there; the batch's Work comes from
+        ``_end_coalescing``). With the issue thread, an asynchronous call on the GPU is issued
+        there (:meth:`_run_later`)."""
+        t0 = time.perf_counter_ns()
+        tensors = solo._flat(ins) + solo._flat(outs)
+        cuda = any(t.device.type == "cuda" for t in tensors)  # not is_cuda: --cuda-on-cpu maps it
+        if cuda != (self.backend == "nccl") and tensors:
+            raise EmulateError(
+                f"{calls[0].where()}: {'CUDA' if cuda else 'CPU'} tensors on a group whose "
+                f"small group is {self.backend} (one device type per pruned group)"
+            )
+        if _ISSUE is not None:
+            later = self._nccl_batch is None and self._batch is None and solo._is_async(opts)
+            if later and (cuda or _ISSUE_ON_CPU):
+                return self._run_later(calls, outs, tag, t0)
+            _ISSUE.drain()
+        smalls, checks = self._plans(calls, tag)
         if self._nccl_batch is not None:
             self._nccl_batch.append((smalls, solo._flat(outs), checks))
             return None
@@ -573,6 +726,44 @@ class PrunedBackend(solo.GeneratedBackend):
         self._leave_out(t0)
         return w
 
+    def _run_later(self, calls: list[Call], outs, tag: int, t0: int) -> PrunedWork:
+        """The call's Work now; its plan and small calls on the issue thread, after the point the
+        program's stream has reached (a CUDA event: what the collective must see of its tensors)."""
+        mark = dev = None
+        if self.backend == "nccl":
+            dev = torch.device("cuda", torch.cuda.current_device())
+            mark = torch.cuda.Event()
+            mark.record()
+        w = PrunedWork((), (), solo._flat(outs), (), issued=False)
+        small = self.small()
+
+        def job() -> tuple:
+            t1 = time.perf_counter_ns()
+            if mark is None:
+                smalls, checks = self._plans(calls, tag)
+                works = [x for sc in smalls for x in C.issue(small, sc)]
+            else:
+                side = self._issue_stream(dev)
+                with torch.cuda.device(dev), torch.cuda.stream(side):
+                    side.wait_event(mark)
+                    smalls, checks = self._plans(calls, tag)
+                    works = [x for sc in smalls for x in C.issue(small, sc)]
+            rec = self.owner._rec
+            rec.emulation_host_ns += time.perf_counter_ns() - t1  # counted, never left out
+            rec.calls_off_thread += 1
+            return works, smalls, checks
+
+        _ISSUE.submit(w, job)
+        self._leave_out(t0)
+        return w
+
+    def _issue_stream(self, dev: torch.device) -> Any:
+        """The issue thread's stream on ``dev``: it waits for the program's stream at each call's mark."""
+        side = self._issue_streams.get(dev.index)
+        if side is None:
+            side = self._issue_streams[dev.index] = torch.cuda.Stream(device=dev)
+        return side
+
     # -- calls GeneratedBackend answers without a Call, or without the tag --
     def barrier(self, opts=None):
         self._hold_barrier_tensor(opts)
@@ -583,11 +774,11 @@ class PrunedBackend(solo.GeneratedBackend):
 
     def send(self, tensors, dstRank, tag=0):
         g = self._peer(dstRank)
-        return self._run([self._call(1, 0, input=tensors[0], output=None, peer=g)], tensors, [], tag)
+        return self._run([self._call(1, 0, input=tensors[0], output=None, peer=g)], tensors, [], tag=tag)
 
     def recv(self, tensors, srcRank, tag=0):
         g = self._peer(srcRank)
-        return self._run([self._call(1, 0, output=_one(tensors, "recv"), peer=g)], [], tensors, tag)
+        return self._run([self._call(1, 0, output=_one(tensors, "recv"), peer=g)], [], tensors, tag=tag)
 
     def recv_anysource(self, tensors, tag=0):
         raise _unsupported(
@@ -604,6 +795,8 @@ class PrunedBackend(solo.GeneratedBackend):
             self._batch = []
 
     def _end_coalescing(self, device):
+        if _ISSUE is not None:
+            _ISSUE.drain()
         if self._nccl_batch is not None:
             batch, self._nccl_batch = self._nccl_batch, None
             if not batch:

@@ -147,6 +147,9 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
         # what torchrun gives each of the N ranks of the real job (nproc > 1): the sandbox
         # runs the recorded ranks' numerics, not a multi-threaded variant of them
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        # NCCL's own device-side start/end events: a pruned call's transfer measured on the device
+        # (PrunedWork._get_duration), as a recording measures a real one
+        **({"TORCH_NCCL_ENABLE_TIMING": "1"} if cuda else {}),
         **spec.env,
     }
     assistants = []
@@ -331,6 +334,7 @@ def measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
             "emulation_overhead_left_out_ns": int(log.excluded_ns),
             "emulation_host_ns": int(log.emulation_host_ns),
             "emulation_scratch_bytes": int(log.scratch_bytes),
+            "emulation_calls_off_thread": int(log.calls_off_thread),
         }
     return out
 

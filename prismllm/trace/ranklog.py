@@ -48,6 +48,8 @@ class RankLog:
     # device memory the emulation's pruned calls took outside the program's allocator, so not
     # in peak_memory_bytes (prism emulate on GPU; prismllm.comm.scratch)
     scratch_bytes: int = 0
+    # asynchronous pruned calls planned and issued off the program's thread (PRISM_ISSUE_THREAD)
+    calls_off_thread: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
