@@ -7,11 +7,18 @@ virtual inputs: the real member's sum scaled to the group), however many calls a
 from __future__ import annotations
 
 import os
+import socket
 from datetime import timedelta
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from prismllm import pruning as C
+from prismllm.comm import scratch
+from prismllm.pruning.generated import GeneratedBuffers, generated_proxy_call
+from prismllm.pruning.groups import small_group
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,48 +28,46 @@ pytestmark = [
 N, SHAPE, CALLS = 4, (1000, 37), 6  # 37,000 floats a call: padded to the 4-member ring's bytes
 
 
+def _sandbox(pg, p: C.Plan, dev: torch.device) -> tuple:
+    """CALLS calls in flight, then their results: (each tensor's mean, the arena's bytes)."""
+    ts = [torch.full(SHAPE, float(k + 1), device=dev) for k in range(CALLS)]
+    sc = [C.sandbox_call(p, 0, tensor=t, scratch=scratch.arena, like_me=True, coalesce=True, premul=True) for t in ts]
+    works = [C.issue(pg, c) for c in sc]
+    assert all(len(w) == 1 for w in works), "one Work a padded call (one NCCL group)"
+    for c, w in zip(sc, works):
+        w[0].wait()
+        c.finish()
+    torch.cuda.synchronize()
+    return [float(t.mean()) for t in ts], scratch.arena(dev).reserved_bytes
+
+
+def _proxy(pg, p: C.Plan, dev: torch.device) -> tuple:
+    """Generated inputs, contributed with factor 0."""
+    bufs = GeneratedBuffers(dev)
+    for _ in range(CALLS):
+        C.run(pg, generated_proxy_call(p, bufs, coalesce=True, premul=True))
+    torch.cuda.synchronize()
+    return None, 0
+
+
 def _member(small_rank: int, port: int, q) -> None:
-    import torch.distributed as dist
-
-    from prismllm.comm import scratch
-    from prismllm.pruning import calls as C, executor
-    from prismllm.pruning.generated import GeneratedBuffers, generated_proxy_call
-    from prismllm.pruning.groups import small_group
-
     os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     dev = torch.device("cuda", small_rank)
     torch.cuda.set_device(dev)
     store = dist.TCPStore("127.0.0.1", port, 2, small_rank == 0, timeout=timedelta(seconds=60))
     pg = small_group(store, "g", small_rank, 2, timedelta(seconds=60), backend="nccl")
     p = C.plan_all_reduce(N, (0,), SHAPE, "sum", dtype=torch.float32)
-    assert p.pad > 0
     try:
-        if small_rank == 0:  # the sandbox: CALLS calls in flight, then their results
-            ts = [torch.full(SHAPE, float(k + 1), device=dev) for k in range(CALLS)]
-            sc = [
-                C.sandbox_call(p, 0, tensor=t, scratch=scratch.arena, like_me=True, coalesce=True, premul=True)
-                for t in ts
-            ]
-            works = [executor.issue(pg, c) for c in sc]
-            assert all(len(w) == 1 for w in works), "one Work a padded call (one NCCL group)"
-            for c, w in zip(sc, works):
-                w[0].wait()
-                c.finish()
-            torch.cuda.synchronize()
-            q.put(("sandbox", [float(t.mean()) for t in ts], scratch.arena(dev).reserved_bytes))
-        else:  # the proxy: generated inputs, contributed with factor 0
-            bufs = GeneratedBuffers(dev)
-            for _ in range(CALLS):
-                executor.run(pg, generated_proxy_call(p, bufs, coalesce=True, premul=True))
-            torch.cuda.synchronize()
-            q.put(("proxy", None, 0))
+        q.put((small_rank, *(_sandbox if small_rank == 0 else _proxy)(pg, p, dev)))
+    except BaseException as e:  # noqa: BLE001 - reported by the test, not by a queue that stays empty
+        q.put((small_rank, f"error: {e!r}", 0))
+        raise
     finally:
         pg.shutdown()
 
 
 def test_padded_premultiplied_all_reduce_on_nccl():
-    import socket
-
+    assert C.plan_all_reduce(N, (0,), SHAPE, "sum", dtype=torch.float32).pad > 0
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -71,11 +76,12 @@ def test_padded_premultiplied_all_reduce_on_nccl():
     procs = [ctx.Process(target=_member, args=(r, port, q)) for r in range(2)]
     for pr in procs:
         pr.start()
-    got = dict((who, (vals, reserved)) for who, vals, reserved in (q.get(timeout=120) for _ in procs))
+    got = {who: (vals, reserved) for who, vals, reserved in (q.get(timeout=120) for _ in procs)}
     for pr in procs:
         pr.join(60)
-        assert pr.exitcode == 0
-    vals, reserved = got["sandbox"]
+    assert not [v for v, _ in got.values() if isinstance(v, str)], got
+    assert all(pr.exitcode == 0 for pr in procs)
+    vals, reserved = got[0]
     # like_me: the group as if each of the N members held the sandbox's tensor
     assert vals == [float(N * (k + 1)) for k in range(CALLS)]
     # every call's padding shares one unread segment (no buffer a call)
