@@ -217,7 +217,7 @@ USER_SETTINGS: dict[str, str] = {
     "PRISM_SOLO_OBJECT_WAIT": "seconds a solo rank waits for a peer of its batch to publish its part of an object "
     "collective (default 120)",
     "PRISM_ISSUE_THREAD": "1: a GPU sandbox plans and issues its asynchronous pruned calls on a thread of its own, "
-    "off the program's (docs/internals/assistant.md); all: a CPU sandbox's too",
+    "off the program's (docs/internals/pruning.md); all: a CPU sandbox's too",
     "PRISM_HOST_COMPLETION": "'wait' makes the Python recorder read a CPU call's completion at its "
     "wait instead of from a callback",
 }

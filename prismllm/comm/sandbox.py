@@ -15,7 +15,7 @@ records its graph as in ``prism record``), with solo's metadata backends registe
   the real members (logical group order) plus the assistant's proxy (last), made over the
   launcher's TCPStore under ``prism/pruned/<group name>/``; the assistant makes its side
   under the same prefix. Every call is rewritten by the pruning plan of
-  ``prismllm/replay/compensate.py``: ``plan`` -> ``sandbox_call`` -> issue on the small group
+  ``prismllm/pruning``: ``plan`` -> ``sandbox_call`` -> issue on the small group
   -> a :class:`PrunedWork` whose wait runs ``SmallCall.finish`` (copy back, re-order, divide
   for AVG), so the program's tensors end up equal to the logical group's result.
 
