@@ -211,12 +211,67 @@ def test_load_errors(tmp_path, trace):
     g = trace.save(tmp_path / "g")
     data = (g / "nodes.parquet").read_bytes()
     (g / "nodes.parquet").write_bytes(data[: len(data) // 2])
-    with pytest.raises(TraceError, match=r"nodes.parquet is unreadable, truncated or corrupt .*re-record"):
+    with pytest.raises(
+        TraceError, match=rf"nodes.parquet is {len(data) // 2} bytes, its manifest says {len(data)} .*re-record"
+    ):
         PrismTrace.load(g)
+    with pytest.raises(TraceError, match=r"nodes.parquet is unreadable, truncated or corrupt .*re-record"):
+        PrismTrace.load(g, verify=False)  # the reader's own check behind the checksums
     g = trace.save(tmp_path / "g")
     (g / "groups.parquet").unlink()
     with pytest.raises(TraceError, match=r"missing groups.parquet"):
         PrismTrace.load(g)
+
+
+def test_the_manifest_seals_every_table_file(tmp_path, trace):
+    """Integrity by construction: the manifest lists each table file's size and CRC-32 and its own
+    values' CRC-32; any change to a file or a value is refused in one line naming it, unless
+    verify=False; the seal is the directory's, not the graph's (trace.manifest lacks it)."""
+    import zlib
+
+    g = trace.save(tmp_path / "g")
+    m = json.loads((g / "manifest.json").read_text())
+    assert sorted(m["files"]) == ["edges.parquet", "groups.parquet", "iterations.parquet", "nodes.parquet"]
+    data = (g / "nodes.parquet").read_bytes()
+    assert m["files"]["nodes.parquet"] == {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    back = PrismTrace.load(g)
+    assert back.equals(trace) and "files" not in back.manifest and "manifest_crc32" not in back.manifest
+
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0x10
+    (g / "nodes.parquet").write_bytes(bytes(flipped))
+    with pytest.raises(TraceError) as e:
+        PrismTrace.load(g)
+    assert str(e.value) == (
+        f"graph {g}: nodes.parquet does not match its checksum in the manifest (changed since it was written); "
+        "re-record the graph"
+    )
+    assert e.value.exit_code == ExitCode.BAD_INPUT
+    (g / "nodes.parquet").write_bytes(data)
+
+    edges, groups = (g / "edges.parquet").read_bytes(), (g / "groups.parquet").read_bytes()
+    (g / "edges.parquet").write_bytes(groups)  # two files swapped
+    (g / "groups.parquet").write_bytes(edges)
+    with pytest.raises(TraceError, match=r"edges.parquet is \d+ bytes, its manifest says"):
+        PrismTrace.load(g)
+    (g / "edges.parquet").write_bytes(edges)
+    (g / "groups.parquet").write_bytes(groups)
+
+    for key, value in (("device", "cpv"), ("files", {}), ("manifest_crc32", "0" * 8)):
+        (g / "manifest.json").write_text(json.dumps({**m, key: value}))
+        with pytest.raises(TraceError, match=rf"graph {g}: the manifest"):
+            PrismTrace.load(g)
+        assert PrismTrace.load(g, verify=False).nodes.equals(trace.nodes)  # --no-verify: not checked
+    (g / "manifest.json").write_text(json.dumps({k: v for k, v in m.items() if k != "manifest_crc32"}))
+    with pytest.raises(TraceError, match="the manifest has no manifest_crc32"):
+        PrismTrace.load(g)
+
+
+def test_a_graph_written_before_seals_still_loads(tmp_path, trace):
+    g = trace.save(tmp_path / "g")
+    m = json.loads((g / "manifest.json").read_text())
+    (g / "manifest.json").write_text(json.dumps({k: v for k, v in m.items() if k not in ("files", "manifest_crc32")}))
+    assert PrismTrace.load(g).equals(trace)
 
 
 def test_load_fills_added_columns_and_keeps_extra(tmp_path, trace):
@@ -226,14 +281,14 @@ def test_load_fills_added_columns_and_keeps_extra(tmp_path, trace):
     t = pq.read_table(g / "nodes.parquet").drop_columns(["label"])
     t = t.append_column("future", t.column("rank"))
     pq.write_table(t, g / "nodes.parquet")
-    back = PrismTrace.load(g)
+    back = PrismTrace.load(g, verify=False)  # rewritten since its manifest was sealed
     assert back.nodes.column_names[: len(NODE_SCHEMA)] == NODE_SCHEMA.names
     assert set(back.nodes.column("label").to_pylist()) == {""}
     assert "future" in back.nodes.column_names
     t = pq.read_table(g / "nodes.parquet").drop_columns(["op"])
     pq.write_table(t, g / "nodes.parquet")
     with pytest.raises(TraceError, match=r"nodes.parquet lacks column\(s\) op"):
-        PrismTrace.load(g)
+        PrismTrace.load(g, verify=False)
 
 
 def test_graph_without_times(tmp_path):

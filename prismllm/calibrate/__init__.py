@@ -39,14 +39,15 @@ def calibrate(
     rule: str = "auto",
     validate_graph: bool = True,
     write_graph: bool = False,
+    verify: bool = True,
 ) -> dict[str, Any]:
-    """Load GRAPH (and OTHER), solve, write CAL when ``out`` is given (with ``write_graph``
-    also CAL/graph, the calibrated PrismTrace), as its one writer from the start
-    (``prismllm.outdir``); return the summary."""
+    """Load GRAPH (and OTHER; their files' checksums verified unless ``verify`` is False), solve,
+    write CAL when ``out`` is given (with ``write_graph`` also CAL/graph, the calibrated
+    PrismTrace), as its one writer from the start (``prismllm.outdir``); return the summary."""
     with writing(out):
         t0 = time.perf_counter()
-        trace = PrismTrace.load(graph)
-        other = PrismTrace.load(durations) if durations is not None else None
+        trace = PrismTrace.load(graph, verify)
+        other = PrismTrace.load(durations, verify) if durations is not None else None
         load_s = time.perf_counter() - t0
         sol = solve(
             trace, durations=other, rule=rule, validate_graph=validate_graph, names=(str(graph), str(durations))

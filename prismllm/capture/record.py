@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import shutil
 import sys
 import time
@@ -100,7 +99,7 @@ def _tensor_store(opts: RecordOptions, out: Path) -> Path | None:
             raise PrismError("--tensor-store needs --save-tensors SELECTOR (what to save)")
         return None
     # the tensor store's module imports torch: only when tensors are saved
-    from prismllm.generate.store import Selector
+    from prismllm.generate.store import MANIFEST_FILE as STORE_MANIFEST, RANK_FILE, Selector
 
     try:
         Selector(opts.save_tensors, strict=True)
@@ -111,7 +110,7 @@ def _tensor_store(opts: RecordOptions, out: Path) -> Path | None:
         files = list(store.iterdir())
         if files and not opts.force:
             raise PrismError(f"tensor store {store} is not empty (use --force to replace it)")
-        if any(not re.fullmatch(r"rank-\d{6}\.(idx|bin)", f.name) for f in files):
+        if any(not (RANK_FILE.fullmatch(f.name) or f.name == STORE_MANIFEST) for f in files):
             raise PrismError(f"{store} holds files that are not a tensor store; refusing to replace it")
         shutil.rmtree(store)
     return store
@@ -243,6 +242,11 @@ def _record(opts: RecordOptions, on_start: Callable[[str, int], None] | None) ->
         if any(spool.iterdir()):
             message += f"\n  spool kept for diagnosis: {spool}"
         raise LaunchError(message, result)
+    if store is not None and store.is_dir():
+        # imports torch, as _tensor_store did: only when tensors are saved
+        from prismllm.generate.store import seal_store
+
+        seal_store(store)  # the ranks that wrote it have exited: it is complete
 
     missing = [r for r in range(opts.nproc) if not ranklog_path(spool, r).exists()]
     if missing:

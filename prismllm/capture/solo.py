@@ -94,6 +94,7 @@ class CaptureOptions(FromFields):
     runner: str = DEFAULT_RUNNER
     env: dict[str, str | None] = dataclasses.field(default_factory=dict)
     mode: str = "solo"
+    verify: bool = True  # check the tensor store's checksums and index before any rank runs
 
 
 @dataclasses.dataclass
@@ -242,6 +243,11 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
             "writes one from a recording made with --router-module)"
         )
     manifest_entry(opts.router_module, opts.routing)  # a bad routing file: refused before anything runs
+    if opts.tensors is not None and opts.verify:
+        # the store's module imports torch: only for a capture that replays a store
+        from prismllm.generate.store import verify_store
+
+        verify_store(opts.tensors)  # damaged or incomplete: refused before any rank runs
     if opts.timeout is not None and opts.timeout <= 0:
         raise PrismError(f"--timeout must be positive, not {opts.timeout:g}")
     layout = Layout.parse(opts.layout, opts.world)

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also write CAL/graph: GRAPH with the solved times (a PrismTrace, mode calibrated)",
     )
-    options.add(p, "no_validate", "json")
+    options.add(p, "no_validate", "no_verify", "json")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             rule=args.transfer,
             validate_graph=not args.no_validate,
             write_graph=args.write_graph,
+            verify=args.verify,
         )
     except ValueError as e:  # a duration array the engine refuses: report it as one line
         raise CalibrationError(str(e)) from None

@@ -41,6 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "timeout",
         "force",
         "tee",
+        "no_verify",
     )
     add_program_args(p)
 

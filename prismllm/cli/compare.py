@@ -30,14 +30,14 @@ WORST = 10
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", metavar="A", help="reference graph directory")
     p.add_argument("b", metavar="B", help="graph directory to judge against A")
-    options.add(p, "json")
+    options.add(p, "json", "no_verify")
     only = p.add_mutually_exclusive_group()
     only.add_argument("--timing-only", action="store_true", help="compare timing only (exit 0)")
     only.add_argument("--structure-only", action="store_true", help="compare structure only")
 
 
 def run(args: argparse.Namespace) -> int:
-    a, b = options.load_graph(args.a), options.load_graph(args.b)
+    a, b = options.load_graph(args.a, verify=args.verify), options.load_graph(args.b, verify=args.verify)
     res = compare_traces(a, b, structure=not args.timing_only, timing=not args.structure_only)
     if args.json:
         options.print_json(res.to_dict())

@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="assistant processes (on GPU one GPU each, after the sandbox's): each plays the "
         "proxy of a share of the groups that mix sandbox and virtual ranks (default 1)",
     )
-    options.add(p, "force", "tee")
+    options.add(p, "force", "tee", "no_verify")
     add_program_args(p)
 
 

@@ -34,13 +34,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     fmt.add_argument("--perfetto", metavar="OUT.json", help="write Chrome trace-event JSON for Perfetto")
     fmt.add_argument("--hta", metavar="OUT_DIR", help="write Kineto traces for Holistic Trace Analysis")
     fmt.add_argument("--chakra", metavar="OUT_DIR", help="write Chakra execution traces (ASTRA-sim)")
-    options.add(p, "ranks", "no_validate")
+    options.add(p, "ranks", "no_validate", "no_verify")
 
 
 def run(args: argparse.Namespace) -> int:
     if not (args.perfetto or args.hta or args.chakra):
         raise PrismError("choose an export format: --perfetto OUT.json, --hta OUT_DIR or --chakra OUT_DIR")
-    trace = options.load_graph(args.graph, check=not args.no_validate)
+    trace = options.load_graph(args.graph, check=not args.no_validate, verify=args.verify)
     ranks = parse_ranks(args.ranks, trace.world_size) if args.ranks else None
     shown = f"{len(set(ranks))} of {trace.world_size}" if ranks else f"{trace.world_size}"
     with writing(args.hta or args.chakra):  # a directory of files (--perfetto: one file, written atomically)

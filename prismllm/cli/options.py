@@ -169,6 +169,16 @@ SHARED: dict[str, Option] = {
         ("--no-validate",),
         {"action": "store_true", "help": "skip the static check of the input graph (faster at scale)"},
     ),
+    # dest "verify": a stage's options take it by name (FromFields)
+    "no_verify": Option(
+        ("--no-verify",),
+        {
+            "dest": "verify",
+            "action": "store_false",
+            "help": "skip the checksums of the input graph's and tensor store's files and the check of the "
+            "store's index against its data and the graph (a damaged input is then not refused)",
+        },
+    ),
 }
 
 
@@ -217,7 +227,7 @@ def canonical_argv(p: argparse.ArgumentParser, args: argparse.Namespace, command
         if v is None or v == a.default:
             continue
         flag = next((f for f in a.option_strings if f.startswith("--")), a.option_strings[0])
-        if isinstance(a, argparse._StoreTrueAction):
+        if isinstance(a, argparse._StoreTrueAction | argparse._StoreFalseAction):
             argv.append(flag)
         else:
             argv += [flag, f"{v:g}" if isinstance(v, float) else str(v)]
@@ -230,9 +240,10 @@ def print_json(obj: Any) -> None:
     sys.stdout.write("\n")
 
 
-def load_graph(path: str, check: bool = True) -> PrismTrace:
-    """A graph given on the command line, validated unless ``check`` is False (TraceError: one line)."""
-    trace = PrismTrace.load(path)
+def load_graph(path: str, check: bool = True, verify: bool = True) -> PrismTrace:
+    """A graph given on the command line, its files' checksums verified unless ``verify`` is False,
+    validated unless ``check`` is False (TraceError: one line)."""
+    trace = PrismTrace.load(path, verify)
     if check:
         validate(trace)
     return trace

@@ -20,11 +20,11 @@ MAX_ROWS = 20
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("graph", metavar="DIR", help="graph directory")
-    options.add(p, "json")
+    options.add(p, "json", "no_verify")
 
 
 def run(args: argparse.Namespace) -> int:
-    trace = options.load_graph(args.graph)
+    trace = options.load_graph(args.graph, verify=args.verify)
     s = {"path": str(args.graph), **summarize(trace)}
     if args.json:
         options.print_json(s)

@@ -77,6 +77,7 @@ class EmulateOptions(FromFields):
     # Assistant processes (on GPU: one GPU each, after the sandbox's): each plays the proxy of
     # a share of the pruned groups (every one replays all virtual ranks: the plan is cheap).
     assistants: int = 1
+    verify: bool = True  # check the graph's and the store's checksums (and the store's index) before launching
 
 
 @dataclasses.dataclass
@@ -203,7 +204,7 @@ def _emulate(opts: EmulateOptions) -> EmulateResult:
     if not isinstance(opts.assistants, int) or opts.assistants < 1:
         raise PrismError(f"--assistants must be 1 or more, not {opts.assistants!r}")
     graph = Path(opts.graph)
-    manifest = read_manifest(graph)
+    manifest = read_manifest(graph, opts.verify)
     world = manifest["world_size"]
     timing = _timing(opts, manifest, graph)
     try:
@@ -220,7 +221,7 @@ def _emulate(opts: EmulateOptions) -> EmulateResult:
         raise PrismError("every rank is in the sandbox: nothing to emulate (use `prism record`)")
     cuda_on_cpu = bool(manifest.get("cuda_on_cpu"))  # as the graph was captured
     devices = sandbox_devices(opts.devices, len(sandbox) + opts.assistants, cuda_on_cpu)
-    tensors = recorded_inputs(graph, opts.tensors, opts.inputs)
+    tensors = recorded_inputs(graph, opts.tensors, opts.inputs, opts.verify)
     if opts.check and tensors is None:
         raise PrismError("--check compares with recorded outputs: it needs the recorded tensors (--inputs recorded)")
     rdzv = _endpoint(opts)

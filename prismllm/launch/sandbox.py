@@ -53,7 +53,7 @@ from prismllm.launch.spec import (
 )
 from prismllm.routing.contract import child_fields
 from prismllm.specs import DeviceSpec, cuda_on_cpu_devices, format_ranks, parse_devices
-from prismllm.trace.graph import read_manifest
+from prismllm.trace.graph import PrismTrace, read_manifest
 from prismllm.trace.ranklog import ranklog_path, read_ranklog
 from prismllm.trace.schema import TENSORS_DIR
 
@@ -129,7 +129,8 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
     ranklogs.mkdir(parents=True, exist_ok=True)
     graph = str(spec.graph.resolve())
     tensors = str(spec.tensors.resolve()) if spec.tensors is not None else None
-    manifest = read_manifest(spec.graph)  # what the capture fixed, the sandbox ranks run the same way
+    # what the capture fixed, the sandbox ranks run the same way; the stage verified the graph
+    manifest = read_manifest(spec.graph, verify=False)
     rank_env = ChildEnv(
         mode="emulate",
         sandbox=spec.sandbox,
@@ -224,10 +225,12 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
     )
 
 
-def recorded_inputs(graph: Path, tensors: str | os.PathLike | None, inputs: str) -> Path | None:
+def recorded_inputs(graph: Path, tensors: str | os.PathLike | None, inputs: str, verify: bool = True) -> Path | None:
     """The tensor store the assistants read the virtual ranks' inputs from (default: the graph's
     own), or None with generated inputs (zeros); ``auto``: recorded where there is a store,
-    else generated. PrismError when recorded inputs are asked for and cannot be had."""
+    else generated. PrismError when recorded inputs are asked for and cannot be had. With
+    ``verify``, the store is checked before any process reads it (``generate.store.verify_store``:
+    its checksums, every index entry, every saved call against the graph's)."""
     if inputs not in ("auto", "recorded", "generated"):
         raise PrismError(f"--inputs must be auto, recorded or generated, not {inputs!r}")
     if inputs == "generated":
@@ -241,6 +244,11 @@ def recorded_inputs(graph: Path, tensors: str | os.PathLike | None, inputs: str)
             f"no recorded tensors in {store}: the assistant needs the virtual ranks' inputs "
             f"(`prism record --save-tensors all,inputs`; --tensors DIR; or --inputs generated)"
         )
+    if verify:
+        # the store's module imports torch, which a sandbox run's launcher needs only here
+        from prismllm.generate.store import verify_store
+
+        verify_store(store, PrismTrace.load(graph, verify=False), str(graph))  # the stage verified the graph
     return store
 
 

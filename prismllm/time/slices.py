@@ -81,6 +81,7 @@ class TimeOptions(FromFields):
     # CPU: compute spans from a second pass with every rank at once (docs/commands/time.md, "Compute under load")
     compute_under_load: bool = False
     spin: dict[str, float] | None = None  # {label: ms}: the timed ranks spin in spans so labelled (prism whatif --spin)
+    verify: bool = True  # check the graph's and the store's checksums (and the store's index) before launching
 
 
 @dataclasses.dataclass
@@ -240,6 +241,7 @@ class _SliceOutput:
 def _run_slice(
     opts: TimeOptions,
     graph: Path,
+    tensors: Path | None,
     world: int,
     k: int,
     ranks: list[int],
@@ -266,7 +268,7 @@ def _run_slice(
                 args=list(opts.args),
                 out=so,
                 devices=devices,
-                tensors=recorded_inputs(graph, opts.tensors, opts.inputs),
+                tensors=tensors,
                 timing="fast",
                 timeout=opts.timeout,
                 sink=sink,
@@ -297,6 +299,7 @@ def _run_slice(
 def _run_parallel(
     opts: TimeOptions,
     graph: Path,
+    tensors: Path | None,
     world: int,
     todo: list[tuple[int, list[int]]],
     out: Path,
@@ -317,7 +320,7 @@ def _run_parallel(
             while pending or running:
                 while pending and free:
                     (k, s), g = pending.pop(0), free.pop(0)
-                    fut = pool.submit(_run_slice, opts, graph, world, k, s, out, g, say, False, cancel)
+                    fut = pool.submit(_run_slice, opts, graph, tensors, world, k, s, out, g, say, False, cancel)
                     running[fut] = (s, time.monotonic(), g)
                 finished, _ = concurrent.futures.wait(
                     running, timeout=0.5, return_when=concurrent.futures.FIRST_COMPLETED
@@ -361,7 +364,7 @@ def _time_slices(
 ) -> TimeResult:
     t0 = time.monotonic()
     graph = Path(opts.graph)
-    manifest = read_manifest(graph)
+    manifest = read_manifest(graph, opts.verify)
     world = int(manifest["world_size"])
     if opts.parallel is not None and opts.parallel < 1:
         raise PrismError(f"--parallel must be at least 1, not {opts.parallel}")
@@ -379,7 +382,7 @@ def _time_slices(
     if opts.slice_size >= world:
         raise PrismError(f"--slice-size {opts.slice_size}: a slice must leave some of the {world} ranks virtual")
     slices = plan_slices(ranks, opts.slice_size)
-    tensors = recorded_inputs(graph, opts.tensors, opts.inputs)  # the virtual ranks' inputs, if recorded
+    tensors = recorded_inputs(graph, opts.tensors, opts.inputs, opts.verify)  # the virtual ranks' inputs, if recorded
     devices = check_time_devices(opts, len(slices), cuda_on_cpu)
     out = Path(opts.out)
     state = {
@@ -415,12 +418,12 @@ def _time_slices(
         if len(devices) == 1 or len(todo) == 1:  # in this thread: the launcher's own signal handling
             for k, s in todo:
                 t1 = time.monotonic()
-                _run_slice(opts, graph, world, k, s, out, devices[0], say, True, None)
+                _run_slice(opts, graph, tensors, world, k, s, out, devices[0], say, True, None)
                 done += 1
                 if progress is not None:
                     progress(done, len(slices), s, time.monotonic() - t1)
         else:
-            done = _run_parallel(opts, graph, world, todo, out, devices, say, progress, done, len(slices))
+            done = _run_parallel(opts, graph, tensors, world, todo, out, devices, say, progress, done, len(slices))
 
     load = None
     if opts.compute_under_load:  # every rank real at once, each in its own slice: the host's load

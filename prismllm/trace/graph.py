@@ -9,6 +9,10 @@ builds a Python object per row, so an 8192-rank graph loads in seconds.
     trace.nodes_of(3)                         # the rank's nodes, a zero-copy table slice
     trace.column("in_bytes")                  # a node column as numpy
     trace.save("out/graph2")                  # atomic: temp directory + rename
+
+The manifest on disk is sealed (:mod:`prismllm.integrity`): it lists each table file with its
+size and CRC-32, and its own values' CRC-32; loading checks them unless ``verify=False``. The
+seal describes the directory, not the graph: ``trace.manifest`` holds the graph's values alone.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import pyarrow.parquet as pq
 
 from prismllm.errors import InputError, PrismError
 from prismllm.fsutil import write_dir_atomically
+from prismllm.integrity import check_sealed, sealed, unsealed
 from prismllm.trace.schema import (
     EDGE_SCHEMA,
     FILES,
@@ -185,17 +190,23 @@ class PrismTrace:
             manifest = dict(self.manifest)
             manifest.setdefault("format", FORMAT_NAME)
             manifest.setdefault("format_version", FORMAT_VERSION)
+            # JSON values first (numpy numbers, paths, integer keys): the seal's checksum is of
+            # what a reader parses back
+            manifest = json.loads(json.dumps(manifest, default=_json_default))
             with open(tmp / MANIFEST_FILE, "w") as f:
-                json.dump(manifest, f, indent=2, sort_keys=True, default=_json_default)
+                json.dump(sealed(manifest, tmp, (fname for fname, _ in FILES.values())), f, indent=2, sort_keys=True)
                 f.write("\n")
 
         # a path that holds something else: a usage error, not one of a graph read
         return write_dir_atomically(path, MANIFEST_FILE, fill, PrismError, "graph")
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> PrismTrace:
+    def load(cls, path: str | os.PathLike, verify: bool = True) -> PrismTrace:
+        """The graph at ``path``, its manifest and tables checked; with ``verify`` (the default)
+        its manifest's seal and every table file's size and checksum first (TraceError naming
+        the file). ``verify=False`` is for a graph checked already, or a user's --no-verify."""
         path = Path(path)
-        manifest = _checked_manifest(path)
+        manifest = _checked_manifest(path, verify)
         tables: dict[str, pa.Table] = {}
         for name, (fname, schema) in FILES.items():
             fpath = path / fname
@@ -212,16 +223,18 @@ class PrismTrace:
         return cls(manifest=manifest, **tables)
 
 
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+def read_manifest(path: str | os.PathLike, verify: bool = True) -> dict[str, Any]:
     """A graph's manifest without its tables (what a stage checks before it runs anything),
-    its values checked as :meth:`PrismTrace.load` checks them; TraceError naming the problem
-    otherwise."""
-    return _checked_manifest(Path(path))
+    its values checked as :meth:`PrismTrace.load` checks them, and with ``verify`` its seal
+    and its table files' checksums too; TraceError naming the problem otherwise."""
+    return _checked_manifest(Path(path), verify)
 
 
-def _checked_manifest(path: Path) -> dict[str, Any]:
-    """The manifest of the graph at ``path``: the one place a graph's manifest is read, and its
-    values checked (format, version, world size, the types of :data:`MANIFEST_VALUES`)."""
+def _checked_manifest(path: Path, verify: bool) -> dict[str, Any]:
+    """The manifest of the graph at ``path``, without the seal's keys: the one place a graph's
+    manifest is read, and its values checked (format, version, world size, the types of
+    :data:`MANIFEST_VALUES`), then with ``verify`` its seal: its own checksum, and every table
+    file's size and checksum (a graph written before seals is read unchecked)."""
     if not path.exists():
         raise TraceError(f"graph {path} does not exist")
     if not path.is_dir():
@@ -254,7 +267,10 @@ def _checked_manifest(path: Path) -> dict[str, Any]:
             f"({FORMAT_VERSION}): upgrade prismllm"
         )
     _check_values(manifest, f"graph {path}: {MANIFEST_FILE}")
-    return manifest
+    if verify:
+        tables = [fname for fname, _ in FILES.values()]
+        check_sealed(manifest, path, tables, f"graph {path}", TraceError, "re-record the graph")
+    return unsealed(manifest)
 
 
 def _whole(v: Any) -> bool:
