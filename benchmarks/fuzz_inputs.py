@@ -249,10 +249,19 @@ def _prism(*argv: str, timeout_s: float) -> tuple[int | None, str, str]:
     return p.returncode, p.stdout, p.stderr
 
 
-def cli_outcome(case: Path, src: Path, shown: str, timeout_s: float) -> tuple[str, str]:
-    """(outcome, detail) of `prism show CASE` and `prism compare SRC CASE --structure-only`."""
+def _shown(out: str) -> dict | None:
+    """What `prism show --json` printed but the path, or None where it printed no JSON object."""
+    try:
+        return {k: v for k, v in json.loads(out).items() if k != "path"}
+    except (ValueError, AttributeError):
+        return None
+
+
+def cli_outcome(case: Path, src: Path, original: dict, timeout_s: float) -> tuple[str, str]:
+    """(outcome, detail) of `prism show --json CASE` and `prism compare SRC CASE --structure-only`,
+    against ``original``, the show of SRC."""
     results = []
-    for argv in (("show", str(case)), ("compare", str(src), str(case), "--structure-only")):
+    for argv in (("show", str(case), "--json"), ("compare", str(src), str(case), "--structure-only")):
         rc, out, err = _prism(*argv, timeout_s=timeout_s)
         if rc is None:
             return "hang", f"prism {argv[0]}: more than {timeout_s:g} s"
@@ -263,7 +272,7 @@ def cli_outcome(case: Path, src: Path, shown: str, timeout_s: float) -> tuple[st
     (_, rc_show, out_show, err_show), (_, rc_cmp, _, err_cmp) = results
     if rc_show in (2, 3) and rc_cmp in (2, 3):
         return "refused", err_show[0]
-    if rc_show == 0 and rc_cmp == 0 and out_show.replace(str(case), str(src)) == shown:
+    if rc_show == 0 and rc_cmp == 0 and _shown(out_show) == original:
         return "accepted-harmless", ""
     return "accepted-changed", f"show exit {rc_show}, compare exit {rc_cmp}: {(err_show or err_cmp or [''])[0][:200]}"
 
@@ -282,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rng = random.Random(args.seed)
     original = snapshot(args.graph)
-    shown = _prism("show", str(args.graph), timeout_s=args.timeout)[1] if args.cli else ""
+    original_shown = _shown(_prism("show", str(args.graph), "--json", timeout_s=args.timeout)[1]) if args.cli else None
     tally = {"in-process": collections.Counter(), "cli": collections.Counter()}
     failures = []
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
@@ -296,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
                     {"case": i, "mutation": what, "where": "in-process", "outcome": outcome, "detail": detail}
                 )
             if args.cli:
-                outcome, detail = cli_outcome(case, args.graph, shown, args.timeout)
+                outcome, detail = cli_outcome(case, args.graph, original_shown, args.timeout)
                 tally["cli"][outcome] += 1
                 if outcome in FAILURES:
                     failures.append({"case": i, "mutation": what, "where": "cli", "outcome": outcome, "detail": detail})

@@ -82,7 +82,7 @@ MANIFEST_FILE = "manifest.json"
 FORMAT_NAME = "prism-tensor-store"
 FORMAT_VERSION = 1
 RANK_FILE = re.compile(r"rank-(\d{6})\.(idx|bin)")
-_FIX = "record the store again (prism record --save-tensors), or run with --inputs generated"
+_FIX = "record the store again (prism record --save-tensors)"
 # ops whose one buffer is both the input and the output, on the root and off it: the graph
 # counts its bytes on one side only (a broadcast's root sends, the others receive)
 _ONE_BUFFER_OPS = ("all_reduce", "broadcast", "reduce")
