@@ -503,6 +503,7 @@ def test_moe_solo_capture_replays_saved_tensors(tmp_path):
     )
     assert rec.returncode == 0, rec.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "rec" / "tensors").iterdir()) == [
+        "manifest.json",  # sealed once the ranks exited
         "rank-000000.bin",
         "rank-000000.idx",
         "rank-000001.bin",
