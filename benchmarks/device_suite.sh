@@ -163,8 +163,11 @@ issue-thread)
     # all_reduce and of a DP2 emulation's values, a DDP job's prism run beside its real run (GPUs 2, 3), the
     # host's cost of an async call real and emulated; ~4 min
     export PRISM_ISSUE_THREAD=1
-    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_pruned_nccl_gpu.py \
-        "tests/test_emulate_gpu.py::test_losses_and_pruned_outputs_equal_the_real_run[dp2_distopt]" 2>&1 | tail -3
+    # (faulthandler_timeout: a test still running after 120 s prints every thread's stack to the log)
+    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=120 tests/test_pruned_nccl_gpu.py \
+        "tests/test_emulate_gpu.py::test_losses_and_pruned_outputs_equal_the_real_run[dp2_distopt]" \
+        >"$OUT/issue-thread-tests.log" 2>&1
+    tail -5 "$OUT/issue-thread-tests.log"
     P=benchmarks/programs/torch_parallel.py A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
     CUDA_VISIBLE_DEVICES=2,3 timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P $A \
         >"$OUT/ddp2-real.log" 2>&1 &
