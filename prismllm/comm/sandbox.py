@@ -733,7 +733,7 @@ class PrunedBackend(solo.GeneratedBackend):
         if self.backend == "nccl":
             dev = torch.device("cuda", torch.cuda.current_device())
             mark = torch.cuda.Event()
-            mark.record()
+            mark.record(torch.cuda.current_stream(dev))  # (a device given: no device-count lookup)
         w = PrunedWork((), (), solo._flat(outs), (), issued=False)
         small = self.small()
 
