@@ -132,7 +132,7 @@ kernels)
     # PyTorch profiler (benchmarks/programs/kineto_rank.py), summarised by benchmarks/kernel_timeline.py;
     # the emulation once more under cProfile (host time); the real job recorded (prism record) for a
     # span-by-span comparison with the slice's timed graph. N = 2 and N = 4 (four GPUs; prism on two)
-    P=benchmarks/programs/torch_parallel.py K=benchmarks/programs/kineto_rank.py D="$OUT/k" W=out/kernels
+    P=benchmarks/programs/torch_parallel.py K=benchmarks/programs/kineto_rank.py D=out/kernels/logs W=out/kernels
     A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
     mkdir -p "$D" "$W"
     for n in ${WORLDS:-2 4}; do
@@ -176,11 +176,13 @@ issue-thread)
     wait
     cp out/thread/ddp2/logs/emulate.log "$OUT/ddp2-emulate.log" 2>/dev/null
     grep -h "iteration 10/\|predicted iteration\|emulated, rank" "$OUT"/ddp2-*.log
-    WORLDS=2 timeout 100 bash benchmarks/device_suite.sh hostcost >"$OUT/hostcost.log" 2>&1; grep -h "^ISSUE" "$OUT/hc"/*.log ;;
+    tar czf "$OUT/thread-graphs.tgz" out/thread/ddp2/time/graph out/thread/ddp2/cal/summary.json \
+        out/thread/ddp2/emulate/emulate.json 2>/dev/null
+    WORLDS=2 timeout 100 bash benchmarks/device_suite.sh hostcost 2>&1 | tee "$OUT/hostcost.log" | grep -h "^ISSUE" ;;
 hostcost)
     # the host's cost of issuing an async collective (benchmarks/programs/issue_cost.py), real (torchrun) and
     # emulated (prism run, sandbox on GPU 0, assistant on GPU 1) at N = 2 and 4; the emulation's host under cProfile
-    P=benchmarks/programs/issue_cost.py D="$OUT/hc" W=out/hostcost
+    P=benchmarks/programs/issue_cost.py D=out/hostcost/logs W=out/hostcost
     mkdir -p "$D" "$W"
     for n in ${WORLDS:-2 4}; do
         r=$((n - 1))
@@ -192,7 +194,7 @@ hostcost)
             >"$D/emu${n}p.log" 2>&1
         echo "N=$n real / emulated / emulated under cProfile:"; grep -h "^ISSUE" "$D/real$n.log" "$D/emu$n.log" "$D/emu${n}p.log"
     done
-    tar czf "$OUT/hostcost.tgz" "$D" ;;
+    tar czf "$OUT/hostcost.tgz" "$D" ;;  # (files back from $OUT: at most 8)
 prune-all)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'H' 'h')
     timeout "${PRUNE_TIMEOUT:-580}" python3 benchmarks/pruning_latency.py --devices cuda --worlds 2,4 --rounds "${ROUNDS:-1}" \
