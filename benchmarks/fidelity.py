@@ -586,7 +586,8 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
             tcmd += ["--tensors", str(tensors)]
         R.cmd("time", [*tcmd, *prog])
         text = R.cmd(
-            "calibrate", [*PRISM, "calibrate", str(timed / "graph"), "--out", str(cal), "--write-graph", "--json"]
+            "calibrate",
+            [*PRISM, "calibrate", str(timed / "graph"), "--out", str(cal), "--write-graph", "--force", "--json"],
         )
         summary = json.loads((cal / "summary.json").read_text())
         cal_rank = per_rank_iterations(load(cal / "graph"))

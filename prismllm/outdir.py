@@ -112,6 +112,24 @@ def writing(out: str | os.PathLike | None) -> Iterator[None]:
 
 
 # ------------------------------------------------------------------------------ the lock
+def must_replace(out: Path, force: bool, ours: tuple[str, ...], what: str) -> bool:
+    """Whether ``out`` holds an earlier output that a command must clear before it writes there.
+    A path that is no directory is refused, and so is a non-empty directory without ``force``;
+    with ``force`` only a directory that holds one of ``ours`` (the files that mark ``what``,
+    prism's output) is replaced, never another. Changes nothing."""
+    if out.exists() and not out.is_dir():
+        raise PrismError(f"output path {out} exists and is not a directory")
+    if not (out.is_dir() and any(out.iterdir())):
+        return False
+    if not force:
+        raise PrismError(f"output directory {out} exists and is not empty (use --force to replace it)")
+    if not any((out / name).exists() for name in ours):
+        raise PrismError(
+            f"output directory {out} is not empty and holds no {what}; refusing to delete it even with --force"
+        )
+    return True
+
+
 def _acquire(directory: Path) -> int:
     """Take ``directory``'s lock; the descriptor that holds it."""
     path = lock_path(directory)
@@ -296,4 +314,4 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-__all__ = ["LOCK_SUFFIX", "STORAGE_ERRNOS", "Holder", "lock_path", "storage_problem", "writing"]
+__all__ = ["LOCK_SUFFIX", "STORAGE_ERRNOS", "Holder", "lock_path", "must_replace", "storage_problem", "writing"]

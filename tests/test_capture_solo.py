@@ -317,6 +317,20 @@ def test_bad_inputs(fake, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+def test_a_layout_the_program_does_not_follow_is_one_line(fake, tmp_path):
+    """--layout tp=2 for a program run as --tp 4: rank 2, a DP replica of rank 0 for the layout, is in
+    the program's tensor-parallel group 0-3, which no renaming of rank 0's groups gives it."""
+    opts, _, _ = fake
+    with pytest.raises(PrismError) as e:
+        capture(opts(tmp_path / "c", 8, ["--tp", 4], parallel=2, layout="tp=2"))
+    assert str(e.value) == (
+        "--layout and the program disagree: the layout makes tp=2, dp=4 of 8 ranks, but the program made a group "
+        "of 4 ranks (0-3) across tp and dp of the layout, which has no such group; give --layout the program's "
+        "own parallel sizes"
+    )
+    assert type(e.value) is PrismError  # a usage error (exit 2), not a damaged input
+
+
 # ---------------------------------------------------------------------- CLI
 def test_cli_capture(fake, tmp_path, monkeypatch, capsys):
     opts, script, _ = fake

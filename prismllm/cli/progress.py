@@ -19,8 +19,9 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
 from rich.text import Text
+
+from prismllm.terminal import Table
 
 PLAIN_EVERY_S = 10.0
 

@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from prismllm.cli import options
 from prismllm.cli.program import add_program_args, program_args
 from prismllm.cli.progress import Display, fmt_seconds
 from prismllm.launch import LaunchInterrupted, RankOutOfMemory
 from prismllm.pipeline.run import RunOptions, run_pipeline
+from prismllm.terminal import Table
 
 SUMMARY = "capture, time, calibrate (and emulate) a job of N ranks, then write its report"
 RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts

@@ -240,7 +240,7 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
     if not (cal / "graph" / MANIFEST_FILE).is_file() or "calibrate" not in walls:
         t0 = time.monotonic()
         ui.stage("calibrate")
-        summary = calibrate(timed, cal, write_graph=True)
+        summary = calibrate(timed, cal, write_graph=True, force=True)  # the run's own stage, redone
         done_stage("calibrate", t0, f"{summary['nodes']:,} nodes solved")
     summary = json.loads((cal / "summary.json").read_text())
 
