@@ -369,6 +369,14 @@ def test_cli_capture(fake, tmp_path, monkeypatch, capsys):
     assert "captured" in o and "representatives" in o
     m = json.loads((out / "manifest.json").read_text())
     assert m["argv"][:2] == ["prism", "capture"] and m["capture"]["representatives"] == [0, 1, 4, 5]
+    # --json: stdout is the result alone; the program's lines and the progress go to stderr
+    rc = climain.main(["capture", "--world", "8", "--devices", "cpu", "--parallel", "2", "--out", str(tmp_path / "j"),
+                       "--layout", "tp=2,pp=2", "--json", "--", str(script), "--tp", "2", "--pp", "2"])  # fmt: skip
+    o, e = capsys.readouterr()
+    res = json.loads(o)
+    assert rc == 0 and res["out"] == str(tmp_path / "j") and res["representatives"] == [0, 1, 4, 5]
+    assert res["world_size"] == 8 and res["ranks_run"] == 4 and res["dedup"] and "run_s" in res["timings"]
+    assert "fake rank 0 done" in e and "4/4 ranks done" in e
     # no layout: said so
     rc = climain.main(
         [

@@ -92,10 +92,10 @@ def render(s: dict, console: Console) -> None:
             f"{_mib(peak['bytes'])} on rank {peak['rank']} ({peak['where']}); least {_mib(peak['min_bytes'])}",
         )
         for r, m in sorted((s.get("emulated") or {}).items(), key=lambda kv: int(kv[0])):
-            if (m.get("peak_memory_bytes") or -1) >= 0:
+            if m.get("peak_memory_bytes") is not None:
                 t.add_row(f"peak memory, rank {r} real", _mib(m["peak_memory_bytes"]))
     else:
-        t.add_row("peak memory", "not measured: the capture ran on the CPU (run on a GPU for device memory)")
+        t.add_row("peak memory", f"not measured: {s['peak_memory_reason']}")
     if s.get("pipeline_bubble") is not None:
         t.add_row("pipeline bubble", f"{100 * s['pipeline_bubble']:.1f} % of the iteration (P2P wait)")
     shares = sorted((s.get("critical_path_shares") or {}).items(), key=lambda kv: -kv[1])
