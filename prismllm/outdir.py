@@ -10,6 +10,8 @@ Every command that writes a directory runs inside :func:`writing`:
   over without a word. A second writer is refused at once, with or without ``--force`` (nothing
   is deleted before the lock is taken), and so is a writer of a directory inside DIR or around it
   (``prism capture --out RUN/bare`` while ``prism run --out RUN`` goes on, or the reverse).
+- **An earlier output is replaced only with ``--force``** (:func:`must_replace`), and only when it
+  is the command's own: a directory that holds anything else is never deleted.
 - **Within a process the lock is shared.** A stage that another calls (``prism run`` runs
   capture, time, calibrate, emulate and report into DIR's subdirectories; ``prism sweep`` runs
   ``prism run`` into its own) writes under the lock its caller holds. The processes a stage
@@ -111,7 +113,6 @@ def writing(out: str | os.PathLike | None) -> Iterator[None]:
             _release(directory, fd)
 
 
-# ------------------------------------------------------------------------------ the lock
 def must_replace(out: Path, force: bool, ours: tuple[str, ...], what: str) -> bool:
     """Whether ``out`` holds an earlier output that a command must clear before it writes there.
     A path that is no directory is refused, and so is a non-empty directory without ``force``;
@@ -130,6 +131,7 @@ def must_replace(out: Path, force: bool, ours: tuple[str, ...], what: str) -> bo
     return True
 
 
+# ------------------------------------------------------------------------------ the lock
 def _acquire(directory: Path) -> int:
     """Take ``directory``'s lock; the descriptor that holds it."""
     path = lock_path(directory)
