@@ -66,7 +66,7 @@ smoke)
         timeout 150 prism time --graph "$d/bare" --out "$d/time" --devices cuda --inputs generated \
             -- examples/gpt3d.py $layout $SMALL >"$d.time.log" 2>&1
         echo "$name time: $?"
-        timeout 20 prism calibrate "$d/time/graph" --out "$d/cal" --write-graph >"$d.cal.log" 2>&1
+        timeout 20 prism calibrate "$d/time/graph" --out "$d/cal" --write-graph --force >"$d.cal.log" 2>&1
         echo "$name calibrate: $?"
         timeout 120 prism emulate --graph "$d/cal/graph" --sandbox 1 --devices cuda --inputs generated \
             --out "$d/emu" -- examples/gpt3d.py $layout $SMALL >"$d.emu.log" 2>&1

@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "prismllm.api",
             "prismllm.errors",
             "prismllm.fsutil",
+            "prismllm.terminal",
             "prismllm.outdir",
             "prismllm.fromfields",
             "prismllm.specs",
