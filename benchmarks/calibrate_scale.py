@@ -142,7 +142,7 @@ def run_measured(graph: Path, cal: Path, extra: list[str]) -> dict:
     t0 = time.perf_counter()
     with open(out_path, "w") as fo, open(err_path, "w") as fe:
         p = subprocess.Popen(
-            [PRISM, "calibrate", str(graph), "--out", str(cal), "--json", *extra], stdout=fo, stderr=fe
+            [PRISM, "calibrate", str(graph), "--out", str(cal), "--force", "--json", *extra], stdout=fo, stderr=fe
         )
         _, status, ru = os.wait4(p.pid, 0)
     wall = time.perf_counter() - t0

@@ -66,7 +66,7 @@ smoke)
         timeout 150 prism time --graph "$d/bare" --out "$d/time" --devices cuda --inputs generated \
             -- examples/gpt3d.py $layout $SMALL >"$d.time.log" 2>&1
         echo "$name time: $?"
-        timeout 20 prism calibrate "$d/time/graph" --out "$d/cal" --write-graph >"$d.cal.log" 2>&1
+        timeout 20 prism calibrate "$d/time/graph" --out "$d/cal" --write-graph --force >"$d.cal.log" 2>&1
         echo "$name calibrate: $?"
         timeout 120 prism emulate --graph "$d/cal/graph" --sandbox 1 --devices cuda --inputs generated \
             --out "$d/emu" -- examples/gpt3d.py $layout $SMALL >"$d.emu.log" 2>&1
@@ -132,7 +132,7 @@ kernels)
     # PyTorch profiler (benchmarks/programs/kineto_rank.py), summarised by benchmarks/kernel_timeline.py;
     # the emulation once more under cProfile (host time); the real job recorded (prism record) for a
     # span-by-span comparison with the slice's timed graph. N = 2 and N = 4 (four GPUs; prism on two)
-    P=benchmarks/programs/torch_parallel.py K=benchmarks/programs/kineto_rank.py D="$OUT/k" W=out/kernels
+    P=benchmarks/programs/torch_parallel.py K=benchmarks/programs/kineto_rank.py D=out/kernels/logs W=out/kernels
     A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
     mkdir -p "$D" "$W"
     for n in ${WORLDS:-2 4}; do
@@ -163,8 +163,11 @@ issue-thread)
     # all_reduce and of a DP2 emulation's values, a DDP job's prism run beside its real run (GPUs 2, 3), the
     # host's cost of an async call real and emulated; ~4 min
     export PRISM_ISSUE_THREAD=1
-    timeout 150 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_pruned_nccl_gpu.py \
-        "tests/test_emulate_gpu.py::test_losses_and_pruned_outputs_equal_the_real_run[dp2_distopt]" 2>&1 | tail -3
+    # (faulthandler_timeout: a test still running after 120 s prints every thread's stack to the log)
+    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=120 tests/test_pruned_nccl_gpu.py \
+        "tests/test_emulate_gpu.py::test_losses_and_pruned_outputs_equal_the_real_run[dp2_distopt]" \
+        >"$OUT/issue-thread-tests.log" 2>&1
+    tail -5 "$OUT/issue-thread-tests.log"
     P=benchmarks/programs/torch_parallel.py A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
     CUDA_VISIBLE_DEVICES=2,3 timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P $A \
         >"$OUT/ddp2-real.log" 2>&1 &
@@ -173,11 +176,13 @@ issue-thread)
     wait
     cp out/thread/ddp2/logs/emulate.log "$OUT/ddp2-emulate.log" 2>/dev/null
     grep -h "iteration 10/\|predicted iteration\|emulated, rank" "$OUT"/ddp2-*.log
-    WORLDS=2 timeout 100 bash benchmarks/device_suite.sh hostcost >"$OUT/hostcost.log" 2>&1; grep -h "^ISSUE" "$OUT/hc"/*.log ;;
+    tar czf "$OUT/thread-graphs.tgz" out/thread/ddp2/time/graph out/thread/ddp2/cal/summary.json \
+        out/thread/ddp2/emulate/emulate.json 2>/dev/null
+    WORLDS=2 timeout 100 bash benchmarks/device_suite.sh hostcost 2>&1 | tee "$OUT/hostcost.log" | grep -h "^ISSUE" ;;
 hostcost)
     # the host's cost of issuing an async collective (benchmarks/programs/issue_cost.py), real (torchrun) and
     # emulated (prism run, sandbox on GPU 0, assistant on GPU 1) at N = 2 and 4; the emulation's host under cProfile
-    P=benchmarks/programs/issue_cost.py D="$OUT/hc" W=out/hostcost
+    P=benchmarks/programs/issue_cost.py D=out/hostcost/logs W=out/hostcost
     mkdir -p "$D" "$W"
     for n in ${WORLDS:-2 4}; do
         r=$((n - 1))
@@ -189,7 +194,7 @@ hostcost)
             >"$D/emu${n}p.log" 2>&1
         echo "N=$n real / emulated / emulated under cProfile:"; grep -h "^ISSUE" "$D/real$n.log" "$D/emu$n.log" "$D/emu${n}p.log"
     done
-    tar czf "$OUT/hostcost.tgz" "$D" ;;
+    tar czf "$OUT/hostcost.tgz" "$D" ;;  # (files back from $OUT: at most 8)
 prune-all)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'H' 'h')
     timeout "${PRUNE_TIMEOUT:-580}" python3 benchmarks/pruning_latency.py --devices cuda --worlds 2,4 --rounds "${ROUNDS:-1}" \

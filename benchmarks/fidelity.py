@@ -586,7 +586,8 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
             tcmd += ["--tensors", str(tensors)]
         R.cmd("time", [*tcmd, *prog])
         text = R.cmd(
-            "calibrate", [*PRISM, "calibrate", str(timed / "graph"), "--out", str(cal), "--write-graph", "--json"]
+            "calibrate",
+            [*PRISM, "calibrate", str(timed / "graph"), "--out", str(cal), "--write-graph", "--force", "--json"],
         )
         summary = json.loads((cal / "summary.json").read_text())
         cal_rank = per_rank_iterations(load(cal / "graph"))
@@ -627,7 +628,9 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
                 "timing": emu.get("timing"),
                 "rank_iteration_ns": {str(r): (sr.get(str(r)) or {}).get("iteration_ns", []) for r in sandbox},
                 "peak_memory_bytes": {
-                    str(r): int((sr.get(str(r)) or {}).get("peak_memory_bytes", -1)) for r in sandbox
+                    # -1: not measured (null in emulate.json), as in the real run's column
+                    str(r): -1 if (b := (sr.get(str(r)) or {}).get("peak_memory_bytes")) is None else int(b)
+                    for r in sandbox
                 },
                 "rank_compute_ns": {
                     str(r): steady_median((sr.get(str(r)) or {}).get("compute_ns", []), opts.warmup) for r in sandbox

@@ -379,7 +379,7 @@ class Suite:
         its = iterations(text)
         if rc == 0 and its:
             rec["recorded_ms"] = steady(its)["ms"]
-            cal = [sys.executable, "-m", "prismllm.cli.main", "calibrate", str(d / "record"), "--out"]
+            cal = [sys.executable, "-m", "prismllm.cli.main", "calibrate", str(d / "record"), "--force", "--out"]
             crc, _, _ = run_streamed([*cal, str(d / "record-cal")], {}, 300, d / "record-cal.log")
             if crc == 0:
                 summary = json.loads((d / "record-cal" / "summary.json").read_text())

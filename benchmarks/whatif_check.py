@@ -76,7 +76,7 @@ def main() -> int:
             rec = ["record", "--nproc", str(a.nproc), "--devices", a.devices, "--out", str(g), "--force"]
             t0 = time.monotonic()
             prism(*rec, "--", GPT3D, *args, *more, env=env)
-            s = prism("calibrate", str(g), "--out", str(cal), "--json", env=env)
+            s = prism("calibrate", str(g), "--out", str(cal), "--force", "--json", env=env)
             row[f"real_{side}_ns"] = s["recorded_iteration_ns"]
             row[f"calibrated_{side}_ns"] = s["predicted_iteration_ns"]
             row[f"wall_{side}_s"] = round(time.monotonic() - t0, 1)

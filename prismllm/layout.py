@@ -181,6 +181,11 @@ class Layout:
         out["dp"] = self.dense_dp_rank(out["ep"], out["edp"])
         return out
 
+    def spanned(self, ranks: list[int]) -> list[str]:
+        """The dimensions (``order`` names, fastest first) along which ``ranks`` differ."""
+        c = self.coords_array(np.asarray(ranks, dtype=np.int64))
+        return [d for d in self.order if len(np.unique(c[d])) > 1]
+
     def dense_dp_rank(self, ep_rank: int, edp_rank: int) -> int:
         if self.order.index("ep") < self.order.index("dp"):
             return edp_rank * self.ep + ep_rank

@@ -10,6 +10,8 @@ Every command that writes a directory runs inside :func:`writing`:
   over without a word. A second writer is refused at once, with or without ``--force`` (nothing
   is deleted before the lock is taken), and so is a writer of a directory inside DIR or around it
   (``prism capture --out RUN/bare`` while ``prism run --out RUN`` goes on, or the reverse).
+- **An earlier output is replaced only with ``--force``** (:func:`must_replace`), and only when it
+  is the command's own: a directory that holds anything else is never deleted.
 - **Within a process the lock is shared.** A stage that another calls (``prism run`` runs
   capture, time, calibrate, emulate and report into DIR's subdirectories; ``prism sweep`` runs
   ``prism run`` into its own) writes under the lock its caller holds. The processes a stage
@@ -109,6 +111,24 @@ def writing(out: str | os.PathLike | None) -> Iterator[None]:
         finally:
             _held.pop(directory, None)
             _release(directory, fd)
+
+
+def must_replace(out: Path, force: bool, ours: tuple[str, ...], what: str) -> bool:
+    """Whether ``out`` holds an earlier output that a command must clear before it writes there.
+    A path that is no directory is refused, and so is a non-empty directory without ``force``;
+    with ``force`` only a directory that holds one of ``ours`` (the files that mark ``what``,
+    prism's output) is replaced, never another. Changes nothing."""
+    if out.exists() and not out.is_dir():
+        raise PrismError(f"output path {out} exists and is not a directory")
+    if not (out.is_dir() and any(out.iterdir())):
+        return False
+    if not force:
+        raise PrismError(f"output directory {out} exists and is not empty (use --force to replace it)")
+    if not any((out / name).exists() for name in ours):
+        raise PrismError(
+            f"output directory {out} is not empty and holds no {what}; refusing to delete it even with --force"
+        )
+    return True
 
 
 # ------------------------------------------------------------------------------ the lock
@@ -296,4 +316,4 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-__all__ = ["LOCK_SUFFIX", "STORAGE_ERRNOS", "Holder", "lock_path", "storage_problem", "writing"]
+__all__ = ["LOCK_SUFFIX", "STORAGE_ERRNOS", "Holder", "lock_path", "must_replace", "storage_problem", "writing"]

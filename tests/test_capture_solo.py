@@ -317,6 +317,20 @@ def test_bad_inputs(fake, tmp_path):
     assert not (tmp_path / "a").exists()
 
 
+def test_a_layout_the_program_does_not_follow_is_one_line(fake, tmp_path):
+    """--layout tp=2 for a program run as --tp 4: rank 2, a DP replica of rank 0 for the layout, is in
+    the program's tensor-parallel group 0-3, which no renaming of rank 0's groups gives it."""
+    opts, _, _ = fake
+    with pytest.raises(PrismError) as e:
+        capture(opts(tmp_path / "c", 8, ["--tp", 4], parallel=2, layout="tp=2"))
+    assert str(e.value) == (
+        "--layout and the program disagree: the layout makes tp=2, dp=4 of 8 ranks, but the program made a group "
+        "of 4 ranks (0-3) across tp and dp of the layout, which has no such group; give --layout the program's "
+        "own parallel sizes"
+    )
+    assert type(e.value) is PrismError  # a usage error (exit 2), not a damaged input
+
+
 # ---------------------------------------------------------------------- CLI
 def test_cli_capture(fake, tmp_path, monkeypatch, capsys):
     opts, script, _ = fake
@@ -355,6 +369,14 @@ def test_cli_capture(fake, tmp_path, monkeypatch, capsys):
     assert "captured" in o and "representatives" in o
     m = json.loads((out / "manifest.json").read_text())
     assert m["argv"][:2] == ["prism", "capture"] and m["capture"]["representatives"] == [0, 1, 4, 5]
+    # --json: stdout is the result alone; the program's lines and the progress go to stderr
+    rc = climain.main(["capture", "--world", "8", "--devices", "cpu", "--parallel", "2", "--out", str(tmp_path / "j"),
+                       "--layout", "tp=2,pp=2", "--json", "--", str(script), "--tp", "2", "--pp", "2"])  # fmt: skip
+    o, e = capsys.readouterr()
+    res = json.loads(o)
+    assert rc == 0 and res["out"] == str(tmp_path / "j") and res["representatives"] == [0, 1, 4, 5]
+    assert res["world_size"] == 8 and res["ranks_run"] == 4 and res["dedup"] and "run_s" in res["timings"]
+    assert "fake rank 0 done" in e and "4/4 ranks done" in e
     # no layout: said so
     rc = climain.main(
         [

@@ -724,6 +724,13 @@ def test_record_flow_with_standins(tmp_path, monkeypatch, capsys, standins):
     assert prism(argv, monkeypatch) == 2
     assert "--force" in one_line_error(capsys)
     assert prism(argv[:1] + ["--force"] + argv[1:], monkeypatch) == 0
+    # --json: stdout is the result alone, the program's lines go to stderr
+    capsys.readouterr()
+    assert prism(argv[:1] + ["--force", "--json"] + argv[1:], monkeypatch) == 0
+    captured = capsys.readouterr()
+    res = json.loads(captured.out)
+    assert res["out"] == str(out) and res["world_size"] == 3 and res["device"] == "cpu" and res["recorder"]
+    assert res["tensor_store"] is None and "training on rank 1" in captured.err
 
 
 def test_record_rank_failure_message(tmp_path, monkeypatch, capsys, standins):

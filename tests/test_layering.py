@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "prismllm.errors",
             "prismllm.fsutil",
             "prismllm.integrity",
+            "prismllm.terminal",
             "prismllm.outdir",
             "prismllm.fromfields",
             "prismllm.specs",

@@ -185,6 +185,26 @@ def test_two_records_on_one_directory_the_second_refused_the_first_completes(tmp
 
 
 # ---------------------------------------------------------------------------------------------
+# an output directory that holds something
+
+
+def test_calibrate_replaces_an_earlier_calibration_only_with_force_and_nothing_else(tmp_path, capsys):
+    g, cal = graph(tmp_path), tmp_path / "cal"
+    assert main(["calibrate", str(g), "--out", str(cal)]) == 0
+    capsys.readouterr()
+    assert main(["calibrate", str(g), "--out", str(cal)]) == ExitCode.USAGE
+    assert f"output directory {cal} exists and is not empty (use --force" in one_line_error(capsys, "calibrate")
+    assert main(["calibrate", str(g), "--out", str(cal), "--force", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["predicted_iteration_ns"] > 0
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    assert main(["calibrate", str(g), "--out", str(other), "--force"]) == ExitCode.USAGE
+    assert "holds no calibration; refusing to delete it even with --force" in one_line_error(capsys, "calibrate")
+    assert (other / "notes.txt").read_text() == "mine"
+
+
+# ---------------------------------------------------------------------------------------------
 # a full disk
 
 

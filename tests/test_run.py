@@ -68,6 +68,10 @@ def test_run_goes_from_the_program_to_the_report_and_resumes(ran, tmp_path, caps
     assert (out / "report.html").is_file() and (out / "cal" / "graph").is_dir()
     assert "predicted iteration" in shown and "report:" in shown and "{" not in shown  # no JSON unless --json
     assert len(shown.splitlines()) < 40
+    # 80 columns: a line breaks between words, never between a flag and its value
+    flags = [f"{a} {b}" for a, b in zip(JOB[2:], JOB[3:]) if a.startswith("--")]
+    table = [line for line in shown.splitlines() if not line.startswith("report: ")]  # a path is never broken
+    assert all(f in shown for f in flags) and max(map(len, table)) <= 80, shown
     # the same command again: every stage's output is there, nothing runs (capture would take seconds)
     walls = {x["name"]: x["wall_s"] for x in state["stages"]}
     assert main([*argv, *JOB]) == 0
@@ -82,6 +86,35 @@ def test_run_goes_from_the_program_to_the_report_and_resumes(ran, tmp_path, caps
     (tmp_path / "other" / "keep.txt").write_text("x")
     assert main(["run", "--world", "8", "--out", str(tmp_path / "other"), "--force", *JOB]) == 2
     assert (tmp_path / "other" / "keep.txt").exists()
+
+
+def test_the_run_and_its_stages_print_one_json_document(ran, tmp_path, capsys):
+    """--json: the figures and the paths written on stdout, the progress and the program's lines on
+    stderr; a CPU rank's peak memory is null, with why."""
+    out, _ = ran
+    assert main([*ARGV, "--out", str(out), "--json", *JOB]) == 0  # resumed: nothing runs again
+    s = json.loads(capsys.readouterr().out)
+    assert s["predicted_iteration_ns"] > 0 and s["report"] == str(out / "report.html")
+    assert s["emulated"]["7"]["peak_memory_bytes"] is None
+    assert s["emulated"]["7"]["peak_memory_reason"] == "measured on the CPU: no device memory"
+    assert s["peak_memory"] is None and s["peak_memory_reason"] == "measured on the CPU: no device memory"
+    emu = tmp_path / "emu"
+    argv = ["emulate", "--graph", str(out / "cal" / "graph"), "--sandbox", "7", "--devices", "cpu", "--out", str(emu)]
+    assert main([*argv, "--json", *JOB]) == 0
+    captured = capsys.readouterr()
+    e = json.loads(captured.out)
+    assert e["out"] == str(emu) and e["sandbox"] == [7] and e["returncodes"] == {"7": 0} and e["timing"] == "real"
+    assert e["sandbox_results"]["7"]["median_steady_iteration_ns"] > 0 and e["prediction"]["predicted_iteration_ns"]
+    assert e["sandbox_results"]["7"]["peak_memory_bytes"] is None
+    assert "iteration 3/3 | loss" in captured.err  # gpt3d's own lines (rank 7 reports)
+    html = tmp_path / "r.html"
+    assert main(["report", str(out), "--html", str(html), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "run": str(out),
+        "report": str(html),
+        "reference": None,
+        "ranks": None,
+    }
 
 
 def test_the_report_of_a_real_run_opens_clean_and_fast(ran, browser):  # noqa: F811

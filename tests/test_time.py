@@ -105,8 +105,11 @@ def test_time_slices_every_representative_once_and_resumes(bare, tmp_path):
     assert compare_traces(ref, timed, timing=False).structure_equal
     d = timed.nodes.select(["kind", "duration_ns"]).to_pylist()
     assert sum(n["kind"] == "compute" and n["duration_ns"] > 0 for n in d) > 20
-    again = prism(*cmd)  # nothing left to run: the slices are reused
+    again = prism(cmd[0], "--json", *cmd[1:])  # nothing left to run: the slices are reused
     assert again.returncode == 0 and "(2 done before)" in again.stderr, again.stderr
+    res = json.loads(again.stdout)  # --json: stdout is the result alone
+    assert res["graph"] == str(out / "graph") and res["timed_ranks"] == [0, 1] and res["resumed"] == 2
+    assert res["slices"] == [[0], [1]] and res["world_size"] == 4 and set(res["left_out_ns"]) == {"0", "1"}
 
 
 def test_time_refuses_bad_input(bare, tmp_path):

@@ -222,6 +222,16 @@ def test_export_perfetto(cli, graph, tmp_path):
     assert doc["metadata"]["prismtrace"]["timeline"].startswith("recorded")
 
 
+@pytest.mark.parametrize("fmt", ["perfetto", "hta", "chakra"])
+def test_export_json(cli, graph, tmp_path, fmt):
+    out = tmp_path / fmt
+    rc, stdout, err = cli("export", graph, f"--{fmt}", out, "--ranks", "0-1", "--json")
+    assert rc == 0, err
+    res = json.loads(stdout)  # one document, nothing else on stdout
+    assert res["format"] == fmt and res["out"] == str(out) and res["graph"] == str(graph) and res["world_size"] == 4
+    assert res["nodes_without_times"] == 0 and (res["nodes"] == 46 if fmt != "hta" else res["kernels"] > 0)
+
+
 def test_export_bare_graph(cli, tmp_path):
     g = save(example_logs(times=False), tmp_path / "bare", {"mode": "capture"})
     out = tmp_path / "bare.json"

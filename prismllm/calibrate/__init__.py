@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from prismllm.calibrate.analyze import Timeline
@@ -25,7 +26,7 @@ from prismllm.calibrate.report import (
     summarize,
     write,
 )
-from prismllm.outdir import writing
+from prismllm.outdir import must_replace, writing
 from prismllm.replay import TRANSFER_RULES, CalibrationError, Solution, solve
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.summary import steady_iteration_time
@@ -39,12 +40,16 @@ def calibrate(
     rule: str = "auto",
     validate_graph: bool = True,
     write_graph: bool = False,
+    force: bool = False,
     verify: bool = True,
 ) -> dict[str, Any]:
     """Load GRAPH (and OTHER; their files' checksums verified unless ``verify`` is False), solve,
     write CAL when ``out`` is given (with ``write_graph`` also CAL/graph, the calibrated
-    PrismTrace), as its one writer from the start (``prismllm.outdir``); return the summary."""
+    PrismTrace), as its one writer from the start (``prismllm.outdir``); return the summary. A
+    non-empty CAL is replaced only with ``force``, and only when it holds a calibration."""
     with writing(out):
+        if out is not None:  # before the solve: a refused CAL costs nothing
+            must_replace(Path(out), force, (SUMMARY_FILE,), "calibration")
         t0 = time.perf_counter()
         trace = PrismTrace.load(graph, verify)
         other = PrismTrace.load(durations, verify) if durations is not None else None

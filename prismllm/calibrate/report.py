@@ -11,12 +11,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from rich.table import Table
 
 from prismllm.calibrate.analyze import Timeline
 from prismllm.errors import PrismError
 from prismllm.fsutil import write_dir_atomically
 from prismllm.replay import INST_P2P, Solution
+from prismllm.terminal import Table
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.summary import fmt_ns
 

@@ -56,7 +56,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-from rich.table import Table
 
 from prismllm.calibrate.report import SUMMARY_FILE, calibrated_table, summarize, write
 from prismllm.errors import PrismError
@@ -64,6 +63,7 @@ from prismllm.layout import Layout
 from prismllm.outdir import writing
 from prismllm.replay import INST_P2P, Durations, ReplayGraph, Solution, solve
 from prismllm.specs import parse_ranks
+from prismllm.terminal import Table
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import COMM_OPS
 from prismllm.trace.summary import fmt_ns

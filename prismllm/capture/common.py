@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from prismllm import __version__
 from prismllm.errors import PrismError, RequirementError
 from prismllm.launch.program import program_fingerprint
+from prismllm.outdir import must_replace
 from prismllm.specs import cuda_on_cpu_devices, parse_devices
 from prismllm.trace.schema import FILES, MANIFEST_FILE
 
@@ -91,21 +92,9 @@ def resolve_devices(devices: str | None, nproc: int, cuda_on_cpu: bool = False) 
 
 
 def check_out_dir(out: Path, force: bool) -> bool:
-    """Refuse an existing non-empty directory unless ``force``; with ``force``, accept only a
-    directory that holds a prism trace or a kept spool (never an unrelated directory).
-    Returns whether the directory must be cleared first. Changes nothing."""
-    if out.exists() and not out.is_dir():
-        raise PrismError(f"output path {out} exists and is not a directory")
-    if not (out.is_dir() and any(out.iterdir())):
-        return False
-    if not force:
-        raise PrismError(f"output directory {out} exists and is not empty (use --force to replace it)")
-    if not ((out / MANIFEST_FILE).exists() or (out / SPOOL_DIR).exists()):
-        raise PrismError(
-            f"output directory {out} is not empty and does not hold a prism trace; "
-            f"refusing to delete it even with --force"
-        )
-    return True
+    """Whether ``out`` must be cleared first (``outdir.must_replace``): with ``force``, only a
+    directory that holds a prism trace or a kept spool. Changes nothing."""
+    return must_replace(out, force, (MANIFEST_FILE, SPOOL_DIR), "prism trace")
 
 
 def prepare_out_dir(out: Path, force: bool) -> None:

@@ -85,6 +85,7 @@ class RecordResult:
     iterations: int | None
     nodes: int | None
     device: str
+    tensor_store: Path | None = None  # where --save-tensors wrote
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,4 +286,5 @@ def _record(opts: RecordOptions, on_start: Callable[[str, int], None] | None) ->
         iterations=iterations,
         nodes=nodes,
         device=device,
+        tensor_store=store,
     )

@@ -54,13 +54,13 @@ from prismllm.launch import (
     launch,
     says_out_of_memory,
 )
-from prismllm.layout import Layout, ReplicaPlan, replica_plan
+from prismllm.layout import DIMS, Layout, ReplicaPlan, replica_plan
 from prismllm.outdir import writing
 from prismllm.routing.contract import child_fields, manifest_entry
 from prismllm.specs import format_ranks, parse_devices
 from prismllm.trace.alltoall import reconcile_all_to_all
 from prismllm.trace.ranklog import ranklog_path
-from prismllm.trace.replicate import assemble_replicated
+from prismllm.trace.replicate import UnreplicableGroup, assemble_replicated
 from prismllm.trace.schema import MANIFEST_FILE
 from prismllm.trace.validate import validate
 
@@ -313,6 +313,18 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
 FAILURE_SETTLE_S = 10.0
 
 
+def _layout_disagrees(layout: Layout, e: UnreplicableGroup) -> PrismError:
+    """The line for a program whose own groups do not follow --layout: a rank the layout takes
+    for a replica would miss the collectives of one of the program's groups."""
+    sizes = ", ".join(f"{k}={v}" for k, v in layout.to_dict().items() if k in DIMS and v > 1)
+    return PrismError(
+        f"--layout and the program disagree: the layout makes {sizes} of {layout.world} ranks, but the "
+        f"program made a group of {len(e.members)} ranks ({format_ranks(e.members)}) across "
+        f"{' and '.join(layout.spanned(e.members))} of the layout, which has no such group; give --layout the "
+        f"program's own parallel sizes"
+    )
+
+
 def _failure(result: LaunchResult, spool: Path, done: int, total: int) -> LaunchError:
     """A failed batch: a rank that ran out of memory is a result (RankOutOfMemory: the program
     needs more than the device at this scale), anything else a LaunchError; both say how to resume.
@@ -478,13 +490,16 @@ def _capture(
         cap["replica_of"] = plan.replicas.replica_of.tolist()
         cap["renaming"] = "shift of the edp coordinate (prismllm.layout)"
     manifest["capture"] = cap
-    trace = assemble_replicated(
-        spool,
-        manifest,
-        replica_of=plan.replicas.replica_of,
-        map_of=plan.replicas.map_of,
-        rename=plan.replicas.rename,
-    )
+    try:
+        trace = assemble_replicated(
+            spool,
+            manifest,
+            replica_of=plan.replicas.replica_of,
+            map_of=plan.replicas.map_of,
+            rename=plan.replicas.rename,
+        )
+    except UnreplicableGroup as e:  # only a layout makes replicas
+        raise _layout_disagrees(layout, e) from None
     reconciled = reconcile_all_to_all(trace)
     cap["all_to_all_reconciled"] = reconciled
     t_val = time.monotonic()

@@ -1,4 +1,4 @@
-"""`prism calibrate GRAPH --out CAL [--durations OTHER] [--json]`: solve a timed graph.
+"""`prism calibrate GRAPH --out CAL [--durations OTHER] [--force] [--json]`: solve a timed graph.
 
 A discrete-event pass over the graph (program order per rank and stream, issue -> wait of
 asynchronous ops, collectives and send/recv pairs starting when their last member arrives)
@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also write CAL/graph: GRAPH with the solved times (a PrismTrace, mode calibrated)",
     )
-    options.add(p, "no_validate", "no_verify", "json")
+    options.add(p, "force", "no_validate", "no_verify", "json")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
             rule=args.transfer,
             validate_graph=not args.no_validate,
             write_graph=args.write_graph,
+            force=args.force,
             verify=args.verify,
         )
     except ValueError as e:  # a duration array the engine refuses: report it as one line

@@ -2,7 +2,7 @@
 
     prism capture --world N --out DIR [--layout tp=..,pp=..,ep=..,cp=..,order=tp-cp-ep-dp-pp]
                   [--devices ...] [--parallel K] [--rules FILE] [--tensors STORE] [--timeout S]
-                  [--force] [--tee] [--prefix] -- SCRIPT ARGS...
+                  [--force] [--tee] [--prefix] [--json] -- SCRIPT ARGS...
 
 Run SCRIPT as ranks of a world of N, each rank alone (solo mode: collectives are answered by the
 tensor generator or a tensor store), K ranks at a time (--parallel), and write the N-rank execution
@@ -42,6 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "force",
         "tee",
         "no_verify",
+        "json",
     )
     add_program_args(p)
 
@@ -86,7 +87,7 @@ def _summary(res: CaptureResult) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    display = Display("capture")
+    display = Display("capture", json=args.json)
     progress = _CaptureProgress(display)
     opts = CaptureOptions.from_fields(args, **graph_program_fields(args, "capture", display.sink))
     try:
@@ -100,5 +101,8 @@ def run(args: argparse.Namespace) -> int:
         return e.exit_code
     finally:
         display.stop()
-    _summary(res)
+    if args.json:
+        options.print_json(options.result_fields(res, omit=("manifest", "trace")))
+    else:
+        _summary(res)
     return 0

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
-from rich.table import Table
 
 from prismllm.cli import options
 from prismllm.errors import ExitCode
+from prismllm.terminal import Table
 from prismllm.trace.compare import compare_traces
 from prismllm.trace.summary import fmt_ns
 

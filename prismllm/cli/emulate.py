@@ -2,7 +2,8 @@
 
     prism emulate --graph GRAPH --sandbox RANKS --out DIR [--devices ...] [--inputs ...] [--tensors STORE]
                   [--timing auto|fast|real] [--assistants K] [--check] [--rdzv-endpoint HOST:PORT
-                  --role all|sandbox|assistant] [--timeout S] [--force] [--tee] [--prefix] -- SCRIPT ARGS...
+                  --role all|sandbox|assistant] [--timeout S] [--force] [--tee] [--prefix] [--json]
+                  -- SCRIPT ARGS...
 
 Run SCRIPT for real as the sandbox ranks of the N-rank job the graph GRAPH describes (torchrun's
 environment for each of them, WORLD_SIZE = N); every other rank is virtual, replayed from the graph
@@ -21,6 +22,7 @@ import sys
 
 from prismllm.cli import options
 from prismllm.cli.program import add_program_args, line_prefix, program_args
+from prismllm.cli.progress import Display
 from prismllm.emulate.run import EmulateOptions, SandboxOutOfMemory, emulate
 from prismllm.errors import ExitCode
 from prismllm.launch import LaunchInterrupted
@@ -69,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="assistant processes (on GPU one GPU each, after the sandbox's): each plays the "
         "proxy of a share of the groups that mix sandbox and virtual ranks (default 1)",
     )
-    options.add(p, "force", "tee", "no_verify")
+    options.add(p, "force", "tee", "no_verify", "json")
     add_program_args(p)
 
 
@@ -87,7 +89,7 @@ def _print_figures(res) -> None:
         med = m["median_steady_iteration_ns"]
         line = (
             f"prism emulate: sandbox rank {r}: iterations [{its}]; median steady {_ms(med)}"
-            + (f"; peak memory {mem:,} B" if mem >= 0 else "")
+            + (f"; peak memory {mem:,} B" if mem is not None else "")
             + (
                 f" (+ {m['emulation_scratch_bytes']:,} B of pruned-call scratch outside it)"
                 if m.get("emulation_scratch_bytes")
@@ -118,7 +120,12 @@ def _print_figures(res) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    opts = EmulateOptions.from_fields(args, args=program_args(args), line_prefix=line_prefix(args))
+    opts = EmulateOptions.from_fields(
+        args,
+        args=program_args(args),
+        line_prefix=line_prefix(args),
+        sink=Display("emulate", json=True).sink if args.json else None,  # stdout: the JSON alone
+    )
     try:
         res = emulate(opts)
     except LaunchInterrupted as e:
@@ -149,6 +156,8 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     print(f"prism emulate: done in {res.wall_s:.1f} s; output in {res.out}", file=sys.stderr)
+    if args.json:
+        options.print_json(options.result_fields(res, omit=("launch",)))
     if res.check_failure is not None:
         print(f"prism emulate: error: --check: {res.check_failure}", file=sys.stderr)
         return ExitCode.FAILED

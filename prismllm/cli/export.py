@@ -1,4 +1,4 @@
-"""`prism export DIR (--perfetto OUT.json | --hta OUT_DIR | --chakra OUT_DIR) [--ranks RANKS]`:
+"""`prism export DIR (--perfetto OUT.json | --hta OUT_DIR | --chakra OUT_DIR) [--ranks RANKS] [--json]`:
 write a graph for the tools people use.
 
 --perfetto: Chrome trace-event JSON for https://ui.perfetto.dev or chrome://tracing: a
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     fmt.add_argument("--perfetto", metavar="OUT.json", help="write Chrome trace-event JSON for Perfetto")
     fmt.add_argument("--hta", metavar="OUT_DIR", help="write Kineto traces for Holistic Trace Analysis")
     fmt.add_argument("--chakra", metavar="OUT_DIR", help="write Chakra execution traces (ASTRA-sim)")
-    options.add(p, "ranks", "no_validate", "no_verify")
+    options.add(p, "ranks", "no_validate", "no_verify", "json")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,21 +49,23 @@ def run(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace, trace: PrismTrace, ranks: list[int] | None, shown: str) -> int:
     if args.hta:
-        stats = export_kineto(trace, args.hta, ranks=ranks)
-        print(
-            f"wrote {args.hta}: {shown} ranks, {stats['kernels']} kernels in {len(stats['files'])} Kineto "
-            f"trace(s) for Holistic Trace Analysis"
+        fmt, out = "hta", args.hta
+        stats = export_kineto(trace, out, ranks=ranks)
+        line = f"{stats['kernels']} kernels in {len(stats['files'])} Kineto trace(s) for Holistic Trace Analysis"
+    elif args.chakra:
+        fmt, out = "chakra", args.chakra
+        stats = export_chakra(trace, out, ranks=ranks)
+        line = f"{stats['nodes']} nodes in {len(stats['files'])} Chakra execution trace(s)"
+    else:
+        fmt, out = "perfetto", args.perfetto
+        stats = export_perfetto(trace, out, ranks=ranks)
+        note = " (no times in the graph: laid out by program order)" if stats["synthetic"] else ""
+        skipped = (
+            f", {stats['nodes_without_times']} nodes without times left out" if stats["nodes_without_times"] else ""
         )
-        return 0
-    if args.chakra:
-        stats = export_chakra(trace, args.chakra, ranks=ranks)
-        print(
-            f"wrote {args.chakra}: {shown} ranks, {stats['nodes']} nodes in {len(stats['files'])} Chakra "
-            f"execution trace(s)"
-        )
-        return 0
-    stats = export_perfetto(trace, args.perfetto, ranks=ranks)
-    note = " (no times in the graph: laid out by program order)" if stats["synthetic"] else ""
-    skipped = f", {stats['nodes_without_times']} nodes without times left out" if stats["nodes_without_times"] else ""
-    print(f"wrote {args.perfetto}: {shown} ranks, {stats['nodes']} nodes, {stats['flows']} sync flows{skipped}{note}")
+        line = f"{stats['nodes']} nodes, {stats['flows']} sync flows{skipped}{note}"
+    if args.json:
+        options.print_json({"format": fmt, "out": out, "graph": args.graph, "world_size": trace.world_size} | stats)
+    else:
+        print(f"wrote {out}: {shown} ranks, {line}")
     return 0

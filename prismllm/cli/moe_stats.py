@@ -16,13 +16,13 @@ import json
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from prismllm.cli import options
 from prismllm.fsutil import write_file_atomically
 from prismllm.routing import measure
 from prismllm.routing.contract import OBSERVE_DIR
 from prismllm.routing.stats import FIELDS, RoutingError
+from prismllm.terminal import Table
 
 SUMMARY = "the routing skew of a recorded MoE run: balance statistics, and a routing file to replay it"
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from typing import Any
 
@@ -163,7 +164,14 @@ SHARED: dict[str, Option] = {
     "tee": Option(
         ("--tee",), {"action": "store_true", "help": "also write every process's stdout and stderr to DIR/logs"}
     ),
-    "json": Option(("--json",), {"action": "store_true", "help": "print the result as JSON instead of tables"}),
+    "json": Option(
+        ("--json",),
+        {
+            "action": "store_true",
+            "help": "print the result (its figures and the paths written) as one JSON document on stdout instead "
+            "of tables; every other line goes to stderr",
+        },
+    ),
     "ranks": Option(("--ranks",), {"default": None, "metavar": "RANKS", "help": "only these ranks, e.g. 0-7,12"}),
     "no_validate": Option(
         ("--no-validate",),
@@ -235,9 +243,21 @@ def canonical_argv(p: argparse.ArgumentParser, args: argparse.Namespace, command
 
 
 def print_json(obj: Any) -> None:
-    """``--json``: one JSON object on stdout."""
-    json.dump(obj, sys.stdout)
+    """``--json``: one JSON document on stdout (paths as strings)."""
+    json.dump(obj, sys.stdout, default=_path_text)
     sys.stdout.write("\n")
+
+
+def _path_text(obj: Any) -> str:
+    if isinstance(obj, os.PathLike):
+        return os.fspath(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def result_fields(result: Any, omit: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A stage's result (a dataclass) for ``--json``: its fields but ``omit`` (what only lives in
+    memory: the graph, the launch)."""
+    return {f.name: getattr(result, f.name) for f in dataclasses.fields(result) if f.name not in omit}
 
 
 def load_graph(path: str, check: bool = True, verify: bool = True) -> PrismTrace:
@@ -249,4 +269,4 @@ def load_graph(path: str, check: bool = True, verify: bool = True) -> PrismTrace
     return trace
 
 
-__all__ = ["DEVICES_HELP", "SHARED", "add", "canonical_argv", "command", "load_graph", "print_json"]
+__all__ = ["DEVICES_HELP", "SHARED", "add", "canonical_argv", "command", "load_graph", "print_json", "result_fields"]

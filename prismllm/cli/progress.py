@@ -19,8 +19,9 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
-from rich.table import Table
 from rich.text import Text
+
+from prismllm.terminal import Table
 
 PLAIN_EVERY_S = 10.0
 
@@ -35,10 +36,12 @@ def fmt_seconds(s: float) -> str:
 
 class Display:
     """``say`` prism's own lines (``prism COMMAND: ...``), ``sink`` the program's, ``stage`` and
-    ``update`` the bar. ``stop`` before printing a summary."""
+    ``update`` the bar. ``stop`` before printing a summary. With ``json`` stdout is the result's
+    alone: the program's stdout goes to stderr too."""
 
-    def __init__(self, command: str, tty: bool | None = None):
+    def __init__(self, command: str, tty: bool | None = None, json: bool = False):
         self.command = command
+        self.json = json
         self.tty = (sys.stdout.isatty() and sys.stderr.isatty()) if tty is None else tty
         self.console = Console(stderr=True) if self.tty else None
         self.bar: Progress | None = None
@@ -62,7 +65,7 @@ class Display:
         if self.console is not None:
             self.console.print(Text.from_ansi(line.rstrip("\n")), soft_wrap=True, highlight=False)
         else:
-            f = sys.stdout if stream == "stdout" else sys.stderr
+            f = sys.stdout if stream == "stdout" and not self.json else sys.stderr
             with self.lock:
                 f.write(line)
                 f.flush()

@@ -2,7 +2,7 @@
 
     prism record --nproc N --out DIR [--devices ...] [--layout tp=2,pp=2] [--save-tensors SELECTOR
                  [--tensor-store DIR]] [--recorder auto|native|python] [--timeout S] [--force] [--tee]
-                 [--prefix] -- SCRIPT ARGS...
+                 [--prefix] [--json] -- SCRIPT ARGS...
 
 Run SCRIPT on N rank processes, as torchrun would (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT,
 ...), with its process groups recorded, and write the execution graph (PrismTrace) to DIR. If any
@@ -57,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "picks native/python): native, or the Python path with a warning if it cannot "
         "be built. --save-tensors always records through the Python path",
     )
-    options.add(p, "timeout", "force", "tee")
+    options.add(p, "timeout", "force", "tee", "json")
     add_program_args(p)
 
 
@@ -76,7 +76,7 @@ def _summary(res: RecordResult) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    display = Display("record")
+    display = Display("record", json=args.json)
     opts = RecordOptions.from_fields(args, **graph_program_fields(args, "record", display.sink))
     try:
         res = record(
@@ -85,5 +85,11 @@ def run(args: argparse.Namespace) -> int:
     except LaunchInterrupted as e:
         display.say(str(e))
         return e.exit_code
-    _summary(res)
+    if args.json:
+        options.print_json(
+            options.result_fields(res, omit=("manifest", "trace", "launch"))
+            | {"recorder": res.manifest.get("recorder")}
+        )
+    else:
+        _summary(res)
     return 0

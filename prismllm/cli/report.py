@@ -1,4 +1,4 @@
-"""`prism report DIR [--html FILE] [--reference REAL] [--ranks RANKS]`: the report of a `prism run`
+"""`prism report DIR [--html FILE] [--reference REAL] [--ranks RANKS] [--json]`: the report of a `prism run`
 directory, a self-contained HTML page (prismllm.report)."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="REAL",
         help="a real run of the same job (a `prism record` graph): shown beside the prediction, rank by rank",
     )
-    options.add(p, "ranks")
+    options.add(p, "ranks", "json")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -34,5 +34,8 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise PrismError(f"--ranks: {e}") from None
     path = write_report(args.run_dir, args.html, reference=args.reference, ranks=ranks)
-    print(f"prism report: wrote {path} (open it in a browser: file://{path.resolve()})")
+    if args.json:
+        options.print_json({"run": args.run_dir, "report": path.resolve(), "reference": args.reference, "ranks": ranks})
+    else:
+        print(f"prism report: wrote {path} (open it in a browser: file://{path.resolve()})")
     return 0

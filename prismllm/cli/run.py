@@ -19,13 +19,13 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
-from rich.table import Table
 
 from prismllm.cli import options
 from prismllm.cli.program import add_program_args, program_args
 from prismllm.cli.progress import Display, fmt_seconds
 from prismllm.launch import LaunchInterrupted, RankOutOfMemory
 from prismllm.pipeline.run import RunOptions, run_pipeline
+from prismllm.terminal import Table
 
 SUMMARY = "capture, time, calibrate (and emulate) a job of N ranks, then write its report"
 RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
@@ -92,10 +92,10 @@ def render(s: dict, console: Console) -> None:
             f"{_mib(peak['bytes'])} on rank {peak['rank']} ({peak['where']}); least {_mib(peak['min_bytes'])}",
         )
         for r, m in sorted((s.get("emulated") or {}).items(), key=lambda kv: int(kv[0])):
-            if (m.get("peak_memory_bytes") or -1) >= 0:
+            if m.get("peak_memory_bytes") is not None:
                 t.add_row(f"peak memory, rank {r} real", _mib(m["peak_memory_bytes"]))
     else:
-        t.add_row("peak memory", "not measured: the capture ran on the CPU (run on a GPU for device memory)")
+        t.add_row("peak memory", f"not measured: {s['peak_memory_reason']}")
     if s.get("pipeline_bubble") is not None:
         t.add_row("pipeline bubble", f"{100 * s['pipeline_bubble']:.1f} % of the iteration (P2P wait)")
     shares = sorted((s.get("critical_path_shares") or {}).items(), key=lambda kv: -kv[1])

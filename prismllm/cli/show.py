@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
-from rich.table import Table
 
 from prismllm.cli import options
+from prismllm.terminal import Table
 from prismllm.trace.graph import ranks_text
 from prismllm.trace.summary import fmt_bytes, fmt_ns, summarize
 

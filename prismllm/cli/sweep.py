@@ -22,7 +22,6 @@ import argparse
 import sys
 
 from rich.console import Console
-from rich.table import Table
 
 from prismllm.cli import options
 from prismllm.cli.program import add_program_args, program_args
@@ -33,6 +32,7 @@ from prismllm.launch import LaunchInterrupted
 from prismllm.pipeline.sweep import Point, SweepOptions, parse_grid, run_sweep
 from prismllm.report.html import fmt_bytes, fmt_ns
 from prismllm.report.sweep import best_point
+from prismllm.terminal import Table
 
 SUMMARY = "run the pipeline for every point of a grid of configurations: time and memory per point"
 RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts

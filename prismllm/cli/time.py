@@ -1,4 +1,4 @@
-"""`prism time --graph BARE --out DIR [--devices ...] [--slice-size K] [--parallel P]
+"""`prism time --graph BARE --out DIR [--devices ...] [--slice-size K] [--parallel P] [--json]
 -- SCRIPT ARGS`: slice timing (prismllm.time).
 
 Slice timing: the ranks of GRAPH run for real a slice at a time (each slice one sandbox run: its
@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "its own slice), so each computes under the load the real run's ranks put on the host's "
         "shared cores; communication stays the first pass's (docs/commands/time.md)",
     )
-    options.add(p, "timeout", "force", "no_verify")
+    options.add(p, "timeout", "force", "no_verify", "json")
     add_program_args(p, prefix=False)
 
 
@@ -61,4 +61,6 @@ def run(args: argparse.Namespace) -> int:
             f"left out of the timed ranks' clocks: {total / 1e6:.1f} ms of the emulation layer's own host "
             f"time on their calls (CPU timing; docs/accuracy.md)"
         )
+    if args.json:
+        options.print_json(options.result_fields(res))
     return 0

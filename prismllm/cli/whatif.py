@@ -27,12 +27,12 @@ import argparse
 import sys
 
 from rich.console import Console
-from rich.table import Table
 
 from prismllm.calibrate.whatif import WhatIfError, load_network, parse_change, render, whatif
 from prismllm.cli import options
 from prismllm.pipeline.spin import SpinOptions, parse_spin, spin_whatif
 from prismllm.report.html import fmt_ns
+from prismllm.terminal import Table
 
 SUMMARY = "re-solve a calibration with spans scaled or another network: the new iteration time"
 PROGRAM_AFTER_DASHES = True  # `-- SCRIPT ARGS` after CAL and the options (cli.main)

@@ -330,14 +330,13 @@ class PrunedWork(dist.Work):
         self._lock = threading.Lock()
         self._finished = False
         self._fut: Any = None
-        # issued later by the IssueThread (``issued=False``): set by ``_bind`` or ``_fail``
-        self._issued = threading.Event()
+        # issued later by the IssueThread (``issued=False``): set by ``_bind`` or ``_fail``; None:
+        # issued already (no Event made on the hot path of every other call)
+        self._issued = None if issued else threading.Event()
         self._failure: BaseException | None = None
         self._fut_lock = threading.Lock()  # not _lock: a chained callback may run _finish inside
         self._fut_waiting = False  # get_future came first: the Future is completed from the bind
         self._complete_at_finish = False  # ... or, where the small Works have none, by _finish
-        if issued:
-            self._issued.set()
 
     def _bind(self, works: Sequence[Any], calls: Sequence[C.SmallCall], checks: Sequence) -> None:
         """The small calls the issue thread made for this Work."""
@@ -369,7 +368,8 @@ class PrunedWork(dist.Work):
 
     def _ready(self) -> None:
         """Wait until the small calls are issued; raise what stopped them."""
-        self._issued.wait()
+        if self._issued is not None:
+            self._issued.wait()
         if self._failure is not None:
             raise self._failure
 
@@ -401,7 +401,7 @@ class PrunedWork(dist.Work):
     def is_completed(self) -> bool:
         if self._finished:
             return True
-        if not self._issued.is_set():
+        if self._issued is not None and not self._issued.is_set():
             return False
         self._ready()
         if all(w.is_completed() for w in self._works):
@@ -420,7 +420,7 @@ class PrunedWork(dist.Work):
             if self._fut is None:
                 if self._failure is not None:
                     raise self._failure
-                if self._issued.is_set():
+                if self._issued is None or self._issued.is_set():
                     self._fut = self._chain()
                 else:  # completed once the issue thread bound the small calls (``_bind``)
                     devices = sorted({str(t.device) for t in self._outputs if t.device.type == "cuda"})
@@ -733,7 +733,7 @@ class PrunedBackend(solo.GeneratedBackend):
         if self.backend == "nccl":
             dev = torch.device("cuda", torch.cuda.current_device())
             mark = torch.cuda.Event()
-            mark.record()
+            mark.record(torch.cuda.current_stream(dev))  # (a device given: no device-count lookup)
         w = PrunedWork((), (), solo._flat(outs), (), issued=False)
         small = self.small()
 

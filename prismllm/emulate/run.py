@@ -37,7 +37,7 @@ from prismllm.launch.sandbox import (
     recorded_inputs,
     sandbox_devices,
 )
-from prismllm.outdir import writing
+from prismllm.outdir import must_replace, writing
 from prismllm.specs import parse_ranks
 from prismllm.trace.graph import read_manifest
 from prismllm.trace.schema import FILES
@@ -231,15 +231,7 @@ def _emulate(opts: EmulateOptions) -> EmulateResult:
     if opts.timeout is not None and opts.timeout <= 0:
         raise PrismError(f"--timeout must be positive, not {opts.timeout:g}")
     out = Path(opts.out)
-    if out.exists() and not out.is_dir():
-        raise PrismError(f"output path {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not opts.force:
-            raise PrismError(f"output directory {out} exists and is not empty (use --force to replace it)")
-        if not (out / RESULT_FILE).exists() and not (out / PIDS_FILE).exists():  # pids: a run cut off
-            raise PrismError(
-                f"output directory {out} is not empty and holds no emulation; refusing to delete it even with --force"
-            )
+    if must_replace(out, opts.force, (RESULT_FILE, PIDS_FILE), "emulation"):  # pids: a run cut off
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
 

@@ -315,7 +315,7 @@ def measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
     """Per sandbox rank, from its rank log: each iteration's time (its own begin to end) and
     the time its compute spans took in it, the median over the steady ones (all but the first
     when there are two or more) and the peak device memory (torch.cuda.max_memory_allocated;
-    -1 on CPU)."""
+    None, with ``peak_memory_reason``, where there is none to measure)."""
     out = {}
     for r in sandbox:
         path = ranklog_path(ranklogs, r)
@@ -338,13 +338,25 @@ def measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
             "iteration_ns": times,
             "compute_ns": [compute.get(int(it["iteration"]), 0) for it in its],
             "median_steady_iteration_ns": med,
-            "peak_memory_bytes": int(log.peak_memory_bytes),
+            **_peak_memory(log.peak_memory_bytes, log.device),
             "emulation_overhead_left_out_ns": int(log.excluded_ns),
             "emulation_host_ns": int(log.emulation_host_ns),
             "emulation_scratch_bytes": int(log.scratch_bytes),
             "emulation_calls_off_thread": int(log.calls_off_thread),
         }
     return out
+
+
+# why a rank that ran on the CPU has no peak memory
+ON_THE_CPU = "measured on the CPU: no device memory"
+
+
+def _peak_memory(peak_bytes: int, device: str) -> dict[str, Any]:
+    """A rank's peak device memory (its log's -1: not measured), with why where there is none."""
+    if peak_bytes >= 0:
+        return {"peak_memory_bytes": int(peak_bytes)}
+    why = ON_THE_CPU if device == "cpu" else "the rank never initialized CUDA"
+    return {"peak_memory_bytes": None, "peak_memory_reason": why}
 
 
 def pids_by_role(pids: dict[int, int]) -> dict[str, Any]:
@@ -397,6 +409,7 @@ def classify_failure(result: LaunchResult, spec: SandboxSpec) -> LaunchError:
 
 
 __all__ = [
+    "ON_THE_CPU",
     "SandboxOutOfMemory",
     "SandboxRun",
     "SandboxSpec",

@@ -34,6 +34,7 @@ from prismllm.errors import PrismError
 from prismllm.fromfields import FromFields
 from prismllm.fsutil import read_json, write_file_atomically
 from prismllm.launch import LineSink
+from prismllm.launch.sandbox import ON_THE_CPU
 from prismllm.layout import Layout
 from prismllm.outdir import writing
 from prismllm.report import write_report
@@ -240,7 +241,7 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
     if not (cal / "graph" / MANIFEST_FILE).is_file() or "calibrate" not in walls:
         t0 = time.monotonic()
         ui.stage("calibrate")
-        summary = calibrate(timed, cal, write_graph=True)
+        summary = calibrate(timed, cal, write_graph=True, force=True)  # the run's own stage, redone
         done_stage("calibrate", t0, f"{summary['nodes']:,} nodes solved")
     summary = json.loads((cal / "summary.json").read_text())
 
@@ -308,6 +309,11 @@ def _devices_of(time_dir: Path) -> str:
     return str(s.get("devices", "?"))
 
 
+def _no_peak_memory(device: str | None) -> str:
+    """Why a capture measured no peak memory."""
+    return ON_THE_CPU if device == "cpu" else "no captured rank measured it"
+
+
 def _summary(out: Path, state: dict[str, Any], s: dict[str, Any] | None, emu: dict[str, Any] | None) -> dict[str, Any]:
     """The figures a user reads first (``prism run``'s closing lines); ``s``: the calibration's
     summary, None after a capture alone."""
@@ -326,7 +332,8 @@ def _summary(out: Path, state: dict[str, Any], s: dict[str, Any] | None, emu: di
     emulated = None
     if emu:
         emulated = {
-            r: {"iteration_ns": m.get("median_steady_iteration_ns"), "peak_memory_bytes": m.get("peak_memory_bytes")}
+            r: {"iteration_ns": m.get("median_steady_iteration_ns")}
+            | {k: m[k] for k in ("peak_memory_bytes", "peak_memory_reason") if k in m}
             for r, m in (emu.get("sandbox_results") or {}).items()
         }
     return {
@@ -337,6 +344,7 @@ def _summary(out: Path, state: dict[str, Any], s: dict[str, Any] | None, emu: di
         "pipeline_bubble": (s.get("pipeline_bubble") or {}).get("fraction"),
         "critical_path_shares": shares,
         "peak_memory": peak,
+        "peak_memory_reason": None if peak else _no_peak_memory(bare.get("device")),
         "emulated": emulated,
         "emulated_devices": (emu or {}).get("devices"),
         "shared_gpu": (emu or {}).get("shared_gpu"),

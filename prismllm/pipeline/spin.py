@@ -71,7 +71,7 @@ def spin_whatif(opts: SpinOptions, say: Callable[[str], None] | None = None) -> 
             ),
             say=say,
         )
-        measured = calibrate(timed.graph, out / "cal")
+        measured = calibrate(timed.graph, out / "cal", force=True)  # this what-if's own, redone on a resume
         base = resolve["baseline_iteration_ns"]
         m = measured["predicted_iteration_ns"]
         return {

@@ -12,6 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from prismllm.specs import format_ranks
 from prismllm.trace.assemble import (
     LOG_FIELDS,
     Part,
@@ -30,6 +31,20 @@ from prismllm.trace.ranklog import GroupInfo
 from prismllm.trace.schema import ITERATION_SCHEMA, KIND_COMM, NODE_SCHEMA
 
 _ROOTED_OPS = ("broadcast", "reduce", "gather", "scatter")
+
+
+class UnreplicableGroup(TraceError):
+    """A group the representatives used that the renaming cannot give one of its members: that
+    member is a replica, and no group of its representative is renamed onto this one, so it
+    would never take part in the group's collectives. The renaming (a layout) and the
+    program's own groups disagree."""
+
+    def __init__(self, gid: int, members: list[int], replica: int, representative: int):
+        self.gid, self.members, self.replica, self.representative = gid, members, replica, representative
+        super().__init__(
+            f"group {gid} ({format_ranks(members)}) cannot be given to rank {replica}, a replica of rank "
+            f"{representative}: no group of rank {representative} is renamed onto it"
+        )
 
 
 def assemble_replicated(
@@ -94,6 +109,7 @@ def assemble_replicated(
         rep_nodes = assemble_nodes(parts, groups, name_to_gid, world_size)
         keys = _group_keys(parts, name_to_gid)
         all_groups, gmap = _replica_groups(groups, keys, np.unique(map_of[map_of >= 0]), rename)
+        _check_replicable(rep_nodes, groups, gmap, replica_of, map_of)
         nodes = _expand_nodes(rep_nodes, groups, all_groups, gmap, replica_of, map_of, rename, world_size)
         edges = build_edges(nodes, all_groups, world_size)
         iterations = _expand_iterations(assemble_iterations(parts), replica_of)
@@ -200,6 +216,28 @@ def _replica_groups(groups: pa.Table, keys: dict[int, tuple], maps: np.ndarray, 
             gmap[m, g] = gid
     table = groups_table(names, descs, granks)
     return table, gmap
+
+
+def _check_replicable(
+    rep_nodes: pa.Table, groups: pa.Table, gmap: np.ndarray, replica_of: np.ndarray, map_of: np.ndarray
+) -> None:
+    """Raise :class:`UnreplicableGroup` for the first group the representatives call collectives
+    on with a replica member that the renaming does not make a member: its map renames no
+    group of the representatives onto it (``gmap``)."""
+    n_rep = groups.num_rows
+    renamed_onto = np.zeros((gmap.shape[0], n_rep), dtype=bool)  # [map, group]: some group is renamed onto it
+    for m in range(gmap.shape[0]):
+        renamed_onto[m, gmap[m][gmap[m] < n_rep]] = True
+    comm = pc.equal(rep_nodes.column("kind"), KIND_COMM).to_numpy(zero_copy_only=False)
+    used = np.unique(rep_nodes.column("group").to_numpy()[comm])
+    granks = groups.column("ranks").to_pylist()
+    for g in used[used >= 0].tolist():
+        members = np.asarray(granks[g], dtype=np.int64)
+        maps = map_of[members]
+        lost = members[(maps >= 0) & ~renamed_onto[np.maximum(maps, 0), g]]
+        if len(lost):
+            r = int(lost[0])
+            raise UnreplicableGroup(g, members.tolist(), r, int(replica_of[r]))
 
 
 def _expand_nodes(
