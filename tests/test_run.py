@@ -15,6 +15,7 @@ import pytest
 from test_report_html import Opened, browser  # noqa: F401  (browser: a fixture used below)
 
 from prismllm.cli.main import main
+from prismllm.launch.sandbox import ON_THE_CPU
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
@@ -96,8 +97,8 @@ def test_the_run_and_its_stages_print_one_json_document(ran, tmp_path, capsys):
     s = json.loads(capsys.readouterr().out)
     assert s["predicted_iteration_ns"] > 0 and s["report"] == str(out / "report.html")
     assert s["emulated"]["7"]["peak_memory_bytes"] is None
-    assert s["emulated"]["7"]["peak_memory_reason"] == "measured on the CPU: no device memory"
-    assert s["peak_memory"] is None and s["peak_memory_reason"] == "measured on the CPU: no device memory"
+    assert s["emulated"]["7"]["peak_memory_reason"] == ON_THE_CPU
+    assert s["peak_memory"] is None and s["peak_memory_reason"] == ON_THE_CPU
     emu = tmp_path / "emu"
     argv = ["emulate", "--graph", str(out / "cal" / "graph"), "--sandbox", "7", "--devices", "cpu", "--out", str(emu)]
     assert main([*argv, "--json", *JOB]) == 0

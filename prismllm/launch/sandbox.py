@@ -348,7 +348,7 @@ def measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
 
 
 # why a rank that ran on the CPU has no peak memory
-ON_THE_CPU = "measured on the CPU: no device memory"
+ON_THE_CPU = "the run was on the CPU, which has no device memory (run on a GPU for it)"
 
 
 def _peak_memory(peak_bytes: int, device: str) -> dict[str, Any]:
