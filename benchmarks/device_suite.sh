@@ -29,7 +29,8 @@
 #              64 KB - 8 GB (issue 36); writes $OUT/pruning_latency_<gpu>x4.json; ~5 min
 #   fidelity-gpu [CASES]  the GPU fidelity suite (benchmarks/fidelity_gpu.py) for DEADLINE s (540); resumes
 #              from $OUT/fidelity_gpu.json or benchmarks/results/fidelity_gpu.json (carry the last one back);
-#              FID_ARGS: more options, e.g. --concurrent on four GPUs, --record (the real job recorded and solved);
+#              FID_ARGS: more options, e.g. --concurrent on four GPUs, --record (the real job recorded and solved),
+#              --issue-thread (prism with PRISM_ISSUE_THREAD=1);
 #              the logs and the graphs (slices', recordings') come back as two tarballs
 #   cpu-fid N [CASES]  CPU fidelity rows at N ranks on the host's cores (fair while N <= cores;
 #              ~3.5 min a case at N = 8 on 16 cores, so three cases a call: e.g. tp,pp,vpp then

@@ -327,10 +327,11 @@ class Suite:
         cmd += ["--timeout", str(self.a.timeout), "--", *c.command()]
         print(f"[{c.name}] prism run ...", flush=True)
         t0 = time.monotonic()
-        rc, text, _ = run_streamed(cmd, dict(NVLS_OFF), self.a.timeout * 3, self.work(c) / "prism.log")
+        env = {**NVLS_OFF, **({"PRISM_ISSUE_THREAD": "1"} if self.a.issue_thread else {})}
+        rc, text, _ = run_streamed(cmd, env, self.a.timeout * 3, self.work(c) / "prism.log")
         wall = time.monotonic() - t0
         self._observed("prism", wall + 10)
-        p: dict[str, Any] = {"rc": rc, "wall_s": round(wall, 1), "lease": LEASE}
+        p: dict[str, Any] = {"rc": rc, "wall_s": round(wall, 1), "lease": LEASE, "issue_thread": self.a.issue_thread}
         if rc != 0:
             p["error"] = text[-2000:]
             with self.lock:
@@ -542,6 +543,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also record the real job (prism record on N GPUs) and solve its own graph: the solve's error apart "
         "from the slices' (recorded_ms, solved_ms)",
+    )
+    ap.add_argument(
+        "--issue-thread",
+        action="store_true",
+        help="prism runs with PRISM_ISSUE_THREAD=1 (the sandbox's async pruned calls issued off the program's "
+        "thread); rows say so (prism.issue_thread)",
     )
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     a = ap.parse_args(argv)
