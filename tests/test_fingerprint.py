@@ -1,5 +1,5 @@
 """The program fingerprint: a graph made from one program and argument list is refused, at the
-start of `prism emulate` / `prism time`, for another (prismllm/emulate/fingerprint.py)."""
+start of `prism emulate` / `prism time`, for another (prismllm/launch/program.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The replay engine: walk the graphs of virtual ranks in logical time.
 
-An assistant (DESIGN.md, "Replay and assistants") serves many virtual ranks from one process:
+An assistant (docs/internals/assistant.md) serves many virtual ranks from one process:
 no CUDA context and no process per rank, only an event loop over the graph. This module is
 that loop, without any device or network: it computes *when* every node of every virtual rank
 starts and ends, given how long compute and transfers take, and it tells a driver (the
@@ -26,7 +26,7 @@ Timing model (docs/internals/replay.md has the long form):
   (collective: same group and seq; P2P: a matched send/recv) starts when its last member
   arrives and ends ``transfer`` later, at the same time for every member. The recorded transfer
   of an instance is the ``duration_ns`` seen by its last-arriving member: a recorded duration
-  includes waiting for late peers (DESIGN.md), and only the last member to arrive waited for
+  includes waiting for late peers (docs/internals/replay.md), and only the last member to arrive waited for
   nobody.
 - a blocking op holds its rank until the op ends; an asynchronous op lets the rank go on after
   ``issue`` (the host time the call took, measured in the graph as the gap between the op and
