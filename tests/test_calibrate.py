@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import GPT3D, PRISM
 
 from prismllm.calibrate import calibrate, solve, summarize
 from prismllm.errors import ExitCode
@@ -34,8 +34,6 @@ from prismllm.trace.ranklog import GroupInfo, RankLog
 from prismllm.trace.synth import synthetic_logs
 
 ROOT = Path(__file__).resolve().parents[1]
-PRISM = str(Path(sys.executable).with_name("prism"))
-GPT3D = str(ROOT / "examples" / "gpt3d.py")
 SIZES = [
     "--layers",
     "2",

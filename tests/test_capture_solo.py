@@ -15,12 +15,12 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import PRISM
 
 from prismllm.capture.solo import STATE_FILE, CaptureOptions, capture
 from prismllm.cli import main as climain
@@ -434,7 +434,6 @@ def test_expansion_to_1024_ranks_is_fast(fake, tmp_path):
 
 
 # ---------------------------------------------------------------------- real backend
-PRISM = str(Path(sys.executable).with_name("prism"))
 GPT3D_TINY = [
     "--layers",
     "4",

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import PRISM
 
 from prismllm.capture.common import resolve_devices
 from prismllm.capture.record import RecordOptions, choose_recorder
@@ -26,7 +27,6 @@ from prismllm.launch.sandbox import sandbox_devices
 from prismllm.trace.schema import split_reduce_op
 
 ROOT = Path(__file__).resolve().parents[1]
-PRISM = str(Path(sys.executable).with_name("prism"))
 PROGRAM = str(ROOT / "tests" / "programs" / "cuda_named.py")
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="maps CUDA onto a CPU-only torch")

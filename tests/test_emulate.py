@@ -18,19 +18,17 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import GPT3D, PRISM
 
 from prismllm.emulate import EmulateOptions, emulate
 from prismllm.errors import ExitCode, PrismError
 from prismllm.specs import parse_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-PRISM = str(Path(sys.executable).with_name("prism"))
-GPT3D = str(ROOT / "examples" / "gpt3d.py")
 SIZES = [
     "--layers",
     "2",

@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import PRISM
 
 ROOT = Path(__file__).resolve().parents[1]
-PRISM = str(Path(sys.executable).with_name("prism"))
 PROGRAM = str(ROOT / "tests" / "programs" / "collectives.py")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

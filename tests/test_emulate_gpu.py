@@ -16,20 +16,19 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from conftest import PRISM
 from test_emulate import GPT3D, LAYOUTS, SIZES, assert_all_ended, assert_check, assert_same_losses  # noqa: E402
 
 from prismllm.emulate import EmulateOptions, emulate  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
-PRISM = str(Path(sys.executable).with_name("prism"))
 ENV = {
     **os.environ,
     "OMP_NUM_THREADS": "1",

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import GPT3D
 
 from prismllm.emulate import EmulateOptions, emulate
 from prismllm.errors import PrismError
@@ -23,7 +24,6 @@ from prismllm.replay import solve
 from prismllm.trace.graph import PrismTrace
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT3D = str(ROOT / "examples" / "gpt3d.py")
 ARGS = [
     "--pp",
     "2",

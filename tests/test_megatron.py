@@ -8,13 +8,12 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import PRISM
 
 ROOT = Path(__file__).resolve().parents[1]
-PRISM = str(Path(sys.executable).with_name("prism"))
 PROGRAM = [str(ROOT / "examples" / "megatron_gpt.py"), "--tp", "2", "--pp", "2", "--iters", "3"]
 
 pytestmark = pytest.mark.skipif(

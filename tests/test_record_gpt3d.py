@@ -16,14 +16,12 @@ from __future__ import annotations
 import collections
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from conftest import PRISM
 
 from prismllm.trace import PrismTrace, validate
 
-PRISM = str(Path(sys.executable).with_name("prism"))
 ITERS = 3
 # Tiny sizes: the cost is starting 8 processes on a 2-core machine.
 SIZES = [

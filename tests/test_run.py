@@ -12,13 +12,13 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import GPT3D
 from test_report_html import Opened, browser  # noqa: F401  (browser: a fixture used below)
 
 from prismllm.cli.main import main
 from prismllm.launch.sandbox import ON_THE_CPU
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT3D = str(ROOT / "examples" / "gpt3d.py")
 JOB = [
     "--",
     GPT3D,

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import GPT3D
 
 from prismllm.cli.main import main
 from prismllm.errors import PrismError, StorageError
@@ -22,7 +23,6 @@ from prismllm.pipeline.sweep import SweepOptions, parse_grid, plan_points
 
 ROOT = Path(__file__).resolve().parents[1]
 HUNGRY = str(ROOT / "tests" / "programs" / "memory_hungry.py")
-GPT3D = str(ROOT / "examples" / "gpt3d.py")
 SMALL = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128", "--iters", "3"]
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import GPT3D, PRISM
 
 from prismllm.errors import ExitCode
 from prismllm.trace.compare import compare_traces
@@ -19,8 +19,6 @@ from prismllm.trace.graph import PrismTrace
 from prismllm.trace.ranklog import read_ranklog
 
 ROOT = Path(__file__).resolve().parents[1]
-PRISM = str(Path(sys.executable).with_name("prism"))
-GPT3D = str(ROOT / "examples" / "gpt3d.py")
 ARGS = [
     "--tp",
     "2",

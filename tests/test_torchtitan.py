@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import PRISM
 
 ROOT = Path(__file__).resolve().parents[1]
-PRISM = str(Path(sys.executable).with_name("prism"))
 EXAMPLE = ROOT / "examples" / "torchtitan"
 
 pytestmark = pytest.mark.skipif(
