@@ -130,16 +130,16 @@ clock)
     tar czf "$OUT/clock-logs.tgz" "$OUT/ddp4/logs" "$OUT/ddp4/emulate/emulate.json" 2>/dev/null ;;
 kernels)
     # a DDP job's sandbox rank, kernel by kernel: the real run, its slice and its emulation under the
-    # PyTorch profiler (benchmarks/programs/kineto_rank.py), summarised by benchmarks/kernel_timeline.py;
-    # the emulation once more under cProfile (host time); the real job recorded (prism record) for a
+    # PyTorch profiler (benchmarks/programs/profile_rank.py, PROFILE_WITH=kineto), summarised by
+    # benchmarks/kernel_timeline.py; the emulation once more under cProfile (host time); the real job recorded (prism record) for a
     # span-by-span comparison with the slice's timed graph. N = 2 and N = 4 (four GPUs; prism on two)
-    P=benchmarks/programs/torch_parallel.py K=benchmarks/programs/kineto_rank.py D=out/kernels/logs W=out/kernels
+    P=benchmarks/programs/torch_parallel.py K=benchmarks/programs/profile_rank.py D=out/kernels/logs W=out/kernels
     A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
     mkdir -p "$D" "$W"
     for n in ${WORLDS:-2 4}; do
-        r=$((n - 1)) w="$W/ddp$n" pk="PRISM_PROGRAM_CHECK=off PROFILE_RANK=all PROFILE_OUT=$D"
+        r=$((n - 1)) w="$W/ddp$n" pk="PRISM_PROGRAM_CHECK=off PROFILE_WITH=kineto PROFILE_RANK=all PROFILE_OUT=$D"
         timeout 120 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" $P $A >"$D/real$n.log" 2>&1; echo "real $n: $?"
-        env PROFILE_RANK=$r PROFILE_OUT="$D" PROFILE_TAG="real$n" timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
+        env PROFILE_WITH=kineto PROFILE_RANK=$r PROFILE_OUT="$D" PROFILE_TAG="real$n" timeout 150 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" \
             $K $P $A >"$D/real${n}k.log" 2>&1; echo "real $n kineto: $?"
         timeout 200 prism run --world "$n" --layout tp=1,pp=1 --devices cuda:0,1 --sandbox $r --out "$w" --force -- $P $A \
             >"$D/prism$n.log" 2>&1; echo "prism run $n: $?"
@@ -148,7 +148,7 @@ kernels)
         env $pk PROFILE_TAG="emu$n" timeout 150 prism emulate --graph "$w/cal/graph" --sandbox $r --devices cuda:0,1 \
             --out "$w/emu-k" --force -- $K $P $A >"$D/emu${n}k.log" 2>&1; echo "emulate $n kineto: $?"
         env PRISM_PROGRAM_CHECK=off PROFILE_RANK=$r PROFILE_OUT="$D/cprof$n" timeout 150 prism emulate --graph "$w/cal/graph" \
-            --sandbox $r --devices cuda:0,1 --out "$w/emu-p" --force -- benchmarks/programs/profile_rank.py $P $A \
+            --sandbox $r --devices cuda:0,1 --out "$w/emu-p" --force -- $K $P $A \
             >"$D/emu${n}p.log" 2>&1; echo "emulate $n cProfile: $?"
         [ "$n" = 2 ] && { timeout 150 prism record --nproc 2 --devices cuda:0,1 --out "$w/rec" --force -- $P $A \
             >"$D/rec$n.log" 2>&1; echo "record $n: $?"; }

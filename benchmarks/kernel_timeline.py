@@ -1,5 +1,5 @@
 """What a rank's GPU did, iteration by iteration, from a Kineto Chrome trace
-(benchmarks/programs/kineto_rank.py): set a real run's kernel timeline beside a slice's and an
+(benchmarks/programs/profile_rank.py with PROFILE_WITH=kineto): set a real run's kernel timeline beside a slice's and an
 emulation's of the same rank to see whether a span grew because its kernels ran slower (e.g.
 sharing the GPU with a collective kernel that waits for a late peer) or because the device sat
 idle waiting for its host.
@@ -31,28 +31,24 @@ def load(path: Path) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
-def union(iv: list[tuple[float, float]]) -> float:
-    tot, end = 0.0, float("-inf")
+def merged(iv: list[tuple[float, float]]) -> list[list[float]]:
+    """The intervals' union as disjoint intervals, in order."""
+    out: list[list[float]] = []
     for s, e in sorted(iv):
-        if e <= end:
-            continue
-        tot += e - max(s, end)
-        end = e
-    return tot
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def union(iv: list[tuple[float, float]]) -> float:
+    """Time covered by the intervals."""
+    return sum(e - s for s, e in merged(iv))
 
 
 def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Time covered by both interval sets (each merged first)."""
-
-    def merged(iv):
-        out: list[list[float]] = []
-        for s, e in sorted(iv):
-            if out and s <= out[-1][1]:
-                out[-1][1] = max(out[-1][1], e)
-            else:
-                out.append([s, e])
-        return out
-
+    """Time covered by both interval sets."""
     A, B = merged(a), merged(b)
     i = j = 0
     tot = 0.0

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import json
 import math
 import os
@@ -335,16 +336,15 @@ class PrunedWork(dist.Work):
         self._issued = None if issued else threading.Event()
         self._failure: BaseException | None = None
         self._fut_lock = threading.Lock()  # not _lock: a chained callback may run _finish inside
-        self._fut_waiting = False  # get_future came first: the Future is completed from the bind
-        self._complete_at_finish = False  # ... or, where the small Works have none, by _finish
+        self._complete_at_finish = False  # the Future of a late Work whose small Works have none
 
     def _bind(self, works: Sequence[Any], calls: Sequence[C.SmallCall], checks: Sequence) -> None:
         """The small calls the issue thread made for this Work."""
         self._works, self._calls, self._checks = list(works), list(calls), list(checks)
         with self._fut_lock:
             self._issued.set()
-            if self._fut_waiting:
-                fut = self._fut
+            fut = self._fut  # made before the bind (get_future came first): completed from here
+            if fut is not None:
 
                 def complete(f: Any) -> None:
                     try:
@@ -363,7 +363,7 @@ class PrunedWork(dist.Work):
         with self._fut_lock:
             self._failure = e
             self._issued.set()
-            if self._fut_waiting:
+            if self._fut is not None:  # made before the failure: it is the program's to see
                 self._fut.set_exception(e)
 
     def _ready(self) -> None:
@@ -425,7 +425,6 @@ class PrunedWork(dist.Work):
                 else:  # completed once the issue thread bound the small calls (``_bind``)
                     devices = sorted({str(t.device) for t in self._outputs if t.device.type == "cuda"})
                     self._fut = torch.futures.Future(devices=devices or None)
-                    self._fut_waiting = True
             return self._fut
 
     def _chain(self):
@@ -555,7 +554,6 @@ class PrunedBackend(solo.GeneratedBackend):
         self._batch: list[PrunedWork] | None = None  # gloo: the open batch's Works
         # nccl: the open batch's calls, issued together by _end_coalescing
         self._nccl_batch: list[tuple[list, list, list]] | None = None
-        self._issue_streams: dict[int | None, Any] = {}  # the issue thread's stream per device
 
     def supports_coalescing(self, device) -> bool:
         # as the real backend: NCCL batches (one NCCL group), gloo posts ops one by one
@@ -717,14 +715,18 @@ class PrunedBackend(solo.GeneratedBackend):
             self._nccl_batch.append((smalls, solo._flat(outs), checks))
             return None
         self._leave_out(t0)
-        small = self.small()
-        works = [w for sc in smalls for w in C.issue(small, sc)]  # the real backend's part
+        works = self._issue(smalls)  # the real backend's part
         t0 = time.perf_counter_ns()
         w = PrunedWork(works, smalls, solo._flat(outs), checks, self._leave_out)
         if self._batch is not None:
             self._batch.append(w)
         self._leave_out(t0)
         return w
+
+    def _issue(self, smalls: list[C.SmallCall]) -> list:
+        """Issue the small calls on the small group: their Works."""
+        small = self.small()
+        return [w for sc in smalls for w in C.issue(small, sc)]
 
     def _run_later(self, calls: list[Call], outs, tag: int, t0: int) -> PrunedWork:
         """The call's Work now; its plan and small calls on the issue thread, after the point the
@@ -735,19 +737,18 @@ class PrunedBackend(solo.GeneratedBackend):
             mark = torch.cuda.Event()
             mark.record(torch.cuda.current_stream(dev))  # (a device given: no device-count lookup)
         w = PrunedWork((), (), solo._flat(outs), (), issued=False)
-        small = self.small()
+        self.small()  # made on the program's thread, at the group's first call, as without the thread
 
         def job() -> tuple:
             t1 = time.perf_counter_ns()
-            if mark is None:
-                smalls, checks = self._plans(calls, tag)
-                works = [x for sc in smalls for x in C.issue(small, sc)]
-            else:
-                side = self._issue_stream(dev)
-                with torch.cuda.device(dev), torch.cuda.stream(side):
+            with contextlib.ExitStack() as on:
+                if mark is not None:  # after the mark, on the group's own stream
+                    side = self._side_stream(dev)
+                    on.enter_context(torch.cuda.device(dev))
+                    on.enter_context(torch.cuda.stream(side))
                     side.wait_event(mark)
-                    smalls, checks = self._plans(calls, tag)
-                    works = [x for sc in smalls for x in C.issue(small, sc)]
+                smalls, checks = self._plans(calls, tag)
+                works = self._issue(smalls)
             rec = self.owner._rec
             rec.emulation_host_ns += time.perf_counter_ns() - t1  # counted, never left out
             rec.calls_off_thread += 1
@@ -756,13 +757,6 @@ class PrunedBackend(solo.GeneratedBackend):
         _ISSUE.submit(w, job)
         self._leave_out(t0)
         return w
-
-    def _issue_stream(self, dev: torch.device) -> Any:
-        """The issue thread's stream on ``dev``: it waits for the program's stream at each call's mark."""
-        side = self._issue_streams.get(dev.index)
-        if side is None:
-            side = self._issue_streams[dev.index] = torch.cuda.Stream(device=dev)
-        return side
 
     # -- calls GeneratedBackend answers without a Call, or without the tag --
     def barrier(self, opts=None):

@@ -323,6 +323,14 @@ class GeneratedBackend:
         dev = torch.device(device).type if device is not None else "cpu"
         return self.devmap.get(dev, "") == "nccl"
 
+    def _side_stream(self, dev: torch.device) -> Any:
+        """This group's own stream on ``dev`` (made at its first use): the backend's work there
+        waits for the program's stream only where it says so, as a communicator's stream does."""
+        side = self._streams.get(dev.index)
+        if side is None:
+            side = self._streams[dev.index] = torch.cuda.Stream(device=dev)
+        return side
+
     # -- the call's context --
     def _call(self, op_rows: int, k: int, **kw) -> Call:
         """A Call for row ``k`` of the ``op_rows`` rows the owner just issued."""
@@ -365,9 +373,7 @@ class GeneratedBackend:
             if coalescing:
                 self._shelf_async = False
             return None
-        side = self._streams.get(dev.index)
-        if side is None:
-            side = self._streams[dev.index] = torch.cuda.Stream(device=dev)
+        side = self._side_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for c in calls:
@@ -591,10 +597,7 @@ class GeneratedBackend:
             return _done_work([])
         if not self._shelf_async:
             return None
-        side = self._streams.get(dev.index)
-        if side is None:
-            side = self._streams[dev.index] = torch.cuda.Stream(device=dev)
-        return StashingWork([], dev, side, shelf)
+        return StashingWork([], dev, self._side_stream(dev), shelf)
 
     start_coalescing = _start_coalescing
     end_coalescing = _end_coalescing
