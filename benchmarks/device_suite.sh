@@ -22,7 +22,7 @@
 #              at N = 4 on one shared GPU (a padded all-reduce in two parts, the device clock); ~3 min
 #   kernels    a DDP job's sandbox rank kernel by kernel (PyTorch profiler): real run, slice, emulation,
 #              at N = 2 and 4 (WORLDS), with the emulation's host under cProfile and a real recording; ~7 min
-#   issue-thread  PRISM_ISSUE_THREAD=1: GPU tests, a DDP job's prism run beside its real run, host cost; ~4 min
+#   issue-thread  the issue thread's GPU tests, a DDP job's prism run beside its real run, host cost; ~4 min
 #   hostcost   the host's cost of an async collective, real and emulated, N = 2 and 4 (issue_cost.py), the
 #              emulation's host under cProfile; ~4 min
 #   prune-all  pruned latency of every collective kind and send/recv against real 2- and 4-GPU runs (four GPUs),
@@ -30,7 +30,7 @@
 #   fidelity-gpu [CASES]  the GPU fidelity suite (benchmarks/fidelity_gpu.py) for DEADLINE s (540); resumes
 #              from $OUT/fidelity_gpu.json or benchmarks/results/fidelity_gpu.json (carry the last one back);
 #              FID_ARGS: more options, e.g. --concurrent on four GPUs, --record (the real job recorded and solved),
-#              --issue-thread (prism with PRISM_ISSUE_THREAD=1);
+#              --no-issue-thread (prism with PRISM_ISSUE_THREAD=0: the A/B without the issue thread);
 #              the logs and the graphs (slices', recordings') come back as two tarballs
 #   cpu-fid N [CASES]  CPU fidelity rows at N ranks on the host's cores (fair while N <= cores;
 #              ~3.5 min a case at N = 8 on 16 cores, so three cases a call: e.g. tp,pp,vpp then
@@ -160,24 +160,26 @@ kernels)
         "$W"/*/emu*/emulate.json 2>/dev/null
     ls -la "$OUT" ;;
 issue-thread)
-    # PRISM_ISSUE_THREAD=1 on two GPUs (four for the real DDP run beside it): the GPU tests of the pruned
-    # all_reduce and of a DP2 emulation's values, a DDP job's prism run beside its real run (GPUs 2, 3), the
-    # host's cost of an async call real and emulated; ~4 min
-    export PRISM_ISSUE_THREAD=1
+    # the issue thread (the default) on two GPUs (four for the real DDP run beside it): the GPU tests of the
+    # pruned all_reduce and of a DP2 emulation's values, a DDP job's prism run beside its real run (GPUs 2, 3),
+    # the host's cost of an async call real and emulated; ~4 min
     # (faulthandler_timeout: a test still running after 120 s prints every thread's stack to the log)
     timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider -o faulthandler_timeout=120 tests/test_pruned_nccl_gpu.py \
         "tests/test_emulate_gpu.py::test_losses_and_pruned_outputs_equal_the_real_run[dp2_distopt]" \
         >"$OUT/issue-thread-tests.log" 2>&1
     tail -5 "$OUT/issue-thread-tests.log"
     P=benchmarks/programs/torch_parallel.py A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    L=out/thread/logs
+    mkdir -p "$L"
     CUDA_VISIBLE_DEVICES=2,3 timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P $A \
-        >"$OUT/ddp2-real.log" 2>&1 &
+        >"$L/ddp2-real.log" 2>&1 &
     timeout 150 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out out/thread/ddp2 --force \
-        -- $P $A >"$OUT/ddp2-prism.log" 2>&1
+        -- $P $A >"$L/ddp2-prism.log" 2>&1
     wait
-    cp out/thread/ddp2/logs/emulate.log "$OUT/ddp2-emulate.log" 2>/dev/null
-    grep -h "iteration 10/\|predicted iteration\|emulated, rank" "$OUT"/ddp2-*.log
-    tar czf "$OUT/thread-graphs.tgz" out/thread/ddp2/time/graph out/thread/ddp2/cal/summary.json \
+    cp out/thread/ddp2/logs/emulate.log "$L/ddp2-emulate.log" 2>/dev/null
+    grep -h "iteration 10/\|predicted iteration\|emulated, rank" "$L"/ddp2-*.log
+    # one tarball: files back from $OUT are at most 8
+    tar czf "$OUT/thread.tgz" "$L" out/thread/ddp2/time/graph out/thread/ddp2/cal/summary.json \
         out/thread/ddp2/emulate/emulate.json 2>/dev/null
     WORLDS=2 timeout 100 bash benchmarks/device_suite.sh hostcost 2>&1 | tee "$OUT/hostcost.log" | grep -h "^ISSUE" ;;
 hostcost)

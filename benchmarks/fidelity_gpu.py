@@ -323,15 +323,22 @@ class Suite:
     def prism(self, c: Case, r: dict) -> None:
         out = self.work(c) / "prism"
         cmd = [sys.executable, "-m", "prismllm.cli.main", "run", "--world", str(c.world), "--layout", c.layout]
-        cmd += ["--devices", "cuda:0,1", "--sandbox", str(c.sandbox), "--out", str(out), "--json"]
+        # --force: a run of this lease starts over (a machine held across calls keeps the last one's outputs,
+        # which prism run would resume from)
+        cmd += ["--devices", "cuda:0,1", "--sandbox", str(c.sandbox), "--out", str(out), "--json", "--force"]
         cmd += ["--timeout", str(self.a.timeout), "--", *c.command()]
         print(f"[{c.name}] prism run ...", flush=True)
         t0 = time.monotonic()
-        env = {**NVLS_OFF, **({"PRISM_ISSUE_THREAD": "1"} if self.a.issue_thread else {})}
+        env = {**NVLS_OFF, **({"PRISM_ISSUE_THREAD": "0"} if self.a.no_issue_thread else {})}
         rc, text, _ = run_streamed(cmd, env, self.a.timeout * 3, self.work(c) / "prism.log")
         wall = time.monotonic() - t0
         self._observed("prism", wall + 10)
-        p: dict[str, Any] = {"rc": rc, "wall_s": round(wall, 1), "lease": LEASE, "issue_thread": self.a.issue_thread}
+        p: dict[str, Any] = {
+            "rc": rc,
+            "wall_s": round(wall, 1),
+            "lease": LEASE,
+            "issue_thread": not self.a.no_issue_thread,
+        }
         if rc != 0:
             p["error"] = text[-2000:]
             with self.lock:
@@ -545,10 +552,10 @@ def main(argv: list[str] | None = None) -> int:
         "from the slices' (recorded_ms, solved_ms)",
     )
     ap.add_argument(
-        "--issue-thread",
+        "--no-issue-thread",
         action="store_true",
-        help="prism runs with PRISM_ISSUE_THREAD=1 (the sandbox's async pruned calls issued off the program's "
-        "thread); rows say so (prism.issue_thread)",
+        help="prism runs with PRISM_ISSUE_THREAD=0 (the sandbox's async pruned calls issued on the program's thread, "
+        "not the issue thread's); rows say so (prism.issue_thread)",
     )
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     a = ap.parse_args(argv)

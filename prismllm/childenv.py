@@ -216,8 +216,8 @@ USER_SETTINGS: dict[str, str] = {
     "PRISM_IN_FLIGHT": "calls an assistant may have entered on a pruned group and not seen complete (default 16)",
     "PRISM_SOLO_OBJECT_WAIT": "seconds a solo rank waits for a peer of its batch to publish its part of an object "
     "collective (default 120)",
-    "PRISM_ISSUE_THREAD": "1: a GPU sandbox plans and issues its asynchronous pruned calls on a thread of its own, "
-    "off the program's (docs/internals/pruning.md); all: a CPU sandbox's too",
+    "PRISM_ISSUE_THREAD": "1 (the default): a GPU sandbox plans and issues its asynchronous pruned calls on a thread "
+    "of its own, off the program's (docs/internals/pruning.md); 0: on the program's thread; all: a CPU sandbox's too",
     "PRISM_HOST_COMPLETION": "'wait' makes the Python recorder read a CPU call's completion at its "
     "wait instead of from a callback",
 }

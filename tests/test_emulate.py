@@ -447,3 +447,28 @@ def test_a_pruned_works_duration_is_its_small_calls_device_time():
     assert PrunedWork([Small(0.25), Small(0.5)], [], [])._get_duration() == 0.75
     with pytest.raises(RuntimeError):
         PrunedWork([Small(None)], [], [])._get_duration()
+
+
+def test_the_issue_thread_holds_no_call_once_it_is_issued():
+    """The issue thread's job for a call holds the program's tensors (the call's plan is made
+    there); once the call is issued nothing of it may stay on the thread, or a tensor the program
+    dropped lives on until the next call and the sandbox's peak memory is no longer the real
+    run's (a GPU run's gradient shard: +64,000 B)."""
+    import weakref
+
+    import torch
+
+    from prismllm.comm.sandbox import IssueThread, PrunedWork
+
+    issue = IssueThread()
+    tensor = torch.ones(16)
+    gone = weakref.ref(tensor)
+    work = PrunedWork((), (), [], (), issued=False)
+    issue.submit(work, lambda t=tensor: ((), (), ()))
+    del tensor
+    issue.drain()
+    work.wait()
+    deadline = time.monotonic() + 5
+    while gone() is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone() is None, "the issue thread still holds the call's tensor after issuing it"

@@ -538,3 +538,68 @@ def test_a_call_without_a_work_ends_the_compute_span_where_it_completed(coalesce
     rows = node_rows(rec)
     kinds = [(r["kind"], r["start_ns"], r["end_ns"]) for r in rows]
     assert kinds[:3] == [("compute", 0, 100), ("comm", 100, 900), ("compute", 900, 1000)], kinds
+
+
+def test_one_work_without_a_device_time_leaves_the_others_timed():
+    """An asynchronous call's transfer time is NCCL's own (``Work._get_duration``). A Work that
+    has none (an error, or 0 ms) leaves that call's transfer ending at the wait, counted and
+    named in the rank log's ``transfer_durations``, and every other call is still timed: one
+    such Work at a DDP job's start (its setup calls) once turned timing off for the whole run."""
+
+    class Inner:
+        def __init__(self, ms):
+            self.ms = ms
+
+        def is_completed(self):
+            return True
+
+        def _get_duration(self):
+            if isinstance(self.ms, Exception):
+                raise self.ms
+            return self.ms
+
+    class Work:
+        def __init__(self, ms):
+            self._inner = Inner(ms)
+
+    rec = _device_clock_recorder(list(range(0, 10_000, 100)))
+    args = ["all_reduce", "allreduce", "g", 0, -1, 0, "sum", "float32", [4], 16, 16, [], [], True]
+    rows = []
+    for seq, ms in enumerate([RuntimeError("no events for this Work"), 0.0, 0.25, 0.5]):
+        args[3] = seq
+        j = rec.issue(*args)
+        rec.issued(Work(ms), (j,), False)
+        rows.append(j)
+    rec._poll_durations(10)
+    assert [rec.m_dur[j] for j in rows] == [-1, -1, 250_000, 500_000]
+    got = rec.transfer_durations()
+    assert got["read"] == 2 and got["missing"] == 2, got
+    assert got["first_missing"].startswith("all_reduce #0 (Inner): RuntimeError: no events"), got
+
+
+def test_a_backward_pass_settles_its_waits_after_every_final_callback_queued_in_it():
+    """The waits a program makes inside the autograd engine (DDP's reducer) are settled by a
+    final callback the recorder queues at the pass's first call; DDP queues the callback that
+    waits for its buckets later, at its last bucket. The settling must run after it, where the
+    program's stream stands after those waits."""
+    torch = pytest.importorskip("torch")
+    rec = _device_clock_recorder(list(range(0, 100_000, 100)))
+    order = []
+    rec._settle = lambda works, p=-1: order.append("settled")
+    engine = torch.autograd.Variable._execution_engine
+
+    def first_call(g):  # the recorder sees the pass's first call here
+        rec._check_backward()
+        return g
+
+    def last_bucket(g):  # and DDP queues its wait on every bucket here, later in the pass
+        engine.queue_callback(lambda: order.append("program's final callback"))
+        return g
+
+    x = torch.ones(3, requires_grad=True)
+    a = x * 2
+    a.register_hook(last_bucket)
+    b = a * 3
+    b.register_hook(first_call)
+    b.sum().backward()
+    assert order == ["program's final callback", "settled"], order

@@ -528,6 +528,7 @@ def collect(rec: Recorder) -> RankLog:
         emulation_host_ns=int(rec.emulation_host_ns),
         scratch_bytes=scratch.reserved_bytes(),
         calls_off_thread=rec.calls_off_thread,
+        transfer_durations=rec.transfer_durations() if rec.cuda else {},
     )
 
 

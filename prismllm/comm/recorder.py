@@ -59,6 +59,9 @@ DUR_PENDING = -2  # m_dur while NCCL's duration is awaited
 # CUDA events made per device with its anchor: the points of about two iterations of a TP2
 # step (~330 calls, two points each; events come back to the pool one iteration late).
 EVENT_PREFILL = 1024
+# Works whose NCCL duration fails before one is read: then timing is off on the rank (no
+# TORCH_NCCL_ENABLE_TIMING, an older torch) and no later Work is asked
+DURATION_TRIES = 8
 
 _DTYPE_NAMES: dict[torch.dtype, str] = {}
 
@@ -200,6 +203,9 @@ class Recorder:
         self.unresolved: deque[int] = deque()  # point ids with a pending event
         self.dur_works: deque[tuple[int, Any]] = deque()  # (comm row, real Work)
         self.durations_ok = True
+        self.durations_read = 0  # async calls whose transfer time NCCL's events gave
+        self.durations_missing = 0  # and those without (their transfers end at the wait)
+        self.duration_error = ""  # the first missing one and why
         self.boundary_points: list[int] = []
         self.pid = os.getpid()
         # host time the emulation's own layer spent on this rank's calls (prism emulate's
@@ -311,16 +317,49 @@ class Recorder:
             try:
                 if not work.is_completed():
                     return
-                d = work._get_duration()
-                self.m_dur[j] = int(round(d * 1e6)) if d > 0 else -1
-            except Exception:  # timing not enabled, or no _get_duration in this torch
-                self.durations_ok = False
-                for jj, _w in q:
-                    self.m_dur[jj] = -1
-                q.clear()
-                return
-            q.popleft()
+            except Exception as e:  # noqa: BLE001 - the program sees a failed Work where it waits
+                q.popleft()
+                self._no_duration(j, work, e)
+            else:
+                q.popleft()
+                self._read_duration(j, work)
             n += 1
+
+    def _read_duration(self, j: int, work: Any) -> None:
+        """Row ``j``'s transfer time from NCCL's own events of its completed ``work``."""
+        try:
+            d = work._get_duration()
+        except Exception as e:  # timing not enabled, no _get_duration in this torch, a Work without events
+            self._no_duration(j, work, e)
+            return
+        if d > 0:
+            self.m_dur[j] = int(round(d * 1e6))
+            self.durations_read += 1
+        else:
+            self._no_duration(j, work, None)
+
+    def _no_duration(self, j: int, work: Any, e: BaseException | None) -> None:
+        """Row ``j`` has no device duration: its transfer ends where the program waited. Counted
+        and the first reason kept (``transfer_durations`` in the rank log), so that a graph whose
+        transfers are not NCCL's measurements says so; after DURATION_TRIES failures with none
+        read, timing is off on this rank and no other Work is asked."""
+        self.m_dur[j] = -1
+        self.durations_missing += 1
+        if not self.duration_error:
+            why = f"{type(e).__name__}: {e}".splitlines()[0][:300] if e is not None else "no device time (0 ms)"
+            self.duration_error = f"{self.m_op[j]} #{self.m_seq[j]} ({type(work).__name__}): {why}"
+        if e is not None and not self.durations_read and self.durations_missing >= DURATION_TRIES:
+            self.durations_ok = False
+            for jj, _w in self.dur_works:
+                if self.m_dur[jj] == DUR_PENDING:
+                    self.m_dur[jj] = -1
+                    self.durations_missing += 1
+            self.dur_works.clear()
+
+    def transfer_durations(self) -> dict[str, Any]:
+        """How many asynchronous calls' transfer times came from NCCL's events (GPU), how many
+        did not, and the first reason why not."""
+        return {"read": self.durations_read, "missing": self.durations_missing, "first_missing": self.duration_error}
 
     # ---- spans --------------------------------------------------------------------------
     def _close_span(self, p: int) -> None:
@@ -646,6 +685,15 @@ class Recorder:
         self.bwd_cb_queued = True
 
     def _on_backward_end(self) -> None:
+        """The pass's first final callback (queued at its first call). DDP queues its own, which
+        makes the program's stream wait for every bucket, only when its last bucket is ready, so
+        after this one: queued again from here, the settling runs after every callback queued
+        during the pass, and its point is where the stream stands after those waits (else the
+        next compute span counted the last buckets' transfer a second time: a DDP recording's
+        own solve was 2 % above it)."""
+        torch.autograd.Variable._execution_engine.queue_callback(self._settle_backward)
+
+    def _settle_backward(self) -> None:
         self.bwd_cb_queued = False
         works, self.bwd_works = self.bwd_works, []
         self._settle(works)
@@ -758,13 +806,7 @@ class Recorder:
             q = self.dur_works
             while q:
                 j, work = q.popleft()
-                self.m_dur[j] = -1
-                if self.durations_ok:
-                    try:
-                        d = work._get_duration()
-                        self.m_dur[j] = int(round(d * 1e6)) if d > 0 else -1
-                    except Exception:
-                        self.durations_ok = False
+                self._read_duration(j, work)
 
 
 _RECORDER: Recorder | None = None

@@ -28,7 +28,7 @@ calls that differ by more than rounding (:func:`rounding_tolerance`), the first 
 a sandbox rank that prints nothing (e.g. TP rank 0 of gpt3d) is shown to see exactly what the
 real run saw.
 
-Issue thread (``PRISM_ISSUE_THREAD=1``, GPU): an asynchronous pruned call is recorded and checked
+Issue thread (GPU; ``PRISM_ISSUE_THREAD=0`` turns it off): an asynchronous pruned call is recorded and checked
 against the graph on the program's thread, which then only marks where its stream stands (a CUDA
 event) and returns, as NCCL's own enqueue does; :class:`IssueThread` plans it and issues its small
 calls after that mark. DDP issues its gradient buckets from autograd's thread between backward
@@ -84,7 +84,7 @@ _EXPECT: Any = None  # this rank's calls in the graph (GraphExpectation): a devi
 # the virtual ranks' inputs are generated: every virtual member is taken to hold what this rank
 # holds (pruning.sandbox_call's like_me: all_gather slots, sums scaled to the group's)
 _LIKE_ME = False
-_ISSUE: IssueThread | None = None  # PRISM_ISSUE_THREAD=1: asynchronous pruned calls issued off the program's thread
+_ISSUE: IssueThread | None = None  # asynchronous pruned calls issued off the program's thread (PRISM_ISSUE_THREAD)
 # the issue thread serves CUDA calls; PRISM_ISSUE_THREAD=all gloo's too (the CPU tests of its order)
 _ISSUE_ON_CPU = False
 
@@ -132,9 +132,12 @@ def prepare(rank: int, child: ChildEnv) -> None:
     if child.check_tensors:
         _CHECK = OutputCheck(child.check_tensors, rank, child.check_out)
         atexit.register(_CHECK.write)
-    issue = user_setting("PRISM_ISSUE_THREAD")
-    if issue in ("1", "all"):
-        _ISSUE, _ISSUE_ON_CPU = IssueThread(), issue == "all"
+    issue = user_setting("PRISM_ISSUE_THREAD", "1")
+    if issue not in ("0", "1", "all"):
+        raise PrismError(
+            f"PRISM_ISSUE_THREAD={issue!r}: 1 (the default), 0 (calls issued on the program's thread) or all"
+        )
+    _ISSUE, _ISSUE_ON_CPU = (IssueThread(), issue == "all") if issue != "0" else (None, False)
 
 
 # A pruned sum adds its members in another order than the real ring, so a float output may differ
@@ -399,8 +402,9 @@ class PrunedWork(dist.Work):
         return True
 
     def is_completed(self) -> bool:
-        if self._finished:
-            return True
+        """The small calls ran on the device (as NCCL's Work says of its kernel), not only the
+        post step: the program's wait returns before the device ran the call, and the recorder
+        reads NCCL's device time once this says so."""
         if self._issued is not None and not self._issued.is_set():
             return False
         self._ready()
@@ -509,19 +513,26 @@ class IssueThread:
             with self._cv:
                 while not self._jobs:
                     self._cv.wait()
-                work, job = self._jobs.popleft()
-            try:
-                if self._error is not None:
-                    raise self._error
-                work._bind(*job())
-            except BaseException as e:  # noqa: BLE001 - handed to the program where it waits
-                if self._error is None:
-                    self._error = e if isinstance(e, PrismError) else EmulateError(f"issuing a pruned call: {e}")
-                work._fail(self._error)
-            finally:
-                with self._cv:
-                    self._busy -= 1
-                    self._cv.notify_all()
+                item = self._jobs.popleft()
+            self._issue(*item)
+            # nothing of the call stays here once it is issued: its closure holds the program's
+            # tensors, which would otherwise live until the next call came (a gradient shard the
+            # program had dropped, still held, put a GPU run's peak 64,000 B above the real one)
+            del item
+
+    def _issue(self, work: PrunedWork, job: Callable[[], tuple]) -> None:
+        try:
+            if self._error is not None:
+                raise self._error
+            work._bind(*job())
+        except BaseException as e:  # noqa: BLE001 - handed to the program where it waits
+            if self._error is None:
+                self._error = e if isinstance(e, PrismError) else EmulateError(f"issuing a pruned call: {e}")
+            work._fail(self._error)
+        finally:
+            with self._cv:
+                self._busy -= 1
+                self._cv.notify_all()
 
 
 # ---- the backend ----------------------------------------------------------------------------

@@ -442,6 +442,7 @@ def _time_slices(
     spool.mkdir()
     left_out = {}  # per timed rank: the emulation layer's host time left out of its clock
     emulation_host = {}  # per timed rank: that layer's host time on any device (GPU: not left out)
+    transfer_durations = {}  # per timed rank on GPU: calls timed by NCCL's own events, and not
     for k, s in enumerate(slices):
         for r in s:
             name = f"rank-{r:06d}.msgpack"
@@ -450,6 +451,15 @@ def _time_slices(
         for r, m in sl.get("sandbox_results", {}).items():
             left_out[r] = int(m.get("emulation_overhead_left_out_ns", 0))
             emulation_host[r] = int(m.get("emulation_host_ns", 0))
+            durations = m.get("transfer_durations") or {}
+            if durations:
+                transfer_durations[r] = durations
+                if durations.get("missing") and say is not None:
+                    say(
+                        f"rank {r}: NCCL's own time of {durations['missing']} of "
+                        f"{durations['missing'] + durations.get('read', 0)} asynchronous calls was not read "
+                        f"(first: {durations.get('first_missing')}); those transfers end where the program waited"
+                    )
     # the bare graph's manifest, its program fingerprint and command included (what
     # `prism emulate` checks a launch of the timed or calibrated graph against)
     tm = {k: v for k, v in manifest.items() if k not in ("peak_memory_bytes", "capture")}
@@ -473,6 +483,7 @@ def _time_slices(
             "slice_of_rank": slice_of,
             "emulation_overhead_left_out_ns": left_out,
             "emulation_host_ns": emulation_host,
+            "transfer_durations": transfer_durations,
             "compute_from": "load pass: every rank at once (DIR/load)" if load else "the slices",
         },
     )

@@ -50,6 +50,10 @@ class RankLog:
     scratch_bytes: int = 0
     # asynchronous pruned calls planned and issued off the program's thread (PRISM_ISSUE_THREAD)
     calls_off_thread: int = 0
+    # GPU: asynchronous calls whose transfer time came from NCCL's own events ("read"), those
+    # whose did not ("missing": their transfers end where the program waited) and the first
+    # missing one with why (Recorder.transfer_durations)
+    transfer_durations: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

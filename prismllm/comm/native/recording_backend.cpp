@@ -188,14 +188,19 @@ class Log {
   }
 
   // The first call issued during a backward pass queues a callback at its end (settles the
-  // Works that pass issued and nobody waits on from Python, e.g. DDP's buckets).
+  // Works that pass issued and nobody waits on from Python, e.g. DDP's buckets). That callback
+  // queues the settling once more: DDP queues its wait on every bucket at its last bucket, after
+  // this one, and the settling's point must be where the stream stands after that wait
+  // (Recorder._on_backward_end).
   bool check_backward() {
     if (bwd_queued_ || torch::autograd::get_current_graph_task_id() == -1) return false;
     try {
       torch::autograd::Engine::get_default_engine().queue_callback([this]() {
-        std::lock_guard<std::mutex> g(mu);
-        bwd_queued_ = false;
-        add(E_BWD_END, 0, 0, 0, -1, point(true));
+        torch::autograd::Engine::get_default_engine().queue_callback([this]() {
+          std::lock_guard<std::mutex> g(mu);
+          bwd_queued_ = false;
+          add(E_BWD_END, 0, 0, 0, -1, point(true));
+        });
       });
     } catch (...) {
       return false;

@@ -251,7 +251,7 @@ def replay(live: Recorder, log: dict[str, Any]) -> ReplayRecorder:
                 rec.bind_batch(w, rws)
         elif et == E_BWD_END:
             rec._feed((p0,))
-            rec._on_backward_end()
+            rec._settle_backward()
         elif et == E_BOUNDARY:
             rec._feed((p0,))
             Recorder.boundary(rec, explicit=bool(flag))
