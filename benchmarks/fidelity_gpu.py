@@ -338,6 +338,7 @@ class Suite:
             "wall_s": round(wall, 1),
             "lease": LEASE,
             "issue_thread": not self.a.no_issue_thread,
+            "host": self.doc["machine"].get("host"),  # the machine itself: leases of one kind differ by it
         }
         if rc != 0:
             p["error"] = text[-2000:]

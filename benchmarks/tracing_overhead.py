@@ -84,6 +84,16 @@ def graph_iteration_ms(graph: str) -> list[float]:
 
 def machine() -> dict:
     info = {"host": platform.node(), "python": platform.python_version(), "cpus": os.cpu_count()}
+    # what tells two machines of one kind apart when a host-bound figure moves between them
+    info["usable_cpus"] = len(os.sched_getaffinity(0))
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+        models = [ln.split(":", 1)[1].strip() for ln in cpuinfo.splitlines() if ln.startswith("model name")]
+        mhz = sorted(float(ln.split(":", 1)[1]) for ln in cpuinfo.splitlines() if ln.startswith("cpu MHz"))
+        info["cpu_model"] = models[0] if models else None
+        info["cpu_mhz_median"] = round(mhz[len(mhz) // 2]) if mhz else None
+    except OSError:
+        pass
     try:
         import torch
 
