@@ -707,3 +707,33 @@ def test_the_rank_that_runs_out_of_memory_first_in_the_program_is_named(tmp_path
     assert p.returncode != 0
     assert "rank 1 ran out of memory in its solo run after 2 communication call(s)" in p.stderr, p.stderr[-2000:]
     assert "also out of memory: rank 0 after 4 call(s)" in p.stderr, p.stderr[-2000:]
+
+
+PIPELINE_TRAIN = str(Path(__file__).resolve().parent / "programs" / "pipeline_train.py")
+
+
+def test_torch_pipelining_solo_capture_takes_the_stages_metadata_from_its_sender(tmp_path):
+    """``torch.distributed.pipelining``'s stages send each other their shapes at the first step
+    (``send_object_list``/``recv_object_list``), which no rule can invent: a solo rank receives
+    what its sender, a solo rank of the same capture, sent. Interleaved 1F1B with two pipelines
+    side by side (N = 4, pp innermost): the graph equals the real run's. One rank at a time, the
+    first stage waits on metadata from the second, which has not run: one line naming the call,
+    the sender and the fixes."""
+    args = ["--", PIPELINE_TRAIN, "--stages-per-rank", "2", "--dp", "2"]
+    solo = [PRISM, "capture", "--mode", "solo", "--world", "4", "--layout", "pp=2,order=tp-pp-dp", "--devices", "cpu"]
+    one = subprocess.run([*solo, "--out", str(tmp_path / "one"), *args], capture_output=True, text=True, timeout=300)
+    assert one.returncode != 0
+    assert "recv_object_list" in one.stderr and "its sender, rank 1, has not run" in one.stderr, one.stderr
+    two = subprocess.run(
+        [*solo, "--parallel", "2", "--out", str(tmp_path / "solo"), *args], capture_output=True, text=True, timeout=300
+    )
+    assert two.returncode == 0, two.stdout + two.stderr
+    rec = subprocess.run(
+        [PRISM, "record", "--nproc", "4", "--devices", "cpu", "--out", str(tmp_path / "rec"), *args],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert rec.returncode == 0, rec.stdout + rec.stderr
+    cmp = subprocess.run(
+        [PRISM, "compare", str(tmp_path / "rec"), str(tmp_path / "solo")], capture_output=True, text=True, timeout=120
+    )
+    assert "structure: equal" in cmp.stdout, cmp.stdout

@@ -1,9 +1,10 @@
 """Object collectives in solo mode (``broadcast_object_list``, ``all_gather_object``,
-``gather_object``, ``scatter_object_list``, ``recv_object_list``): wrapped so that rules can
-answer with objects; by default, the objects that the solo ranks of the same capture
-contributed to the call (:class:`SharedObjects`), else the local object(s) replicated (see
-prismllm.generate). A ``recv_object_list`` that no rule answers reads a recorded tensor store
-(``--tensors``) like any receive.
+``gather_object``, ``scatter_object_list``, ``send_object_list``/``recv_object_list``): wrapped
+so that rules can answer with objects; by default, the objects that the solo ranks of the same
+capture contributed to the call (:class:`SharedObjects`), else the local object(s) replicated
+(see prismllm.generate). A ``recv_object_list`` that no rule answers reads a recorded tensor
+store (``--tensors``) like any receive, else what its sender sent, where the sender is a solo
+rank that ran before it or beside it.
 
 Each wrapper takes the keywords a newer torch adds and passes them on (2.13: ``use_batch``,
 which pipelining's metadata exchange sets)."""
@@ -43,6 +44,7 @@ class SharedObjects:
         self.dir = os.path.join(spool, OBJECTS_DIR) if spool else None
         self.batch = set(batch or ())
         self.wait_s = wait_s
+        self._count: dict[tuple, int] = {}  # (group, src, dst) -> messages so far (point to point)
 
     def _prefix(self, call: Call) -> str:
         group = hashlib.sha1(",".join(map(str, call.group_ranks)).encode()).hexdigest()[:16]
@@ -52,11 +54,12 @@ class SharedObjects:
         return os.path.join(self.dir, f"{self._prefix(call)}{rank}.obj")
 
     def publish(self, call: Call, obj: Any) -> None:
-        if self.dir is None:
-            return
+        if self.dir is not None:
+            self._write(self._path(call, call.rank), obj)
+
+    def _write(self, path: str, obj: Any) -> None:
         payload, _ = c10d._object_to_tensor(obj, "cpu", None)
         os.makedirs(self.dir, exist_ok=True)
-        path = self._path(call, call.rank)
         tmp = f"{path}.{os.getpid()}.tmp"
         with open(tmp, "wb") as f:
             f.write(payload.numpy().tobytes())
@@ -70,6 +73,33 @@ class SharedObjects:
                 path = self._path(call, r)
                 while not os.path.exists(path) and time.monotonic() < end:
                     time.sleep(0.05)
+
+    # -- point to point: the k-th object list a rank sends another on a group. A rank's calls on
+    # -- a group are numbered by its own history, which differs between a sender and its receiver
+    # -- (pipeline stages), so the pair's own count names the message on both sides
+    def message(self, call: Call, src: int, dst: int) -> str:
+        """The next message's file from ``src`` to ``dst`` on the call's group (the count advances
+        on each side whether or not the payload is used: a rule may answer one receive)."""
+        key = (call.group_name, src, dst)
+        k = self._count.get(key, 0)
+        self._count[key] = k + 1
+        group = hashlib.sha1(",".join(map(str, call.group_ranks)).encode()).hexdigest()[:16]
+        return os.path.join(self.dir or "", f"p2p-{group}-{src}-{dst}-{k}.obj")
+
+    def send(self, call: Call, dst: int, objs: list) -> None:
+        path = self.message(call, call.rank, dst)
+        if self.dir is not None:
+            self._write(path, objs)
+
+    def receive(self, path: str, src: int) -> Any:
+        """The objects ``src`` sent in message ``path``, waiting for a sender of this batch; DEFAULT
+        where the sender has not run (a later batch, a replica that never runs)."""
+        if self.dir is None:
+            return DEFAULT
+        end = time.monotonic() + (self.wait_s if src in self.batch else 0.0)
+        while not os.path.exists(path) and time.monotonic() < end:
+            time.sleep(0.05)
+        return self._read(path)
 
     def _published(self, call: Call) -> dict[int, str]:
         """rank -> payload file of the peers that published ``call``: one directory scan, not
@@ -132,6 +162,7 @@ def install(generator: TensorGenerator, child: ChildEnv) -> None:
                      ("all_gather_object", _all_gather_object),
                      ("gather_object", _gather_object),
                      ("scatter_object_list", _scatter_object_list),
+                     ("send_object_list", _send_object_list),
                      ("recv_object_list", _recv_object_list)):  # fmt: skip
         _ORIG[name] = getattr(c10d, name)
         setattr(c10d, name, fn)
@@ -251,22 +282,35 @@ def _scatter_object_list(scatter_object_output_list, scatter_object_input_list=N
         _GEN.end_payload()
 
 
+def _send_object_list(object_list, dst=None, group=None, device=None, group_dst=None, **kwargs):
+    """Sent as the program sends it, and published for the receiver, a solo rank of this capture
+    (``torch.distributed.pipelining``'s stages send their output shapes this way at start-up)."""
+    call = _obj_call("send_object_list", group, object_list, peer=_global_src(group, dst, group_dst))
+    if call is not None:
+        _SHARED.send(call, call.peer, list(object_list))
+    return _ORIG["send_object_list"](object_list, dst=dst, group=group, device=device, group_dst=group_dst, **kwargs)
+
+
 def _recv_object_list(object_list, src=None, group=None, device=None, group_src=None, **kwargs):
     orig = _ORIG["recv_object_list"]
     call = _obj_call("recv_object_list", group, object_list,
                      peer=_global_src(group, src, group_src))  # fmt: skip
     if call is None:
         return orig(object_list, src=src, group=group, device=device, group_src=group_src, **kwargs)
+    message = _SHARED.message(call, call.peer, call.rank)
     val = _GEN.objects(call)
     if val is DEFAULT and _GEN.store is not None:
         # a recorded run's tensor store (--tensors) holds the receives that carry the objects
         # (their size, then the pickled bytes): answered there like any receive
         return orig(object_list, src=src, group=group, device=device, group_src=group_src, **kwargs)
+    if val is DEFAULT:  # what the sender, a solo rank of this capture, sent
+        val = _SHARED.receive(message, call.peer)
     if val is DEFAULT:
         raise GenerateError(
-            f"{call.where()}: no rule answers recv_object_list (the objects this rank "
-            f"receives cannot be generated); add a rule with op='recv_object_list', or "
-            f"replay a recorded run's tensors (--tensors)"
+            f"{call.where()}: no rule answers recv_object_list and its sender, rank {call.peer}, has not "
+            f"run before this rank in the capture (the objects this rank receives cannot be generated); "
+            f"capture the sender first or beside it (--parallel), add a rule with op='recv_object_list', "
+            f"or replay a recorded run's tensors (--tensors)"
         )
     _GEN.begin_payload(_check_list(call, val, len(object_list), "one per list entry"),
                        per_slot=False)  # fmt: skip
