@@ -23,6 +23,8 @@
 #   kernels    a DDP job's sandbox rank kernel by kernel (PyTorch profiler): real run, slice, emulation,
 #              at N = 2 and 4 (WORLDS), with the emulation's host under cProfile and a real recording; ~7 min
 #   issue-thread  the issue thread's GPU tests, a DDP job's prism run beside its real run, host cost; ~4 min
+#   ab-concurrent  does a real run beside the prism run (fidelity-gpu --concurrent) move prism's figures? ddp-2
+#              both ways, alternated, ROUNDS (2) rounds in one lease: $OUT/ab-<conc|seq><round>.json; ~8 min
 #   hostcost   the host's cost of an async collective, real and emulated, N = 2 and 4 (issue_cost.py), the
 #              emulation's host under cProfile; ~4 min
 #   prune-all  pruned latency of every collective kind and send/recv against real 2- and 4-GPU runs (four GPUs),
@@ -43,7 +45,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|ab-concurrent|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -182,6 +184,15 @@ issue-thread)
     tar czf "$OUT/thread.tgz" "$L" out/thread/ddp2/time/graph out/thread/ddp2/cal/summary.json \
         out/thread/ddp2/emulate/emulate.json 2>/dev/null
     WORLDS=2 timeout 100 bash benchmarks/device_suite.sh hostcost 2>&1 | tee "$OUT/hostcost.log" | grep -h "^ISSUE" ;;
+ab-concurrent)
+    for round in $(seq "${ROUNDS:-2}"); do
+        for mode in conc seq; do
+            extra=""; [ "$mode" = conc ] && extra="--concurrent"
+            timeout 230 python3 benchmarks/fidelity_gpu.py --cases ddp-2 --reals 2 $extra --json "$OUT/ab-$mode$round.json" \
+                --md "out/ab/$mode$round.md" --work "out/ab/$mode$round" 2>&1 | grep "^\[ddp-2\] prism run:\|real run [0-9]:"
+        done
+    done
+    tar czf "$OUT/ab-logs.tgz" out/ab/*/*/*.log out/ab/*/*/prism/time/graph 2>/dev/null ;;
 hostcost)
     # the host's cost of issuing an async collective (benchmarks/programs/issue_cost.py), real (torchrun) and
     # emulated (prism run, sandbox on GPU 0, assistant on GPU 1) at N = 2 and 4; the emulation's host under cProfile

@@ -290,7 +290,8 @@ class Suite:
 
     def save(self) -> None:
         with self.lock:
-            self.a.json.parent.mkdir(parents=True, exist_ok=True)
+            for path in (self.a.json, self.a.md):
+                path.parent.mkdir(parents=True, exist_ok=True)
             self.a.json.write_text(json.dumps(self.doc, indent=1) + "\n")
             self.a.md.write_text(markdown(self.doc))
 

@@ -671,15 +671,19 @@ def test_solo_ranks_share_object_collectives_and_take_numpy_splits(tmp_path, par
         return
     assert r.returncode == 0, r.stdout + r.stderr
     assert "rank 0: ok" in r.stdout and "rank 1: ok" in r.stdout
+    assert_equals_the_real_runs_structure(tmp_path / "solo", 2, ["--recorder", "python", "--", SPMD_STARTUP])
+
+
+def assert_equals_the_real_runs_structure(solo: Path, nproc: int, record_args: list[str]) -> None:
+    """The solo graph at ``solo`` has the structure of the real run (``prism record`` of ``nproc``
+    ranks with ``record_args``, beside it)."""
+    real = solo.parent / f"{solo.name}-real"
     rec = subprocess.run(
-        [PRISM, "record", "--nproc", "2", "--devices", "cpu", "--recorder", "python", "--out", str(tmp_path / "rec"),
-         "--", SPMD_STARTUP],
+        [PRISM, "record", "--nproc", str(nproc), "--devices", "cpu", "--out", str(real), *record_args],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert rec.returncode == 0, rec.stdout + rec.stderr
-    cmp = subprocess.run(
-        [PRISM, "compare", str(tmp_path / "rec"), str(tmp_path / "solo")], capture_output=True, text=True, timeout=120
-    )
+    cmp = subprocess.run([PRISM, "compare", str(real), str(solo)], capture_output=True, text=True, timeout=120)
     assert "structure: equal" in cmp.stdout, cmp.stdout
 
 
@@ -728,12 +732,4 @@ def test_torch_pipelining_solo_capture_takes_the_stages_metadata_from_its_sender
         [*solo, "--parallel", "2", "--out", str(tmp_path / "solo"), *args], capture_output=True, text=True, timeout=300
     )
     assert two.returncode == 0, two.stdout + two.stderr
-    rec = subprocess.run(
-        [PRISM, "record", "--nproc", "4", "--devices", "cpu", "--out", str(tmp_path / "rec"), *args],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert rec.returncode == 0, rec.stdout + rec.stderr
-    cmp = subprocess.run(
-        [PRISM, "compare", str(tmp_path / "rec"), str(tmp_path / "solo")], capture_output=True, text=True, timeout=120
-    )
-    assert "structure: equal" in cmp.stdout, cmp.stdout
+    assert_equals_the_real_runs_structure(tmp_path / "solo", 4, args)
