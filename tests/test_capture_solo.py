@@ -716,20 +716,28 @@ def test_the_rank_that_runs_out_of_memory_first_in_the_program_is_named(tmp_path
 PIPELINE_TRAIN = str(Path(__file__).resolve().parent / "programs" / "pipeline_train.py")
 
 
-def test_torch_pipelining_solo_capture_takes_the_stages_metadata_from_its_sender(tmp_path):
+def test_torch_pipelining_runs_with_no_recording(tmp_path):
     """``torch.distributed.pipelining``'s stages send each other their shapes at the first step
-    (``send_object_list``/``recv_object_list``), which no rule can invent: a solo rank receives
-    what its sender, a solo rank of the same capture, sent. Interleaved 1F1B with two pipelines
-    side by side (N = 4, pp innermost): the graph equals the real run's. One rank at a time, the
-    first stage waits on metadata from the second, which has not run: one line naming the call,
-    the sender and the fixes."""
-    args = ["--", PIPELINE_TRAIN, "--stages-per-rank", "2", "--dp", "2"]
-    solo = [PRISM, "capture", "--mode", "solo", "--world", "4", "--layout", "pp=2,order=tp-pp-dp", "--devices", "cpu"]
-    one = subprocess.run([*solo, "--out", str(tmp_path / "one"), *args], capture_output=True, text=True, timeout=300)
+    (``send_object_list``/``recv_object_list``), which no rule can invent. Solo capture: a rank
+    receives what its sender, a solo rank of the same capture, sent; the messages go with the
+    graph, and in the slices and the emulation a virtual sender sends them again (a replica, its
+    representative's). Interleaved 1F1B with two pipelines side by side (N = 4, pp innermost),
+    ``prism run`` end to end: the captured graph equals the real run's, the emulated last rank
+    trains. One rank at a time, the first stage waits on metadata from the second, which has not
+    run: one line naming the call, the sender and the fixes."""
+    program = ["--", PIPELINE_TRAIN, "--stages-per-rank", "2", "--dp", "2"]
+    layout = ["--world", "4", "--layout", "pp=2,order=tp-pp-dp", "--devices", "cpu"]
+    one = subprocess.run(
+        [PRISM, "capture", "--mode", "solo", *layout, "--out", str(tmp_path / "one"), *program],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
     assert one.returncode != 0
     assert "recv_object_list" in one.stderr and "its sender, rank 1, has not run" in one.stderr, one.stderr
-    two = subprocess.run(
-        [*solo, "--parallel", "2", "--out", str(tmp_path / "solo"), *args], capture_output=True, text=True, timeout=300
-    )
-    assert two.returncode == 0, two.stdout + two.stderr
-    assert_equals_the_real_runs_structure(tmp_path / "solo", 4, args)
+    run = subprocess.run(
+        [PRISM, "run", *layout, "--parallel", "2", "--sandbox", "3", "--out", str(tmp_path / "run"), *program],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    emulated = (tmp_path / "run" / "logs" / "emulate.log").read_text()
+    assert "rank 3: iteration 3/3 | loss" in emulated, emulated[-2000:]
+    assert_equals_the_real_runs_structure(tmp_path / "run" / "bare", 4, program)

@@ -12,8 +12,10 @@ which pipelining's metadata exchange sets)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,10 +25,10 @@ from torch.distributed import distributed_c10d as c10d
 from prismllm.childenv import ChildEnv, user_setting
 from prismllm.generate.errors import GenerateError
 from prismllm.generate.generator import DEFAULT, Call, TensorGenerator
+from prismllm.trace.schema import MANIFEST_FILE, OBJECTS_DIR  # objects: in the capture's spool, then in its graph
 
 _ORIG: dict[str, Any] = {}
 _GEN: TensorGenerator | None = None
-OBJECTS_DIR = "objects"  # in the capture's spool
 
 
 class SharedObjects:
@@ -83,8 +85,7 @@ class SharedObjects:
         key = (call.group_name, src, dst)
         k = self._count.get(key, 0)
         self._count[key] = k + 1
-        group = hashlib.sha1(",".join(map(str, call.group_ranks)).encode()).hexdigest()[:16]
-        return os.path.join(self.dir or "", f"p2p-{group}-{src}-{dst}-{k}.obj")
+        return os.path.join(self.dir or "", message_file(call.group_ranks, src, dst, k))
 
     def send(self, call: Call, dst: int, objs: list) -> None:
         path = self.message(call, call.rank, dst)
@@ -148,6 +149,58 @@ class SharedObjects:
 
 
 _SHARED = SharedObjects(None, None, 0.0)
+
+
+def message_file(group_ranks: Any, src: int, dst: int, k: int) -> str:
+    """The file name of the ``k``-th object list ``src`` sent ``dst`` on the group of ``group_ranks``."""
+    group = hashlib.sha1(",".join(map(str, group_ranks)).encode()).hexdigest()[:16]
+    return f"p2p-{group}-{src}-{dst}-{k}.obj"
+
+
+class CapturedMessages:
+    """The object lists a solo capture's ranks sent each other, kept with its graph
+    (``<graph>/objects``, :func:`message_file`): in emulation, what a virtual rank sends a sandbox
+    rank's ``recv_object_list``. A replica (a rank the capture did not run: the manifest's
+    ``capture.replica_of``) sends what its representative sent the receiver's representative."""
+
+    def __init__(self, directory: Path, replica_of: list[int] | None):
+        self.dir, self.replica_of = directory, replica_of
+        self._count: dict[tuple, int] = {}
+
+    @classmethod
+    def of_graph(cls, graph: str | os.PathLike) -> CapturedMessages | None:
+        """The messages kept with ``graph``, or with the capture it was timed from (a timed or
+        calibrated graph's ``timing.bare_graph``); None where there are none."""
+        g = Path(graph)
+        for _ in range(3):
+            try:
+                manifest = json.loads((g / MANIFEST_FILE).read_text())
+            except (OSError, ValueError):
+                return None
+            if (g / OBJECTS_DIR).is_dir():
+                return cls(g / OBJECTS_DIR, (manifest.get("capture") or {}).get("replica_of"))
+            bare = (manifest.get("timing") or {}).get("bare_graph")
+            if not bare:
+                return None
+            g = Path(bare)
+        return None
+
+    def next(self, group_ranks: Any, src: int, dst: int) -> Any:
+        """The objects of the next message from ``src`` to ``dst`` on the group of ``group_ranks``;
+        DEFAULT where the capture kept none."""
+        key = (tuple(group_ranks), src, dst)
+        k = self._count.get(key, 0)
+        self._count[key] = k + 1
+        rep = self.replica_of
+        if rep is not None:
+            group_ranks, src, dst = [rep[r] for r in group_ranks], rep[src], rep[dst]
+        return SharedObjects._read(str(self.dir / message_file(group_ranks, src, dst, k)))
+
+
+def object_payload(objects: list, group: Any) -> list[torch.Tensor]:
+    """What ``send_object_list(objects)`` sends: the objects' sizes, then their bytes."""
+    pieces = [c10d._object_to_tensor(o, "cpu", group) for o in objects]
+    return [torch.cat([size for _, size in pieces]), torch.cat([t for t, _ in pieces])]
 
 
 def install(generator: TensorGenerator, child: ChildEnv) -> None:

@@ -177,6 +177,9 @@ MANIFEST_VALUES = {
 }
 # A graph directory may also hold the collective tensors its recording saved (prismllm.generate.store).
 TENSORS_DIR = "tensors"
+# ... and the object lists a solo capture's ranks sent each other (send_object_list), one file a
+# message (prismllm.comm.solo_objects): what a virtual sender sends a sandbox rank in emulation.
+OBJECTS_DIR = "objects"
 
 
 def split_reduce_op(name: str) -> tuple[str, float | None]:
