@@ -23,6 +23,9 @@
 #   kernels    a DDP job's sandbox rank kernel by kernel (PyTorch profiler): real run, slice, emulation,
 #              at N = 2 and 4 (WORLDS), with the emulation's host under cProfile and a real recording; ~7 min
 #   issue-thread  the issue thread's GPU tests, a DDP job's prism run beside its real run, host cost; ~4 min
+#   threads    a DDP job's rank at N = 2, real, in its slice and emulated: each host thread's CPU time and
+#              context switches at the end (profile_rank.py PROFILE_WITH=threads: nothing during the run);
+#              is a slice's host slower because its threads get less CPU? ~3 min
 #   ab-concurrent  does a real run beside the prism run (fidelity-gpu --concurrent) move prism's figures? ddp-2
 #              both ways, alternated, ROUNDS (2) rounds in one lease: $OUT/ab-<conc|seq><round>.json; ~8 min
 #   hostcost   the host's cost of an async collective, real and emulated, N = 2 and 4 (issue_cost.py), the
@@ -45,7 +48,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|ab-concurrent|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -184,6 +187,25 @@ issue-thread)
     tar czf "$OUT/thread.tgz" "$L" out/thread/ddp2/time/graph out/thread/ddp2/cal/summary.json \
         out/thread/ddp2/emulate/emulate.json 2>/dev/null
     WORLDS=2 timeout 100 bash benchmarks/device_suite.sh hostcost 2>&1 | tee "$OUT/hostcost.log" | grep -h "^ISSUE" ;;
+threads)
+    P=benchmarks/programs/torch_parallel.py K=benchmarks/programs/profile_rank.py D=out/threads/logs W=out/threads/ddp2
+    A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    mkdir -p "$D"
+    env PROFILE_WITH=threads PROFILE_RANK=1 PROFILE_OUT="$D" PROFILE_TAG=real2 timeout 120 python3 -m torch.distributed.run \
+        --standalone --nproc-per-node 2 $K $P $A >"$D/real2.log" 2>&1; echo "real: $?"
+    timeout 200 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $P $A \
+        >"$D/prism2.log" 2>&1; echo "prism run: $?"
+    pt="PRISM_PROGRAM_CHECK=off PROFILE_WITH=threads PROFILE_RANK=all PROFILE_OUT=$D"
+    env $pt PROFILE_TAG=slice2 timeout 150 prism time --graph "$W/bare" --out "$W/time-t" --devices cuda:0,1 --force \
+        -- $K $P $A >"$D/slice2.log" 2>&1; echo "slice: $?"
+    env $pt PROFILE_TAG=emu2 timeout 150 prism emulate --graph "$W/cal/graph" --sandbox 1 --devices cuda:0,1 \
+        --out "$W/emu-t" --force -- $K $P $A >"$D/emu2.log" 2>&1; echo "emulate: $?"
+    for f in "$D"/*-threads.json; do
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], 'cpus', len(d['usable_cpus'])); \
+[print(f\"  {t['name']:18s} cpu {t['cpu_s']:7.2f} s  vol {t['voluntary_switches']:8d}  invol {t['involuntary_switches']:7d}\") \
+ for t in sorted(d['threads'], key=lambda t: -t['cpu_s'])[:8]]" "$f"
+    done
+    tar czf "$OUT/threads.tgz" "$D" "$W"/time-t/graph 2>/dev/null ;;
 ab-concurrent)
     for round in $(seq "${ROUNDS:-2}"); do
         for mode in conc seq; do

@@ -8,7 +8,12 @@ when the program ends, however it ends. Other ranks run unprofiled. ``PROFILE_WI
   --profile-rank to see where a solo rank's time goes.
 - ``kineto``: the PyTorch profiler (CUDA kernels, runtime calls, the host's operators),
   ``rank<R>-<PROFILE_TAG>.json.gz`` (a Chrome trace). Used by benchmarks/kernel_timeline.py to
-  set a real run's kernel timeline beside a slice's and an emulation's."""
+  set a real run's kernel timeline beside a slice's and an emulation's.
+- ``threads``: nothing during the run; at its end, from /proc, each of the process's threads:
+  its name, CPU time, voluntary context switches (it waited) and involuntary ones (it was
+  preempted: it could have run and had no core), the CPU it ran on last, and the CPUs the process
+  may use: ``rank<R>-<PROFILE_TAG>-threads.json``. Whether a slice's host threads are slower than
+  the real run's because they get less CPU."""
 
 from __future__ import annotations
 
@@ -53,7 +58,46 @@ def _kineto(out: str, rank: str) -> tuple[Callable[[], None], Callable[[], None]
     return prof.start, stop
 
 
-PROFILERS = {"cprofile": _cprofile, "kineto": _kineto}
+def _thread_rows() -> list[dict]:
+    tick = os.sysconf("SC_CLK_TCK")
+    rows = []
+    for tid in sorted(os.listdir("/proc/self/task"), key=int):
+        base = f"/proc/self/task/{tid}"
+        try:
+            with open(f"{base}/comm") as f:
+                name = f.read().strip()
+            with open(f"{base}/stat") as f:
+                stat = f.read()
+            with open(f"{base}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on: utime is field 14
+        rows.append(
+            {
+                "tid": int(tid),
+                "name": name,
+                "cpu_s": (int(fields[11]) + int(fields[12])) / tick,
+                "voluntary_switches": int(status["voluntary_ctxt_switches"]),
+                "involuntary_switches": int(status["nonvoluntary_ctxt_switches"]),
+                "last_cpu": int(fields[36]),
+            }
+        )
+    return rows
+
+
+def _threads(out: str, rank: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    import json
+
+    def stop() -> None:
+        doc = {"rank": rank, "usable_cpus": sorted(os.sched_getaffinity(0)), "threads": _thread_rows()}
+        with open(os.path.join(out, f"rank{rank}-{os.environ.get('PROFILE_TAG', 'run')}-threads.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+
+    return (lambda: None), stop
+
+
+PROFILERS = {"cprofile": _cprofile, "kineto": _kineto, "threads": _threads}
 
 
 def main() -> None:
