@@ -723,7 +723,8 @@ def test_torch_pipelining_runs_with_no_recording(tmp_path):
     graph, and in the slices and the emulation a virtual sender sends them again (a replica, its
     representative's). Interleaved 1F1B with two pipelines side by side (N = 4, pp innermost),
     ``prism run`` end to end: the captured graph equals the real run's, the emulated last rank
-    trains. One rank at a time, the first stage waits on metadata from the second, which has not
+    trains; the real run's recording keeps its messages as well and is emulated without its
+    tensors. One rank at a time, the first stage waits on metadata from the second, which has not
     run: one line naming the call, the sender and the fixes."""
     program = ["--", PIPELINE_TRAIN, "--stages-per-rank", "2", "--dp", "2"]
     layout = ["--world", "4", "--layout", "pp=2,order=tp-pp-dp", "--devices", "cpu"]
@@ -741,3 +742,10 @@ def test_torch_pipelining_runs_with_no_recording(tmp_path):
     emulated = (tmp_path / "run" / "logs" / "emulate.log").read_text()
     assert "rank 3: iteration 3/3 | loss" in emulated, emulated[-2000:]
     assert_equals_the_real_runs_structure(tmp_path / "run" / "bare", 4, program)
+    # the real run's recording keeps its messages too: emulated without its tensors
+    emu = subprocess.run(
+        [PRISM, "emulate", "--graph", str(tmp_path / "run" / "bare-real"), "--sandbox", "3", "--devices", "cpu",
+         "--out", str(tmp_path / "emu"), *program],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert emu.returncode == 0 and "rank 3: iteration 3/3 | loss" in emu.stdout, emu.stdout[-3000:] + emu.stderr[-3000:]

@@ -24,7 +24,7 @@ from prismllm.errors import PrismError, RequirementError
 from prismllm.launch.program import program_fingerprint
 from prismllm.outdir import must_replace
 from prismllm.specs import cuda_on_cpu_devices, parse_devices
-from prismllm.trace.schema import FILES, MANIFEST_FILE
+from prismllm.trace.schema import FILES, MANIFEST_FILE, OBJECTS_DIR
 
 SPOOL_DIR = ".spool"
 
@@ -200,6 +200,17 @@ def trace_counts(out: Path, trace: Any) -> tuple[int | None, int | None]:
     except Exception:
         pass
     return iterations, nodes
+
+
+def keep_messages(spool: Path, out: Path) -> None:
+    """The object lists the ranks sent each other (``send_object_list``: pipeline stages' shapes;
+    the spool's ``objects/p2p-*``) go with the graph: in emulation without recorded tensors they
+    are what a virtual sender sends a sandbox rank (prismllm.comm.solo_objects)."""
+    messages = sorted((spool / OBJECTS_DIR).glob("p2p-*.obj"))
+    if messages:
+        (out / OBJECTS_DIR).mkdir(exist_ok=True)
+        for m in messages:
+            shutil.copyfile(m, out / OBJECTS_DIR / m.name)
 
 
 def save_into(trace: Any, out: Path) -> None:

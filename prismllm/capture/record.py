@@ -23,6 +23,7 @@ from prismllm.capture.common import (
     build_manifest,
     check_importable,
     check_out_dir,
+    keep_messages,
     prepare_out_dir,
     program_of,
     resolve_devices,
@@ -274,6 +275,7 @@ def _record(opts: RecordOptions, on_start: Callable[[str, int], None] | None) ->
         for p in problems:
             print(f"prism record: warning: {p}", file=sys.stderr)
     save_into(trace, out)
+    keep_messages(spool, out)
     shutil.rmtree(spool, ignore_errors=True)
     iterations, nodes = trace_counts(out, trace)
     return RecordResult(

@@ -33,6 +33,7 @@ from prismllm.capture.common import (
     SPOOL_DIR,
     build_manifest,
     check_importable,
+    keep_messages,
     program_of,
     resolve_devices,
     save_into,
@@ -61,7 +62,7 @@ from prismllm.specs import format_ranks, parse_devices
 from prismllm.trace.alltoall import reconcile_all_to_all
 from prismllm.trace.ranklog import ranklog_path
 from prismllm.trace.replicate import UnreplicableGroup, assemble_replicated
-from prismllm.trace.schema import MANIFEST_FILE, OBJECTS_DIR
+from prismllm.trace.schema import MANIFEST_FILE
 from prismllm.trace.validate import validate
 
 STATE_FILE = "capture.json"
@@ -325,16 +326,6 @@ def _layout_disagrees(layout: Layout, e: UnreplicableGroup) -> PrismError:
     )
 
 
-def _keep_messages(spool: Path, out: Path) -> None:
-    """The object lists the ranks sent each other (``send_object_list``: pipeline stages' shapes)
-    go with the graph: in emulation they are what a virtual sender sends a sandbox rank."""
-    messages = sorted((spool / OBJECTS_DIR).glob("p2p-*.obj"))
-    if messages:
-        (out / OBJECTS_DIR).mkdir(exist_ok=True)
-        for m in messages:
-            shutil.copyfile(m, out / OBJECTS_DIR / m.name)
-
-
 def _failure(result: LaunchResult, spool: Path, done: int, total: int) -> LaunchError:
     """A failed batch: a rank that ran out of memory is a result (RankOutOfMemory: the program
     needs more than the device at this scale), anything else a LaunchError; both say how to resume.
@@ -520,7 +511,7 @@ def _capture(
     cap["wall_s"] = round(t_save - t0, 3)  # up to the save
     trace.manifest["capture"] = cap
     save_into(trace, out)
-    _keep_messages(spool, out)
+    keep_messages(spool, out)
     shutil.rmtree(spool, ignore_errors=True)
     t_end = time.monotonic()
     iterations, nodes = trace_counts(out, trace)

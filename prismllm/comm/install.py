@@ -47,7 +47,7 @@ from torch.optim.optimizer import (
 )
 
 from prismllm.childenv import ChildEnv
-from prismllm.comm import recorder as _recorder_mod, redops, sandbox, saving, scratch, solo
+from prismllm.comm import recorder as _recorder_mod, redops, sandbox, saving, scratch, solo, solo_objects
 from prismllm.comm.recorder import Recorder
 from prismllm.comm.recording import RecordingProcessGroup
 from prismllm.comm.rows import iteration_rows, node_rows
@@ -98,6 +98,8 @@ def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder 
         sandbox.prepare(rank, child)
     else:
         saving.setup(rank, child)
+        if child.spool:
+            solo_objects.keep_sent_messages(child.spool)
         if native_wanted(mode, child):
             global _NATIVE
             # imported here: it loads (and may first build) a C++ extension, which a run that

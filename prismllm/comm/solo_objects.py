@@ -79,16 +79,17 @@ class SharedObjects:
     # -- point to point: the k-th object list a rank sends another on a group. A rank's calls on
     # -- a group are numbered by its own history, which differs between a sender and its receiver
     # -- (pipeline stages), so the pair's own count names the message on both sides
-    def message(self, call: Call, src: int, dst: int) -> str:
-        """The next message's file from ``src`` to ``dst`` on the call's group (the count advances
-        on each side whether or not the payload is used: a rule may answer one receive)."""
-        key = (call.group_name, src, dst)
+    def message(self, group_ranks: Any, src: int, dst: int) -> str:
+        """The next message's file from ``src`` to ``dst`` on the group of ``group_ranks`` (the
+        count advances on each side whether or not the payload is used: a rule may answer one
+        receive)."""
+        key = (tuple(group_ranks), src, dst)
         k = self._count.get(key, 0)
         self._count[key] = k + 1
-        return os.path.join(self.dir or "", message_file(call.group_ranks, src, dst, k))
+        return os.path.join(self.dir or "", message_file(group_ranks, src, dst, k))
 
-    def send(self, call: Call, dst: int, objs: list) -> None:
-        path = self.message(call, call.rank, dst)
+    def send(self, group_ranks: Any, src: int, dst: int, objs: list) -> None:
+        path = self.message(group_ranks, src, dst)
         if self.dir is not None:
             self._write(path, objs)
 
@@ -155,6 +156,23 @@ def message_file(group_ranks: Any, src: int, dst: int, k: int) -> str:
     """The file name of the ``k``-th object list ``src`` sent ``dst`` on the group of ``group_ranks``."""
     group = hashlib.sha1(",".join(map(str, group_ranks)).encode()).hexdigest()[:16]
     return f"p2p-{group}-{src}-{dst}-{k}.obj"
+
+
+def keep_sent_messages(spool: str) -> None:
+    """Record mode: every object list this rank sends (``send_object_list``) is also written to
+    the spool, as a solo capture's are, and kept with the graph: in emulation without recorded
+    tensors, what a virtual sender sends a sandbox rank."""
+    kept = SharedObjects(spool, None, 0.0)
+    orig = c10d.send_object_list
+
+    def send_object_list(object_list, dst=None, group=None, device=None, group_dst=None, **kwargs):
+        if dst is not None or group_dst is not None:  # (neither: torch's own error, unchanged)
+            ranks = c10d.get_process_group_ranks(group or c10d._get_default_group())
+            peer = ranks[group_dst] if group_dst is not None else int(dst)
+            kept.send(ranks, dist.get_rank(), peer, list(object_list))
+        return orig(object_list, dst=dst, group=group, device=device, group_dst=group_dst, **kwargs)
+
+    c10d.send_object_list = dist.send_object_list = send_object_list
 
 
 class CapturedMessages:
@@ -340,7 +358,7 @@ def _send_object_list(object_list, dst=None, group=None, device=None, group_dst=
     (``torch.distributed.pipelining``'s stages send their output shapes this way at start-up)."""
     call = _obj_call("send_object_list", group, object_list, peer=_global_src(group, dst, group_dst))
     if call is not None:
-        _SHARED.send(call, call.peer, list(object_list))
+        _SHARED.send(call.group_ranks, call.rank, call.peer, list(object_list))
     return _ORIG["send_object_list"](object_list, dst=dst, group=group, device=device, group_dst=group_dst, **kwargs)
 
 
@@ -350,7 +368,7 @@ def _recv_object_list(object_list, src=None, group=None, device=None, group_src=
                      peer=_global_src(group, src, group_src))  # fmt: skip
     if call is None:
         return orig(object_list, src=src, group=group, device=device, group_src=group_src, **kwargs)
-    message = _SHARED.message(call, call.peer, call.rank)
+    message = _SHARED.message(call.group_ranks, call.peer, call.rank)
     val = _GEN.objects(call)
     if val is DEFAULT and _GEN.store is not None:
         # a recorded run's tensor store (--tensors) holds the receives that carry the objects
