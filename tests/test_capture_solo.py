@@ -742,10 +742,11 @@ def test_torch_pipelining_runs_with_no_recording(tmp_path):
     emulated = (tmp_path / "run" / "logs" / "emulate.log").read_text()
     assert "rank 3: iteration 3/3 | loss" in emulated, emulated[-2000:]
     assert_equals_the_real_runs_structure(tmp_path / "run" / "bare", 4, program)
-    # the real run's recording keeps its messages too: emulated without its tensors
+    # the real run's recording keeps its messages too: emulated without its tensors, and with the
+    # issue thread serving the CPU's calls (a receive that takes a message is planned inline)
     emu = subprocess.run(
         [PRISM, "emulate", "--graph", str(tmp_path / "run" / "bare-real"), "--sandbox", "3", "--devices", "cpu",
          "--out", str(tmp_path / "emu"), *program],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PRISM_ISSUE_THREAD": "all"},
     )  # fmt: skip
     assert emu.returncode == 0 and "rank 3: iteration 3/3 | loss" in emu.stdout, emu.stdout[-3000:] + emu.stderr[-3000:]

@@ -732,11 +732,11 @@ class PrunedBackend(solo.GeneratedBackend):
                     _CHECK.issued(c)
         return smalls, checks
 
-    def _run(self, calls: list[Call], ins, outs, opts: Any = None, tag: int = 0):
+    def _run(self, calls: list[Call], ins, outs, opts: Any = None, tag: int = 0, inline: bool = False):
         """Issue every call on the small group; one PrunedWork for all of them (inside an
         NCCL batch: nothing yet, as NCCL returns no Work there; the batch's Work comes from
         ``_end_coalescing``). With the issue thread, an asynchronous call on the GPU is issued
-        there (:meth:`_run_later`)."""
+        there (:meth:`_run_later`), unless ``inline``."""
         t0 = time.perf_counter_ns()
         tensors = solo._flat(ins) + solo._flat(outs)
         cuda = any(t.device.type == "cuda" for t in tensors)  # not is_cuda: --cuda-on-cpu maps it
@@ -746,7 +746,7 @@ class PrunedBackend(solo.GeneratedBackend):
                 f"small group is {self.backend} (one device type per pruned group)"
             )
         if _ISSUE is not None:
-            later = self._nccl_batch is None and self._batch is None and solo._is_async(opts)
+            later = not inline and self._nccl_batch is None and self._batch is None and solo._is_async(opts)
             if later and (cuda or _ISSUE_ON_CPU):
                 return self._run_later(calls, outs, tag, t0)
             _ISSUE.drain()
@@ -813,9 +813,11 @@ class PrunedBackend(solo.GeneratedBackend):
     def recv(self, tensors, srcRank, tag=0):
         g = self._peer(srcRank)
         t = _one(tensors, "recv")
-        w = self._run([self._call(1, 0, output=t, peer=g)], [], tensors, tag=tag)
         expected = self._expected.get(g)
-        if expected:  # the receive's small call, just planned: inline, or in the open batch
+        # a receive that takes a payload is planned here, not on the issue thread: its small call
+        # is at hand once _run returns (in the Work, or in the open batch)
+        w = self._run([self._call(1, 0, output=t, peer=g)], [], tensors, tag=tag, inline=bool(expected))
+        if expected:
             small = w._calls[-1] if w is not None else self._nccl_batch[-1][0][-1]
             _overwrite_after(small, t, expected.popleft())
         return w
