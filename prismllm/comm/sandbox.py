@@ -153,7 +153,7 @@ def _receive_captured_objects(messages: solo_objects.CapturedMessages) -> None:
     def recv_object_list(object_list, src=None, group=None, device=None, group_src=None, **kwargs):
         pg = group or c10d._get_default_group()
         inner = getattr(pg, "_inner", None)
-        peer = pg._global_ranks[group_src] if group_src is not None else (0 if src is None else int(src))
+        peer = solo_objects.global_peer(group, src, group_src)
         objects = solo_objects.DEFAULT
         if isinstance(inner, PrunedBackend) and peer not in _SANDBOX:
             objects = messages.next(pg._global_ranks, peer, pg._rec.rank)

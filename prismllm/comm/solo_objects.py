@@ -49,8 +49,7 @@ class SharedObjects:
         self._count: dict[tuple, int] = {}  # (group, src, dst) -> messages so far (point to point)
 
     def _prefix(self, call: Call) -> str:
-        group = hashlib.sha1(",".join(map(str, call.group_ranks)).encode()).hexdigest()[:16]
-        return f"{call.op}-{group}-{call.index}-r"
+        return f"{call.op}-{_group_key(call.group_ranks)}-{call.index}-r"
 
     def _path(self, call: Call, rank: int) -> str:
         return os.path.join(self.dir, f"{self._prefix(call)}{rank}.obj")
@@ -72,9 +71,7 @@ class SharedObjects:
         end = time.monotonic() + self.wait_s
         for r in ranks:
             if r in self.batch and r != call.rank:
-                path = self._path(call, r)
-                while not os.path.exists(path) and time.monotonic() < end:
-                    time.sleep(0.05)
+                _wait_for(self._path(call, r), end)
 
     # -- point to point: the k-th object list a rank sends another on a group. A rank's calls on
     # -- a group are numbered by its own history, which differs between a sender and its receiver
@@ -83,9 +80,7 @@ class SharedObjects:
         """The next message's file from ``src`` to ``dst`` on the group of ``group_ranks`` (the
         count advances on each side whether or not the payload is used: a rule may answer one
         receive)."""
-        key = (tuple(group_ranks), src, dst)
-        k = self._count.get(key, 0)
-        self._count[key] = k + 1
+        k = _next_message(self._count, group_ranks, src, dst)
         return os.path.join(self.dir or "", message_file(group_ranks, src, dst, k))
 
     def send(self, group_ranks: Any, src: int, dst: int, objs: list) -> None:
@@ -98,9 +93,7 @@ class SharedObjects:
         where the sender has not run (a later batch, a replica that never runs)."""
         if self.dir is None:
             return DEFAULT
-        end = time.monotonic() + (self.wait_s if src in self.batch else 0.0)
-        while not os.path.exists(path) and time.monotonic() < end:
-            time.sleep(0.05)
+        _wait_for(path, time.monotonic() + (self.wait_s if src in self.batch else 0.0))
         return self._read(path)
 
     def _published(self, call: Call) -> dict[int, str]:
@@ -152,10 +145,27 @@ class SharedObjects:
 _SHARED = SharedObjects(None, None, 0.0)
 
 
+def _group_key(group_ranks: Any) -> str:
+    """A group's name in the files of its objects: a digest of its members."""
+    return hashlib.sha1(",".join(map(str, group_ranks)).encode()).hexdigest()[:16]
+
+
+def _wait_for(path: str, end: float) -> None:
+    """Until ``path`` exists or the monotonic clock passes ``end``."""
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
+def _next_message(counts: dict[tuple, int], group_ranks: Any, src: int, dst: int) -> int:
+    """The index of the next message from ``src`` to ``dst`` on the group; counted in ``counts``."""
+    key = (tuple(group_ranks), src, dst)
+    k = counts[key] = counts.get(key, -1) + 1
+    return k
+
+
 def message_file(group_ranks: Any, src: int, dst: int, k: int) -> str:
     """The file name of the ``k``-th object list ``src`` sent ``dst`` on the group of ``group_ranks``."""
-    group = hashlib.sha1(",".join(map(str, group_ranks)).encode()).hexdigest()[:16]
-    return f"p2p-{group}-{src}-{dst}-{k}.obj"
+    return f"p2p-{_group_key(group_ranks)}-{src}-{dst}-{k}.obj"
 
 
 def keep_sent_messages(spool: str) -> None:
@@ -206,9 +216,7 @@ class CapturedMessages:
     def next(self, group_ranks: Any, src: int, dst: int) -> Any:
         """The objects of the next message from ``src`` to ``dst`` on the group of ``group_ranks``;
         DEFAULT where the capture kept none."""
-        key = (tuple(group_ranks), src, dst)
-        k = self._count.get(key, 0)
-        self._count[key] = k + 1
+        k = _next_message(self._count, group_ranks, src, dst)
         rep = self.replica_of
         if rep is not None:
             group_ranks, src, dst = [rep[r] for r in group_ranks], rep[src], rep[dst]
@@ -256,7 +264,9 @@ def _obj_call(op: str, group, objects, *, root: int = -1, peer: int = -1) -> Cal
     )  # fmt: skip
 
 
-def _global_src(group, src, group_src) -> int:
+def global_peer(group, src, group_src) -> int:
+    """The global rank an object call names as its root or peer (``src``/``dst``, or the group
+    rank ``group_src``/``group_dst``) on a group of prism's (which knows its global ranks)."""
     pg = group or c10d._get_default_group()
     if group_src is not None:
         return pg._global_ranks[group_src]
@@ -284,7 +294,7 @@ def _member_objects(call: Call, own: Any) -> list:
 
 def _broadcast_object_list(object_list, src=None, group=None, device=None, group_src=None, **kwargs):
     orig = _ORIG["broadcast_object_list"]
-    g = _global_src(group, src, group_src)
+    g = global_peer(group, src, group_src)
     call = _obj_call("broadcast_object_list", group, object_list, root=g)
     if call is None or call.is_root:
         if call is not None:
@@ -318,7 +328,7 @@ def _all_gather_object(object_list, obj, group=None, **kwargs):
 
 def _gather_object(obj, object_gather_list=None, dst=None, group=None, group_dst=None, **kwargs):
     orig = _ORIG["gather_object"]
-    call = _obj_call("gather_object", group, obj, root=_global_src(group, dst, group_dst))
+    call = _obj_call("gather_object", group, obj, root=global_peer(group, dst, group_dst))
     if call is not None:
         _SHARED.publish(call, obj)
     if call is None or not call.is_root:
@@ -334,7 +344,7 @@ def _scatter_object_list(scatter_object_output_list, scatter_object_input_list=N
                          group=None, group_src=None, **kwargs):  # fmt: skip
     orig = _ORIG["scatter_object_list"]
     call = _obj_call("scatter_object_list", group, scatter_object_input_list,
-                     root=_global_src(group, src, group_src))  # fmt: skip
+                     root=global_peer(group, src, group_src))  # fmt: skip
     if call is None or call.is_root:
         return orig(scatter_object_output_list, scatter_object_input_list, src=src, group=group,
                     group_src=group_src, **kwargs)  # fmt: skip
@@ -356,7 +366,7 @@ def _scatter_object_list(scatter_object_output_list, scatter_object_input_list=N
 def _send_object_list(object_list, dst=None, group=None, device=None, group_dst=None, **kwargs):
     """Sent as the program sends it, and published for the receiver, a solo rank of this capture
     (``torch.distributed.pipelining``'s stages send their output shapes this way at start-up)."""
-    call = _obj_call("send_object_list", group, object_list, peer=_global_src(group, dst, group_dst))
+    call = _obj_call("send_object_list", group, object_list, peer=global_peer(group, dst, group_dst))
     if call is not None:
         _SHARED.send(call.group_ranks, call.rank, call.peer, list(object_list))
     return _ORIG["send_object_list"](object_list, dst=dst, group=group, device=device, group_dst=group_dst, **kwargs)
@@ -365,7 +375,7 @@ def _send_object_list(object_list, dst=None, group=None, device=None, group_dst=
 def _recv_object_list(object_list, src=None, group=None, device=None, group_src=None, **kwargs):
     orig = _ORIG["recv_object_list"]
     call = _obj_call("recv_object_list", group, object_list,
-                     peer=_global_src(group, src, group_src))  # fmt: skip
+                     peer=global_peer(group, src, group_src))  # fmt: skip
     if call is None:
         return orig(object_list, src=src, group=group, device=device, group_src=group_src, **kwargs)
     message = _SHARED.message(call.group_ranks, call.peer, call.rank)
