@@ -28,6 +28,12 @@
 #              is a slice's host slower because its threads get less CPU? ~3 min
 #   ab-concurrent  does a real run beside the prism run (fidelity-gpu --concurrent) move prism's figures? ddp-2
 #              both ways, alternated, ROUNDS (2) rounds in one lease: $OUT/ab-<conc|seq><round>.json; ~8 min
+#   numa       the machine's topology; ddp-2 real and under prism run, unpinned and pinned to GPU 0's NUMA node's
+#              CPUs, alternated, two rounds: does where the host threads run move the time? ~4 min
+#   gil        a DDP job's slice and emulation alternated: the issue thread, without it, with a 50 us GIL switch
+#              interval; each one's threads' context switches; the job recorded and plain; ~7 min
+#   headstart  the host's head start of GPU slices: a DDP job's slice with each head start (MODES), the real job,
+#              then the head start's GPU test; ~5 min
 #   hostcost   the host's cost of an async collective, real and emulated, N = 2 and 4 (issue_cost.py), the
 #              emulation's host under cProfile; ~4 min
 #   prune-all  pruned latency of every collective kind and send/recv against real 2- and 4-GPU runs (four GPUs),
@@ -48,7 +54,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|headstart|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -215,6 +221,93 @@ ab-concurrent)
         done
     done
     tar czf "$OUT/ab-logs.tgz" out/ab/*/*/*.log out/ab/*/*/prism/time/graph 2>/dev/null ;;
+numa)
+    # does where the host threads run move a DDP job's time? The machine's topology (each GPU's CPU and
+    # NUMA affinity), then ddp-2 real and under prism run, each unpinned and pinned to GPU 0's NUMA node's
+    # CPUs (taskset, inherited by every child), alternated; ~4 min
+    P=benchmarks/programs/torch_parallel.py D=out/numa A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    mkdir -p "$D"
+    nvidia-smi topo -m | tee "$D/topo.txt"
+    lscpu | grep -i "numa\|model name\|mhz" | tee "$D/lscpu.txt"
+    cpus=$(nvidia-smi topo -m | awk '$1 == "GPU0" {for (i = 2; i <= NF; i++) if ($i ~ /^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$/ && $i ~ /-/) {print $i; exit}}')
+    [ -z "$cpus" ] && cpus=$(lscpu | awk -F: '/NUMA node0 CPU/ {gsub(/ /, "", $2); print $2}')
+    echo "GPU0 CPU affinity: ${cpus:-unknown}"
+    for round in 1 2; do
+        for pin in none node; do
+            run=""; [ "$pin" = node ] && [ -n "$cpus" ] && run="taskset -c $cpus"
+            $run timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P $A >"$D/real-$pin$round.log" 2>&1
+            $run timeout 150 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out "$D/prism-$pin$round" \
+                --force -- $P $A >"$D/prism-$pin$round.log" 2>&1
+            echo "$pin $round: real median $(grep -h 'iter time' "$D/real-$pin$round.log" | tail -n +3 | grep -o 'iter time [0-9.]*' \
+                | awk '{print $3}' | sort -n | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}') ms |" \
+                "$(grep -h 'predicted iteration\|emulated, rank' "$D/prism-$pin$round.log" | tr -s ' ' | tr '\n' ' ')"
+        done
+    done
+    tar czf "$OUT/numa.tgz" "$D"/*.log "$D"/*.txt "$D"/prism-*/logs "$D"/prism-*/time/graph 2>/dev/null ;;
+gil)
+    # a DDP job's slice and emulation, alternated over ROUNDS (2) rounds, three ways: the issue thread (the
+    # default), without it (PRISM_ISSUE_THREAD=0), and the issue thread with Python's GIL switch interval at
+    # 50 us (a sitecustomize on PYTHONPATH: every Python process of the run); each slice's and emulation's
+    # host threads' CPU time and context switches (profile_rank.py threads); the real job under prism record
+    # and plain, twice each. Is the slices' run-to-run spread (one lease: 37.5 to 47.2 ms) the program's
+    # threads waiting for the GIL? ~7 min
+    P=benchmarks/programs/torch_parallel.py K=benchmarks/programs/profile_rank.py D=out/gil W=out/gil/ddp2
+    A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    mkdir -p "$D/sw"
+    printf 'import sys\nsys.setswitchinterval(5e-5)\n' >"$D/sw/sitecustomize.py"
+    echo "switch interval with the sitecustomize: $(PYTHONPATH=$PWD/$D/sw python3 -c 'import sys; print(sys.getswitchinterval())')"
+    median() { grep -h 'iter time' "$1" | tail -n +3 | grep -o 'iter time [0-9.]*' | awk '{print $3}' | sort -n \
+        | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}'; }
+    timeout 150 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $P $A \
+        >"$D/prism.log" 2>&1; echo "prism run: $? $(grep -h 'predicted iteration\|emulated, rank' "$D/prism.log" | tr -s ' ' | tr '\n' ' ')"
+    for round in $(seq "${ROUNDS:-2}"); do
+        for v in t1 t0 sw; do
+            env=""; [ "$v" = t0 ] && env="PRISM_ISSUE_THREAD=0"; [ "$v" = sw ] && env="PYTHONPATH=$PWD/$D/sw"
+            pt="PRISM_PROGRAM_CHECK=off PROFILE_WITH=threads PROFILE_RANK=all PROFILE_OUT=$D/threads"
+            env $env $pt PROFILE_TAG="slice-$v$round" timeout 100 prism time --graph "$W/bare" --out "$D/time-$v$round" \
+                --devices cuda:0,1 --force -- $K $P $A >"$D/time-$v$round.log" 2>&1
+            timeout 30 prism calibrate "$D/time-$v$round/graph" --out "$D/cal-$v$round" --force >/dev/null 2>&1
+            env $env $pt PROFILE_TAG="emu-$v$round" timeout 100 prism emulate --graph "$W/cal/graph" --sandbox 1 \
+                --devices cuda:0,1 --out "$D/emu-$v$round" --force -- $K $P $A >"$D/emu-$v$round.log" 2>&1
+            pred=$(python3 -c "import json; print(json.load(open('$D/cal-$v$round/summary.json'))['predicted_iteration_ns'] / 1e6)" 2>&1 | tail -1)
+            echo "$v $round: slice $pred ms | emulated $(median "$D/emu-$v$round.log") ms"
+        done
+    done
+    for round in 1 2; do
+        timeout 90 prism record --nproc 2 --devices cuda:0,1 --out "$D/rec$round" --force -- $P $A >"$D/rec$round.log" 2>&1
+        timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P $A >"$D/real$round.log" 2>&1
+        echo "record $round: $(median "$D/rec$round.log") ms | real $round: $(median "$D/real$round.log") ms"
+    done
+    for f in "$D"/threads/*-threads.json; do
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); t=sorted(d['threads'], key=lambda t: -t['voluntary_switches'])[:3]; \
+print(sys.argv[1].split('/')[-1], ' '.join(f\"{x['name']}:{x['cpu_s']:.2f}s/{x['voluntary_switches']}v/{x['involuntary_switches']}i\" for x in t))" "$f"
+    done
+    tar czf "$OUT/gil.tgz" "$D"/*.log "$D"/threads "$D"/time-*/graph "$D"/cal-*/summary.json "$D"/emu-*/emulate.json "$D"/rec*/graph 2>/dev/null ;;
+headstart)
+    # the host's head start of GPU slices (comm.headstart): a DDP job's prism run (the default head start,
+    # "overhead"), its slice again with each head start, the real job; then the head start's GPU test; ~5 min
+    P=benchmarks/programs/torch_parallel.py D=out/hs W=out/hs/ddp2
+    A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    mkdir -p "$D"
+    median() { grep -h 'iter time' "$1" | tail -n +3 | grep -o 'iter time [0-9.]*' | awk '{print $3}' | sort -n \
+        | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}'; }
+    timeout 150 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $P $A \
+        >"$D/prism.log" 2>&1; echo "prism run: $? $(grep -h 'predicted iteration\|emulated, rank' "$D/prism.log" | tr -s ' ' | tr '\n' ' ')"
+    grep -h "head start" "$D/prism.log" | head -3
+    for v in ${MODES:-iteration off overhead}; do
+        timeout 100 prism time --graph "$W/bare" --out "$D/time-$v" --devices cuda:0,1 --force --head-start "$v" -- $P $A \
+            >"$D/time-$v.log" 2>&1
+        timeout 30 prism calibrate "$D/time-$v/graph" --out "$D/cal-$v" --force >/dev/null 2>&1
+        echo "$v: slice $(python3 -c "import json; print(json.load(open('$D/cal-$v/summary.json'))['predicted_iteration_ns'] / 1e6)" 2>&1 | tail -1) ms" \
+            "$(python3 -c "import json; print(json.load(open('$D/time-$v/graph/manifest.json'))['timing'].get('head_start'))" 2>&1 | tail -1)"
+    done
+    timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P $A >"$D/real.log" 2>&1
+    echo "real: $(median "$D/real.log") ms"
+    tar czf "$OUT/hs.tgz" "$D"/*.log "$D"/time-*/graph "$D"/cal-*/summary.json "$W"/logs "$W"/time/graph "$W"/cal/summary.json \
+        "$W"/emulate/emulate.json 2>/dev/null
+    timeout 200 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_headstart_gpu.py >"$D/test.log" 2>&1
+    echo "head start GPU test: $(tail -1 "$D/test.log")"; grep -h "^E " "$D/test.log" | head -5
+    tar czf "$OUT/hs-test.tgz" "$D/test.log" 2>/dev/null ;;
 hostcost)
     # the host's cost of issuing an async collective (benchmarks/programs/issue_cost.py), real (torchrun) and
     # emulated (prism run, sandbox on GPU 0, assistant on GPU 1) at N = 2 and 4; the emulation's host under cProfile

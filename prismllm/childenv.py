@@ -31,6 +31,7 @@ MODES = ("record", "solo", "emulate")
 INPUTS = ("recorded", "generated")
 TIMINGS = ("fast", "real")
 BACKENDS = ("gloo", "nccl")
+HEAD_STARTS = ("overhead", "iteration")  # the host's head start in GPU slices (comm.headstart); off: unset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +65,7 @@ class ChildEnv:
     graph: str | None = None  # the graph the virtual ranks are replayed from
     check_tensors: str | None = None  # recorded outputs the sandbox's pruned calls are compared with
     check_out: str | None = None  # where the comparison is written
+    head_start: str | None = None  # prism time's GPU slices: overhead | iteration (comm.headstart)
     # ---- assistants (``python -m prismllm.assistant``)
     inputs: str | None = None  # virtual ranks' inputs: recorded | generated (the sandbox ranks read it too)
     replay_timing: str | None = None  # fast | real
@@ -117,6 +119,7 @@ class ChildEnv:
             ("inputs", INPUTS),
             ("replay_timing", TIMINGS),
             ("emulate_backend", BACKENDS),
+            ("head_start", HEAD_STARTS),
         ):
             v = getattr(self, name)
             if v is not None and v not in allowed:

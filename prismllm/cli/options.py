@@ -177,6 +177,17 @@ SHARED: dict[str, Option] = {
         ("--no-validate",),
         {"action": "store_true", "help": "skip the static check of the input graph (faster at scale)"},
     ),
+    "head_start": Option(
+        ("--head-start",),
+        {
+            "choices": ("overhead", "iteration", "off"),
+            "default": "overhead",
+            "help": "GPU slices: after each wait of the host for its device, the device sleeps (left out of the "
+            "timing) for the emulation layer's host time of the last iteration (overhead, the default: the "
+            "program's own host pace), about one iteration (iteration: the device's work alone, for a "
+            "device-bound program on a slower host), or not at all (off) (docs/commands/time.md)",
+        },
+    ),
     # dest "verify": a stage's options take it by name (FromFields)
     "no_verify": Option(
         ("--no-verify",),

@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "its own slice), so each computes under the load the real run's ranks put on the host's "
         "shared cores; communication stays the first pass's (docs/commands/time.md)",
     )
-    options.add(p, "timeout", "force", "no_verify", "json")
+    options.add(p, "head_start", "timeout", "force", "no_verify", "json")
     add_program_args(p, prefix=False)
 
 

@@ -137,6 +137,12 @@ def main(argv: list[str] | None = None) -> None:
                 from prismllm.comm.spin import install as install_spin, parse_spins
 
                 install_spin(rec, parse_spins(child.spin))
+            if child.head_start:
+                # prism time's slices on GPUs: the device sleeps after each wait of the host for it
+                from prismllm.comm import headstart
+
+                rec.head_start = child.head_start
+                headstart.install(rec.give_head_start)
         if child.cuda_on_cpu:
             # torch, only when asked; after the interception, whose group creation it wraps
             from prismllm import devicemap

@@ -531,6 +531,7 @@ def collect(rec: Recorder) -> RankLog:
         scratch_bytes=scratch.reserved_bytes(),
         calls_off_thread=rec.calls_off_thread,
         transfer_durations=rec.transfer_durations() if rec.cuda else {},
+        head_start=rec.head_start_counts() if rec.head_start else {},
     )
 
 

@@ -32,7 +32,9 @@ only until the next point after it completes); its start is the device time of i
 point, or the end of the previous operation on the same group's stream if later. A sync
 communication (and any op without an NCCL duration: torch 2.11 reports 0 for sync ops,
 which NCCL runs on the caller's stream) ends where the program's stream resumed after the
-wait (the "after wait" event).
+wait (the "after wait" event). In prism time's GPU slices the device sleeps after each of the
+host's waits for it, and the sleeps are taken out of its timeline (``prismllm.comm.headstart``:
+every later device time moves earlier by the sleeps before it).
 Storage. Everything is kept in columns (``array`` of ints, lists of shared strings and of
 tuples of ints), never as one Python object per row: a long run records millions of rows,
 and per-row objects would survive into the oldest GC generation and make every full
@@ -51,6 +53,7 @@ from typing import Any
 import torch
 
 from prismllm.childenv import user_setting
+from prismllm.comm import headstart
 
 _now = time.time_ns
 
@@ -214,6 +217,18 @@ class Recorder:
         # the same layer's host time on every backend (on GPU counted, not left out)
         self.emulation_host_ns = 0
         self.calls_off_thread = 0  # emulation: pruned calls the issue thread issued (comm.sandbox)
+        # the host's head start (prismllm.comm.headstart; prism time on GPUs): the device sleeps after
+        # each of the program's waits for it, and the sleeps are left out of its timeline
+        self.head_start = ""  # "overhead" | "iteration"; "": none (ChildEnv.head_start)
+        self.layer_ns_at_boundary: list[int] = []  # emulation_host_ns at each iteration boundary
+        self.holes: dict[int, headstart.DeviceHoles] = {}  # device -> its sleeps, resolved
+        self.holes_pending: deque[tuple[int, Any, Any]] = deque()  # (device, event before, event after)
+        self.cycles_per_ns: dict[int, float] = {}
+        self.head_starts = 0
+        self.head_start_from = -1  # the first point recorded after a head start
+        self.points_timed = 0  # points from then on, resolved
+        self.host_behind = 0  # ... at which the device had caught up with the host
+        self.giving = False
 
     # ---- points -------------------------------------------------------------------------
     def _host_point(self, t: int) -> int:
@@ -256,11 +271,7 @@ class Recorder:
         # dry only before the second boundary recycles the first iteration's events, and then
         # only past the pre-filled pool
         ev = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
-        sd = _cuda.get_stream(dev)
-        st = self.streams.get(sd)
-        if st is None:
-            st = self.streams[sd] = torch.cuda.Stream(stream_id=sd[0], device_index=sd[1], device_type=sd[2])
-        _cuda.record(ev, st)
+        _cuda.record(ev, self._current_stream(dev))
         pid = len(self.p_host)
         self.p_host.append(t)
         self.p_ns.append(-1)
@@ -270,6 +281,14 @@ class Recorder:
         if self.dur_works:
             self._poll_durations(1)
         return pid
+
+    def _current_stream(self, dev: int) -> Any:
+        """The device's current stream, as a torch Stream made once per stream."""
+        sd = _cuda.get_stream(dev)
+        st = self.streams.get(sd)
+        if st is None:
+            st = self.streams[sd] = torch.cuda.Stream(stream_id=sd[0], device_index=sd[1], device_type=sd[2])
+        return st
 
     def _make_anchor(self, dev: int) -> None:
         if _cuda.record is None:
@@ -285,6 +304,8 @@ class Recorder:
             for ev in pool:
                 ev.record(stream)
             torch.cuda.synchronize()
+            if self.head_start:  # measured here, before the anchor: in no span of the program's
+                self.cycles_per_ns[dev] = headstart.sleep_cycles_per_ns(dev)
             anchor = torch.cuda.Event(enable_timing=True)
             anchor.record()
             anchor.synchronize()
@@ -304,10 +325,89 @@ class Recorder:
                 ev.synchronize()
             dev = self.p_dev[pid]
             anchor, host0 = self.anchors[dev]
-            self.p_ns[pid] = host0 + int(round(anchor.elapsed_time(ev) * 1e6))
+            t = int(round(anchor.elapsed_time(ev) * 1e6))
+            if self.head_starts:
+                self._resolve_holes(block)
+                if self.head_start_from <= pid:
+                    self.points_timed += 1
+                    self.host_behind += host0 + t - self.p_host[pid] < headstart.BEHIND_NS
+                holes = self.holes.get(dev)
+                if holes is not None:
+                    t -= holes.left_out(t)
+            self.p_ns[pid] = host0 + t
             self.p_ev[pid] = None
             self.ev_pool[dev].append(ev)
             q.popleft()
+
+    def _resolve_holes(self, block: bool) -> None:
+        """The head starts whose sleeps ran, in order, onto their devices' timelines."""
+        q = self.holes_pending
+        while q:
+            dev, before, after = q[0]
+            if not after.query():
+                if not block:
+                    return
+                after.synchronize()
+            anchor = self.anchors[dev][0]
+            holes = self.holes.get(dev)
+            if holes is None:
+                holes = self.holes[dev] = headstart.DeviceHoles()
+            holes.add(int(round(anchor.elapsed_time(before) * 1e6)), int(round(anchor.elapsed_time(after) * 1e6)))
+            self.ev_pool[dev] += (before, after)
+            q.popleft()
+
+    def give_head_start(self) -> None:
+        """The program's host has just waited for its device: the device sleeps about one
+        iteration before the program's next kernel, so the host runs that far ahead of it
+        (prismllm.comm.headstart). Not before the first iteration ended (the warm-up)."""
+        # from the end of the second iteration: the first is the warm-up, the second measures the head start
+        if not self.head_start or not self.cuda_live or self.finished or len(self.iterations) < 2 or self.giving:
+            return
+        dev = _cuda.get_device()
+        pool = self.ev_pool.get(dev)
+        if pool is None or dev not in self.cycles_per_ns:  # (no point on this device yet)
+            return
+        self.giving = True  # the waits below are the recorder's own
+        try:
+            self._give_head_start(dev, pool)
+        finally:
+            self.giving = False
+
+    def _give_head_start(self, dev: int, pool: list) -> None:
+        self._resolve(len(self.p_host))  # the host waited: the last iteration's points have run
+        ns = self._last_iteration_ns() if self.head_start == "iteration" else self._last_layer_ns()
+        if ns <= 0:  # no pruned call: the host is where the real run's is
+            return
+        rate = self.cycles_per_ns[dev]
+        before = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
+        after = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
+        st = self._current_stream(dev)
+        _cuda.record(before, st)
+        torch.cuda._sleep(int(ns * rate))
+        _cuda.record(after, st)
+        self.holes_pending.append((dev, before, after))
+        if not self.head_starts:
+            self.head_start_from = len(self.p_host)
+        self.head_starts += 1
+
+    def _last_iteration_ns(self) -> int:
+        """The device time of the last iteration whose points are resolved (sleeps left out),
+        within the head start's bounds; the longest bound before one is."""
+        for _, start, end, _ in reversed(self.iterations):
+            if start >= 0 and self.p_ns[start] >= 0 and self.p_ns[end] >= 0:
+                return min(headstart.MAX_NS, max(headstart.MIN_NS, self.p_ns[end] - self.p_ns[start]))
+        return headstart.MAX_NS
+
+    def _last_layer_ns(self) -> int:
+        """The emulation layer's host time in the last iteration (its calls, on the program's thread
+        and the issue thread): how much farther ahead of its device the real run's host is."""
+        at = self.layer_ns_at_boundary
+        return min(headstart.MAX_NS, at[-1] - at[-2])
+
+    def head_start_counts(self) -> dict[str, int]:
+        """For the rank log: head starts given, and the points after the first at which the
+        device had caught up with the host anyway (a host-bound stretch)."""
+        return {"sleeps": self.head_starts, "points": self.points_timed, "host_behind": self.host_behind}
 
     def _poll_durations(self, limit: int) -> None:
         q = self.dur_works
@@ -759,10 +859,12 @@ class Recorder:
             self._close_span(p)
             self.iterations[-1][2] = p
             self.iteration += 1
+            self.layer_ns_at_boundary[-1] = self.emulation_host_ns
         else:
             self._close_span(p)
             self.iterations.append([self.iteration, self.iter_start, p, ""])
             self.iteration += 1
+            self.layer_ns_at_boundary.append(self.emulation_host_ns)
         self.iter_start = p
         self.comm_points = 0
         self._open_span(p)

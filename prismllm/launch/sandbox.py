@@ -99,6 +99,7 @@ class SandboxSpec(FromFields):
     handle_signals: bool = True  # the launcher's signal handlers (main thread only)
     cancel: threading.Event | None = None  # set by another thread to end the run (LaunchInterrupted)
     spin: dict[str, float] | None = None  # {label: ms}: the sandbox ranks spin in spans so labelled (comm.spin)
+    head_start: str | None = None  # GPU slices: the host's head start, overhead | iteration (comm.headstart)
 
 
 @dataclasses.dataclass
@@ -142,6 +143,7 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
         check_tensors=tensors if spec.check else None,
         check_out=str(out.resolve()) if spec.check else None,
         spin=json.dumps(spec.spin) if spec.spin else None,
+        head_start=spec.head_start,
     ).to_env()
     env: dict[str, str | None] = {
         **rank_env,
@@ -344,6 +346,7 @@ def measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
             "emulation_scratch_bytes": int(log.scratch_bytes),
             "emulation_calls_off_thread": int(log.calls_off_thread),
             "transfer_durations": log.transfer_durations,
+            "head_start": log.head_start,
         }
     return out
 

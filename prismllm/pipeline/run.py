@@ -68,6 +68,7 @@ class RunOptions(FromFields):
     rules: str | None = None
     timeout: float | None = None
     force: bool = False
+    head_start: str = "overhead"  # GPU slices: the host's head start (TimeOptions.head_start)
     stop_after: str | None = None  # "capture": peak memory only (no time, calibrate, emulate or report)
     # a run directory whose stages up to ``reuse_through`` ("capture" or "calibrate") are this
     # run's: the same capture_job (and for "calibrate" the same time_job)
@@ -90,7 +91,7 @@ class RunOptions(FromFields):
 
     def time_job(self) -> dict[str, Any]:
         """What decides the timed graph and the calibration, beyond the capture."""
-        return {**self.capture_job(), "inputs": self.inputs, "parallel": self.parallel}
+        return {**self.capture_job(), "inputs": self.inputs, "parallel": self.parallel, "head_start": self.head_start}
 
 
 class RunUI:

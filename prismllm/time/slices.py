@@ -82,6 +82,10 @@ class TimeOptions(FromFields):
     compute_under_load: bool = False
     spin: dict[str, float] | None = None  # {label: ms}: the timed ranks spin in spans so labelled (prism whatif --spin)
     verify: bool = True  # check the graph's and the store's checksums (and the store's index) before launching
+    # GPU: after each wait of a slice's host for its device, the device sleeps, left out of its timeline, so
+    # that the host runs ahead of it: "overhead" (the emulation layer's host time of the last iteration: the
+    # program's own pace), "iteration" (about one iteration: the device's work alone) or "off" (comm.headstart)
+    head_start: str = "overhead"
 
 
 @dataclasses.dataclass
@@ -275,6 +279,7 @@ def _run_slice(
                 handle_signals=handle_signals,
                 cancel=cancel,
                 spin=opts.spin,
+                head_start=opts.head_start if opts.head_start != "off" and devices.kind == "cuda" else None,
             )
         )
     finally:
@@ -443,6 +448,7 @@ def _time_slices(
     left_out = {}  # per timed rank: the emulation layer's host time left out of its clock
     emulation_host = {}  # per timed rank: that layer's host time on any device (GPU: not left out)
     transfer_durations = {}  # per timed rank on GPU: calls timed by NCCL's own events, and not
+    head_starts = {}  # per timed rank on GPU: the host's head starts (comm.headstart)
     for k, s in enumerate(slices):
         for r in s:
             name = f"rank-{r:06d}.msgpack"
@@ -459,6 +465,14 @@ def _time_slices(
                         f"rank {r}: NCCL's own time of {durations['missing']} of "
                         f"{durations['missing'] + durations.get('read', 0)} asynchronous calls was not read "
                         f"(first: {durations.get('first_missing')}); those transfers end where the program waited"
+                    )
+            head = m.get("head_start") or {}
+            if head:
+                head_starts[r] = head
+                if head.get("host_behind") and say is not None:
+                    say(
+                        f"rank {r}: its device caught up with its host at {head['host_behind']} of {head['points']} "
+                        f"points despite the head start: its spans there hold the sandbox host's pace (host-bound)"
                     )
     # the bare graph's manifest, its program fingerprint and command included (what
     # `prism emulate` checks a launch of the timed or calibrated graph against)
@@ -484,6 +498,7 @@ def _time_slices(
             "emulation_overhead_left_out_ns": left_out,
             "emulation_host_ns": emulation_host,
             "transfer_durations": transfer_durations,
+            "head_start": head_starts,
             "compute_from": "load pass: every rank at once (DIR/load)" if load else "the slices",
         },
     )

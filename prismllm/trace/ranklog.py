@@ -54,6 +54,9 @@ class RankLog:
     # whose did not ("missing": their transfers end where the program waited) and the first
     # missing one with why (Recorder.transfer_durations)
     transfer_durations: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # GPU slices (prism time): the host's head starts given, the points timed after the first and
+    # those at which the device had caught up with the host anyway (Recorder.head_start_counts)
+    head_start: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

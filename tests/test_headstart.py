@@ -1,0 +1,62 @@
+"""The host's head start of GPU slices (prismllm.comm.headstart) on the CPU: the sleeps' arithmetic
+on a device timeline, and the waits that trigger a head start (the GPU run: test_headstart_gpu.py)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from prismllm.comm import headstart
+from prismllm.comm.headstart import DeviceHoles
+
+
+def test_sleeps_are_left_out_of_every_later_device_time():
+    holes = DeviceHoles()
+    holes.add(100, 150)
+    holes.add(400, 500)
+    assert [holes.left_out(t) for t in (0, 100, 120, 150, 300, 400, 450, 500, 10_000)] == [
+        0,
+        0,
+        20,
+        50,
+        50,
+        50,
+        100,
+        150,
+        150,
+    ]
+
+
+def test_a_sleep_overlapping_the_previous_one_counts_only_past_it():
+    holes = DeviceHoles()
+    holes.add(100, 200)
+    holes.add(150, 260)  # a second stream's sleep, partly at the same time
+    assert holes.left_out(1_000) == 160
+    assert holes.left_out(230) == 130
+
+
+def test_a_head_start_follows_each_wait_of_the_host_for_the_device_and_nothing_else():
+    cuda = types.SimpleNamespace(is_cuda=True)
+    cpu = types.SimpleNamespace(is_cuda=False)
+    waits = {name: w for _, name, w in headstart.SYNC_POINTS}
+    assert waits["item"](1.0, cuda) and not waits["item"](1.0, cpu)
+    assert waits["to"](cpu, cuda) and not waits["to"](cuda, cuda)
+    assert not waits["to"](cpu, cuda, non_blocking=True)
+    assert waits["copy_"](cuda, cuda, cpu) and not waits["copy_"](cuda, cuda, cpu, True)
+    assert not waits["copy_"](cuda, cuda, cuda)
+
+
+def test_the_waits_are_wrapped_transparently_and_restored_exactly():
+    calls = []
+    before = {(o, n): o.__dict__.get(n) for o, n, _ in headstart.SYNC_POINTS}
+    undo = headstart.install(lambda: calls.append(1))
+    try:
+        t = torch.tensor([2.5])
+        assert t.item() == 2.5 and float(t) == 2.5 and t.tolist() == [2.5] and bool(t)
+        assert torch.equal(t.to(torch.float64), torch.tensor([2.5], dtype=torch.float64))
+        assert torch.Tensor.item.__name__ == "item"
+        assert calls == []  # CPU tensors: the host waited for nothing
+    finally:
+        undo()
+    assert {(o, n): o.__dict__.get(n) for o, n, _ in headstart.SYNC_POINTS} == before
