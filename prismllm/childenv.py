@@ -22,16 +22,22 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal, get_args, get_type_hints
 
 from prismllm.errors import PrismError
 from prismllm.specs import format_ranks, parse_ranks
 
-MODES = ("record", "solo", "emulate")
-INPUTS = ("recorded", "generated")
-TIMINGS = ("fast", "real")
-BACKENDS = ("gloo", "nccl")
-HEAD_STARTS = ("overhead", "iteration")  # the host's head start in GPU slices (comm.headstart); off: unset
+# the choices of the contract's fields, checked in one place (ChildEnv._check, from the annotations)
+Mode = Literal["record", "solo", "emulate"]
+Inputs = Literal["recorded", "generated"]
+Timing = Literal["fast", "real"]
+Backend = Literal["gloo", "nccl"]
+HeadStart = Literal["overhead", "iteration"]  # the host's head start in GPU slices (comm.headstart); off: unset
+MODES: tuple[str, ...] = get_args(Mode)
+INPUTS: tuple[str, ...] = get_args(Inputs)
+TIMINGS: tuple[str, ...] = get_args(Timing)
+BACKENDS: tuple[str, ...] = get_args(Backend)
+HEAD_STARTS: tuple[str, ...] = get_args(HeadStart)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +45,7 @@ class ChildEnv:
     """What a child process is told, by field (variable ``PRISM_<FIELD>``)."""
 
     # ---- every rank process (``python -m prismllm.comm.bootstrap``)
-    mode: str | None = None  # record | solo | emulate; None: the program runs with nothing installed
+    mode: Mode | None = None  # record | solo | emulate; None: the program runs with nothing installed
     spool: str | None = None  # directory the rank writes its RankLog to at exit
     error_file: str | None = None  # where the child writes its ChildError (set by the launcher)
     memory_history: str | None = None  # directory for the CUDA allocator history (comm.memhistory)
@@ -65,11 +71,11 @@ class ChildEnv:
     graph: str | None = None  # the graph the virtual ranks are replayed from
     check_tensors: str | None = None  # recorded outputs the sandbox's pruned calls are compared with
     check_out: str | None = None  # where the comparison is written
-    head_start: str | None = None  # prism time's GPU slices: overhead | iteration (comm.headstart)
+    head_start: HeadStart | None = None  # prism time's GPU slices: overhead | iteration (comm.headstart)
     # ---- assistants (``python -m prismllm.assistant``)
-    inputs: str | None = None  # virtual ranks' inputs: recorded | generated (the sandbox ranks read it too)
-    replay_timing: str | None = None  # fast | real
-    emulate_backend: str | None = None  # the small groups' backend: gloo | nccl
+    inputs: Inputs | None = None  # virtual ranks' inputs: recorded | generated (the sandbox ranks read it too)
+    replay_timing: Timing | None = None  # fast | real
+    emulate_backend: Backend | None = None  # the small groups' backend: gloo | nccl
     assistants: int | None = None  # how many assistants share the pruned groups
     assistant_index: int | None = None  # which one this is
     replay_out: str | None = None  # where this assistant writes its replay of the virtual ranks
@@ -114,19 +120,19 @@ class ChildEnv:
         return _CURRENT
 
     def _check(self) -> None:
-        for name, allowed in (
-            ("mode", MODES),
-            ("inputs", INPUTS),
-            ("replay_timing", TIMINGS),
-            ("emulate_backend", BACKENDS),
-            ("head_start", HEAD_STARTS),
-        ):
+        for name, allowed in _CHOICES.items():
             v = getattr(self, name)
             if v is not None and v not in allowed:
                 raise PrismError(f"{variable(name)}={v!r}: expected one of {', '.join(allowed)}")
 
 
 _CURRENT: ChildEnv | None = None
+# field -> its choices: every field annotated with a Literal (optional or not)
+_CHOICES = {
+    name: choices
+    for name, hint in get_type_hints(ChildEnv).items()
+    if (choices := tuple(a for arg in (hint, *get_args(hint)) for a in get_args(arg) if isinstance(a, str)))
+}
 _BOOLS = ("native", "cuda_on_cpu")
 _RANK_LISTS = ("sandbox", "solo_batch")
 _INTS = ("assistants", "assistant_index", "routing_topk")

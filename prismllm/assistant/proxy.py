@@ -80,7 +80,7 @@ import torch
 
 from prismllm import pruning as C, replay as R
 from prismllm.assistant.clock import DeviceClock, HostClock, Schedule
-from prismllm.childenv import user_setting
+from prismllm.childenv import TIMINGS, user_setting
 from prismllm.errors import PrismError
 from prismllm.generate.store import TensorStore, dtype_from_name
 from prismllm.replay import INST_COLLECTIVE, ExternalEvent, Replay, ReplayGraph
@@ -89,7 +89,6 @@ from prismllm.trace.edges import match_p2p
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import KIND_COMM, P2P_OPS, split_reduce_op
 
-TIMINGS = ("fast", "real")
 IN_FLIGHT = 16  # calls a proxy may have entered on a group and not seen complete (PRISM_IN_FLIGHT)
 
 

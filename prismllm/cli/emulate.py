@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prismllm.childenv import TIMINGS
 from prismllm.cli import options
 from prismllm.cli.program import add_program_args, line_prefix, program_args
 from prismllm.cli.progress import Display
@@ -56,7 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--timing",
-        choices=["auto", "fast", "real"],
+        choices=["auto", *TIMINGS],
         default="auto",
         help="how the virtual ranks are replayed: real (in real time with the graph's calibrated "
         "durations, the sandbox's real completions fed back), fast (as fast as dependencies "

@@ -12,6 +12,7 @@ import os
 import sys
 from typing import Any
 
+from prismllm.childenv import HEAD_STARTS
 from prismllm.errors import EXIT_CODES_HELP
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.validate import validate
@@ -180,7 +181,7 @@ SHARED: dict[str, Option] = {
     "head_start": Option(
         ("--head-start",),
         {
-            "choices": ("overhead", "iteration", "off"),
+            "choices": (*HEAD_STARTS, "off"),
             "default": "overhead",
             "help": "GPU slices: after each wait of the host for its device, the device sleeps (left out of the "
             "timing) for the emulation layer's host time of the last iteration (overhead, the default: the "

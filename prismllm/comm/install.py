@@ -46,7 +46,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from prismllm.childenv import ChildEnv
+from prismllm.childenv import MODES, ChildEnv
 from prismllm.comm import recorder as _recorder_mod, redops, sandbox, saving, scratch, solo, solo_objects
 from prismllm.comm.recorder import Recorder
 from prismllm.comm.recording import RecordingProcessGroup
@@ -54,7 +54,6 @@ from prismllm.comm.rows import iteration_rows, node_rows
 from prismllm.trace.ranklog import GroupInfo, RankLog
 
 BACKEND_NAME = "prism"
-SUPPORTED_MODES = ("record", "solo", "emulate")
 
 _C = torch._C._distributed_c10d
 _ORIG: dict[str, Any] = {}
@@ -83,8 +82,8 @@ def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder 
     mode = mode if mode is not None else (child.mode or "")
     if not mode:
         return None
-    if mode not in SUPPORTED_MODES:
-        raise ValueError(f"mode {mode!r}: this interception supports {SUPPORTED_MODES}")
+    if mode not in MODES:
+        raise ValueError(f"mode {mode!r}: this interception supports {MODES}")
     if _ORIG:
         return _REC
     rank = int(os.environ.get("RANK", "0"))

@@ -579,7 +579,7 @@ def _one(x: Any, what: str) -> torch.Tensor:
 class PrunedBackend(solo.GeneratedBackend):
     """A pruned group's inner backend: the argument handling and ``Call`` building of solo's
     GeneratedBackend (same methods, same checks), with ``_run`` issuing each call on the small
-    group through the compensation plan instead of filling outputs from a generator."""
+    group through the pruning plan instead of filling outputs from a generator."""
 
     pruned = True
 
@@ -722,7 +722,7 @@ class PrunedBackend(solo.GeneratedBackend):
         for c in calls:
             try:
                 _, sc = self._plan(c, tag)
-            except C.CompensationError as e:
+            except C.PruningError as e:
                 raise EmulateError(f"{c.where()}: {e}") from None
             smalls.append(sc)
             if _CHECK is not None:

@@ -24,6 +24,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
+from prismllm.childenv import TIMINGS
 from prismllm.errors import PrismError
 from prismllm.fromfields import FromFields
 from prismllm.launch import LaunchResult, LineSink
@@ -103,8 +104,8 @@ def _timing(opts: EmulateOptions, manifest: dict[str, Any], graph: Path) -> str:
     mode = manifest.get("mode")
     if opts.timing == "auto":
         return "real" if mode == "calibrated" else "fast"
-    if opts.timing not in ("fast", "real"):
-        raise PrismError(f"--timing must be auto, fast or real, not {opts.timing!r}")
+    if opts.timing not in TIMINGS:
+        raise PrismError(f"--timing must be auto, {', '.join(TIMINGS)}, not {opts.timing!r}")
     if opts.timing == "real" and mode not in ("calibrated", "timed", "record"):
         raise PrismError(
             f"--timing real replays the graph's durations, and {graph} is a {mode!r} graph "

@@ -1,4 +1,4 @@
-"""Compensation for pruned collectives: what the sandbox and the proxy issue so that real
+"""Pruned collectives: what the sandbox and the proxy issue so that real
 members of a partly virtual group get the logical group's result.
 
 A collective on a logical group of ``n`` members, of which only ``k`` (1 <= k < n) are real
@@ -9,7 +9,7 @@ contribute (recorded tensors) and sends data so that every real member's output 
 the full logical group would produce. Real members keep calling the same
 ``torch.distributed`` API; the sandbox backend rewrites the call it issues on the small
 communicator (reduce op, layout, padding, local pre/post steps). NCCL and gloo are used as
-they are: the compensation is in the data, not in the library (the paper patches NCCL's
+they are: the pruning is in the data, not in the library (the paper patches NCCL's
 ring and tree; we do not).
 
 Three layers, each usable alone (docs/internals/pruning.md has the long form and the byte tables),
@@ -43,12 +43,12 @@ from prismllm.pruning.generated import GeneratedBuffers, generated_proxy_call, i
 from prismllm.pruning.groups import PRUNED_PREFIX, small_group
 from prismllm.pruning.plans import (
     REDUCE_OPS,
-    CompensationError,
     LinkBytes,
     Message,
     P2POp,
     Plan,
     Pruned,
+    PruningError,
     describe,
     plan,
     plan_all_gather,
@@ -68,7 +68,7 @@ from prismllm.pruning.plans import (
 )
 
 __all__ = [
-    "CompensationError",
+    "PruningError",
     "GeneratedBuffers",
     "LinkBytes",
     "Message",

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from prismllm.generate.generator import keep_local
-from prismllm.pruning.plans import CompensationError, Plan
+from prismllm.pruning.plans import Plan, PruningError
 from prismllm.pruning.tensors import (
     Reducer,
     chunks,
@@ -142,7 +142,7 @@ def sandbox_call(
     """
     G = p.group
     if not G.is_real(g):
-        raise CompensationError(f"{p.op}: member {g} is virtual; the proxy plays it")
+        raise PruningError(f"{p.op}: member {g} is virtual; the proxy plays it")
     i = G.small(g)
     op = p.op
     if op in ("all_reduce", "reduce_scatter", "all_gather", "reduce", "all_to_all"):
@@ -176,12 +176,12 @@ def sandbox_call(
     if op in ("send", "recv", "p2p"):
         if tensors is None:
             if tensor is None or len(p.messages) != 1:
-                raise CompensationError(f"{op}: pass tensors={{message index: tensor}}")
+                raise PruningError(f"{op}: pass tensors={{message index: tensor}}")
             tensors = {0: tensor}
         return _p2p_call(p, i, lambda m, kind: tensors[m])
     if op == "barrier":
         return SmallCall("barrier", i)
-    raise CompensationError(f"no sandbox call for op {op!r}")
+    raise PruningError(f"no sandbox call for op {op!r}")
 
 
 def proxy_call(
@@ -271,7 +271,7 @@ def proxy_call(
         return _p2p_call(p, i, _proxy_payload(p, inputs, device))
     if op == "barrier":
         return SmallCall("barrier", i)
-    raise CompensationError(f"no proxy call for op {op!r}")
+    raise PruningError(f"no proxy call for op {op!r}")
 
 
 def split_padding(call: SmallCall, p: Plan, coalesce: bool) -> SmallCall:
@@ -342,7 +342,7 @@ def _sb_all_reduce(
 ) -> SmallCall:
     S = p.numel
     if t.numel() != S:
-        raise CompensationError(f"all_reduce: tensor of {t.numel()} elements, plan says {S}")
+        raise PruningError(f"all_reduce: tensor of {t.numel()} elements, plan says {S}")
     view = contig_flat(t)
     if view is not None and (p.pad == 0 or coalesce):
         buf = view
@@ -385,7 +385,7 @@ def _sb_reduce_scatter(
     G, c = p.group, p.numel
     ch = chunks(input, G.n)
     if ch[0].numel() != c:
-        raise CompensationError(f"reduce_scatter: input chunks of {ch[0].numel()} elements, plan says {c}")
+        raise PruningError(f"reduce_scatter: input chunks of {ch[0].numel()} elements, plan says {c}")
     ref = ch[0]
     flat_in = contig_flat(input) if isinstance(input, torch.Tensor) else None
     pre = factors is None and p.reduce_op == "premul_sum"  # a pass over the member's own input first
@@ -418,7 +418,7 @@ def _sb_reduce_scatter(
 def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buffers, like_me: bool) -> SmallCall:
     G, c, slot = p.group, p.numel, p.slot
     if input.numel() != c:
-        raise CompensationError(f"all_gather: input of {input.numel()} elements, plan says {c}")
+        raise PruningError(f"all_gather: input of {input.numel()} elements, plan says {c}")
     if p.pad:
         ibuf = bufs.new(slot, input.dtype)
         ibuf[:c].copy_(flat(input))
@@ -467,7 +467,7 @@ def _sb_reduce(p: Plan, g: int, i: int, t: torch.Tensor, bufs: _Buffers, scale: 
         buf = bufs.new(t.numel(), t.dtype).view(t.shape)  # the program's non-root tensor stays as it was
         buf.copy_(t)
     if buf is t and not t.is_contiguous():
-        raise CompensationError("reduce: non-contiguous tensor")
+        raise PruningError("reduce: non-contiguous tensor")
     pre_reduce(buf, p.reduce_op, p.factor)
 
     def post() -> None:
@@ -488,7 +488,7 @@ def _sb_reduce(p: Plan, g: int, i: int, t: torch.Tensor, bufs: _Buffers, scale: 
 def _sb_gather(p: Plan, g: int, i: int, input: torch.Tensor, output: Any) -> SmallCall:
     if g == p.root:
         if output is None or len(output) != p.group.n:
-            raise CompensationError(f"gather: the root needs an output list of {p.group.n}")
+            raise PruningError(f"gather: the root needs an output list of {p.group.n}")
 
         def buf(m: int, kind: str) -> torch.Tensor:
             return output[p.messages[m].src]
@@ -502,7 +502,7 @@ def _sb_gather(p: Plan, g: int, i: int, input: torch.Tensor, output: Any) -> Sma
 def _sb_scatter(p: Plan, g: int, i: int, input: Any, output: torch.Tensor) -> SmallCall:
     if g == p.root:
         if input is None or len(input) != p.group.n:
-            raise CompensationError(f"scatter: the root needs an input list of {p.group.n}")
+            raise PruningError(f"scatter: the root needs an input list of {p.group.n}")
         call = _p2p_call(p, i, lambda m, kind: input[p.messages[m].dst])
         call.post = lambda: output.copy_(input[g].view(output.shape))
         return call
@@ -570,10 +570,10 @@ def _proxy_payload(p: Plan, inputs: Any, device: Any = None) -> Callable[[int, s
         except (IndexError, KeyError, TypeError):
             x = None
         if x is None:
-            raise CompensationError(f"{p.op}: the proxy has no data for message {m} ({msg.src} -> {msg.dst})")
+            raise PruningError(f"{p.op}: the proxy has no data for message {m} ({msg.src} -> {msg.dst})")
         x = flat(x)
         if x.numel() != msg.numel:
-            raise CompensationError(f"{p.op}: message {m} has {msg.numel} elements, payload {x.numel()}")
+            raise PruningError(f"{p.op}: message {m} has {msg.numel} elements, payload {x.numel()}")
         return x.to(device).contiguous()
 
     return buf

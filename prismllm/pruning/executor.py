@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from prismllm.pruning.calls import SmallCall, a2a_in_chunks
-from prismllm.pruning.plans import CompensationError, Plan
+from prismllm.pruning.plans import Plan, PruningError
 from prismllm.pruning.tensors import chunks, flat, post_reduce, reduce
 
 # ---------------------------------------------------------------------- reference executor
@@ -82,7 +82,7 @@ def issue(pg: Any, call: SmallCall) -> list:
         return issue_batch(pg, [call])
     if op == "barrier":
         return [pg.barrier(dist.BarrierOptions())]
-    raise CompensationError(f"cannot issue {op!r}")
+    raise PruningError(f"cannot issue {op!r}")
 
 
 def _nccl(pg: Any) -> bool:
@@ -182,4 +182,4 @@ def reference(p: Plan, inputs: Sequence[Any]) -> dict:
         return {m: inputs[m] for m in range(len(p.messages))}
     if op == "barrier":
         return {r: None for r in G.real}
-    raise CompensationError(f"no reference for op {op!r}")
+    raise PruningError(f"no reference for op {op!r}")

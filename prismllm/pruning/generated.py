@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from prismllm.pruning.calls import SmallCall, _p2p_call, premul_factors, premultiplied, split_padding
-from prismllm.pruning.plans import CompensationError, Plan
+from prismllm.pruning.plans import Plan, PruningError
 
 
 def identity(op: str, dtype: torch.dtype) -> Any:
@@ -39,7 +39,7 @@ def identity(op: str, dtype: torch.dtype) -> Any:
             return op == "min"
         info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
         return info.min if op == "max" else info.max
-    raise CompensationError(f"no identity for reduce op {op!r}")
+    raise PruningError(f"no identity for reduce op {op!r}")
 
 
 class GeneratedBuffers:
@@ -121,7 +121,7 @@ def generated_proxy_call(p: Plan, bufs: GeneratedBuffers, coalesce: bool = False
         return _p2p_call(p, i, payload)
     if op == "barrier":
         return SmallCall("barrier", i)
-    raise CompensationError(f"no proxy call for op {op!r}")
+    raise PruningError(f"no proxy call for op {op!r}")
 
 
 __all__ = ["GeneratedBuffers", "generated_proxy_call", "identity"]

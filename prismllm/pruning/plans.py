@@ -25,7 +25,7 @@ _SMALL_REDOP = {"avg": "sum", "premul_sum": "sum"}
 _REDOP_ALIASES = {"prod": "product", "premulsum": "premul_sum", "mul": "product"}
 
 
-class CompensationError(PrismError):
+class PruningError(PrismError):
     """A collective cannot be planned as asked (bad membership, sizes, reduce op)."""
 
 
@@ -44,11 +44,11 @@ class Pruned:
         real = tuple(sorted(int(r) for r in self.real))
         object.__setattr__(self, "real", real)
         if self.n < 2:
-            raise CompensationError(f"a pruned group needs n >= 2 members, got n={self.n}")
+            raise PruningError(f"a pruned group needs n >= 2 members, got n={self.n}")
         if len(set(real)) != len(real) or not real or real[0] < 0 or real[-1] >= self.n:
-            raise CompensationError(f"real members {list(real)} are not distinct ranks of a group of {self.n}")
+            raise PruningError(f"real members {list(real)} are not distinct ranks of a group of {self.n}")
         if len(real) == self.n:
-            raise CompensationError("every member is real: run the collective on the real backend, not pruned")
+            raise PruningError("every member is real: run the collective on the real backend, not pruned")
 
     @property
     def k(self) -> int:
@@ -78,7 +78,7 @@ class Pruned:
             return self.real.index(g)
         except ValueError:
             if not 0 <= g < self.n:
-                raise CompensationError(f"rank {g} is not in a group of {self.n}") from None
+                raise PruningError(f"rank {g} is not in a group of {self.n}") from None
             return self.proxy
 
 
@@ -179,7 +179,7 @@ def _redop(name: Any) -> str:
     name = split_reduce_op(name.lower())[0]  # the graph's "premul_sum:<factor>": the factor is passed apart
     name = _REDOP_ALIASES.get(name, name)
     if name not in REDUCE_OPS:
-        raise CompensationError(f"unsupported reduce op {name!r} (supported: {', '.join(REDUCE_OPS)})")
+        raise PruningError(f"unsupported reduce op {name!r} (supported: {', '.join(REDUCE_OPS)})")
     return name
 
 
@@ -207,7 +207,7 @@ def _chain(g: int, root: int, m: int) -> tuple:
 
 def _check_factor(op: str, factor: Any) -> None:
     if op == "premul_sum" and factor is None:
-        raise CompensationError("premul_sum needs its factor")
+        raise PruningError("premul_sum needs its factor")
 
 
 # ---------------------------------------------------------------------- plans
@@ -475,9 +475,9 @@ def plan_p2p(
     for i, m in enumerate(msgs):
         for x in (m.src, m.dst):
             if not 0 <= x < g.n:
-                raise CompensationError(f"message {i}: rank {x} is not in a group of {g.n}")
+                raise PruningError(f"message {i}: rank {x} is not in a group of {g.n}")
         if m.src == m.dst:
-            raise CompensationError(f"message {i}: send to self")
+            raise PruningError(f"message {i}: send to self")
         if not (g.is_real(m.src) or g.is_real(m.dst)):
             continue  # virtual -> virtual: never instantiated
         s, d = g.small(m.src), g.small(m.dst)
@@ -595,11 +595,11 @@ def plan_all_to_all(
     n_, k = g.n, g.k
     if splits is None:
         if numel is None or numel % n_:
-            raise CompensationError(f"all_to_all without splits needs numel divisible by n={n_}")
+            raise PruningError(f"all_to_all without splits needs numel divisible by n={n_}")
         el = [[numel // n_] * n_ for _ in range(n_)]
     else:
         if len(splits) != n_ or any(len(r) != n_ for r in splits):
-            raise CompensationError(f"all_to_all splits must be {n_} x {n_}")
+            raise PruningError(f"all_to_all splits must be {n_} x {n_}")
         el = [[int(x) * row_numel for x in row] for row in splits]
     vs = g.virtual
     send, recv = [], []
@@ -648,15 +648,15 @@ def splits_matrix(n: int, rows: dict | None = None, cols: dict | None = None) ->
     given = [[False] * n for _ in range(n)]
     for src, sp in (rows or {}).items():
         if len(sp) != n:
-            raise CompensationError(f"all_to_all: member {src} has {len(sp)} input splits for a group of {n}")
+            raise PruningError(f"all_to_all: member {src} has {len(sp)} input splits for a group of {n}")
         for d, x in enumerate(sp):
             m[src][d], given[src][d] = int(x), True
     for dst, sp in (cols or {}).items():
         if len(sp) != n:
-            raise CompensationError(f"all_to_all: member {dst} has {len(sp)} output splits for a group of {n}")
+            raise PruningError(f"all_to_all: member {dst} has {len(sp)} output splits for a group of {n}")
         for s_, x in enumerate(sp):
             if given[s_][dst] and m[s_][dst] != int(x):
-                raise CompensationError(
+                raise PruningError(
                     f"all_to_all: member {s_} sends {m[s_][dst]} rows to member {dst}, which expects "
                     f"{int(x)} (the members' split sizes disagree)"
                 )
@@ -704,7 +704,7 @@ def plan(op: str, n: int, real: Sequence[int], *args: Any, **kwargs: Any) -> Pla
     try:
         fn = _PLANS[op]
     except KeyError:
-        raise CompensationError(f"no compensation plan for op {op!r}") from None
+        raise PruningError(f"no pruning plan for op {op!r}") from None
     return fn(n, real, *args, **kwargs)
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from prismllm.pruning.plans import CompensationError, Plan
+from prismllm.pruning.plans import Plan, PruningError
 
 
 def contig_flat(t: torch.Tensor) -> torch.Tensor | None:
@@ -24,10 +24,10 @@ def chunks(x: torch.Tensor | Sequence[torch.Tensor], n: int) -> list:
     or of a list of n tensors."""
     if isinstance(x, torch.Tensor):
         if x.numel() % n:
-            raise CompensationError(f"a tensor of {x.numel()} elements does not split into {n} chunks")
+            raise PruningError(f"a tensor of {x.numel()} elements does not split into {n} chunks")
         return list(flat(x).view(n, -1).unbind(0)) if x.is_contiguous() else list(x.reshape(n, -1).unbind(0))
     if len(x) != n:
-        raise CompensationError(f"expected {n} tensors, got {len(x)}")
+        raise PruningError(f"expected {n} tensors, got {len(x)}")
     return [flat(t) for t in x]
 
 
@@ -67,11 +67,11 @@ class Reducer:
         elif op == "bxor":
             acc.bitwise_xor_(t)
         else:  # pragma: no cover - _redop validated
-            raise CompensationError(f"unsupported reduce op {op!r}")
+            raise PruningError(f"unsupported reduce op {op!r}")
 
     def result(self) -> torch.Tensor:
         if self.acc is None:
-            raise CompensationError("nothing to reduce")
+            raise PruningError("nothing to reduce")
         return self.acc if self.acc.dtype == self.dtype else self.acc.to(self.dtype)
 
 
@@ -112,7 +112,7 @@ class VirtualInputs:
         except (IndexError, KeyError, TypeError):
             x = None
         if x is None:
-            raise CompensationError(f"{self.p.op}: the proxy has no input for virtual member {v}")
+            raise PruningError(f"{self.p.op}: the proxy has no input for virtual member {v}")
         return x
 
 

@@ -55,7 +55,7 @@ def _pg(prefix: str, rank: int, size: int) -> dist.ProcessGroup:
 
 def _spmd(size: int, fns) -> list:
     """Run fns[s](pg) for small ranks s = 0..size-1, each in a thread with its own gloo PG."""
-    prefix = f"compensate/{next(_CASE)}"
+    prefix = f"pruning/{next(_CASE)}"
     out = [None] * size
     errors = []
 
@@ -765,13 +765,13 @@ def test_plan_dispatch_and_validation():
     assert p.group.real == (1, 3) and p.small_reduce_op == "sum"
     assert p.group.small(0) == p.group.proxy == 2 and p.group.small(3) == 1
     for bad in ([0, 1, 2, 3], [], [4], [1, 1]):
-        with pytest.raises(C.CompensationError):
+        with pytest.raises(C.PruningError):
             C.Pruned(4, tuple(bad))
-    with pytest.raises(C.CompensationError):
+    with pytest.raises(C.PruningError):
         C.plan_all_reduce(4, [0], 8, "premul_sum")  # no factor
-    with pytest.raises(C.CompensationError):
+    with pytest.raises(C.PruningError):
         C.plan("all_reduce_coalesced", 4, [0], 8)
-    with pytest.raises(C.CompensationError):
+    with pytest.raises(C.PruningError):
         C.proxy_call(C.plan_all_reduce(4, [0], 2), [None, torch.zeros(2), None, torch.zeros(2)])
     assert "reduce_scatter(sum) n=8 real=[1]" in C.describe(C.plan_reduce_scatter(8, [1], 4))
 
@@ -819,9 +819,9 @@ def test_all_to_all_plans_from_each_sides_own_splits(n, real):
 
 
 def test_splits_matrix_rejects_members_that_disagree():
-    with pytest.raises(C.CompensationError, match="member 0 sends 3 rows to member 1, which expects 2"):
+    with pytest.raises(C.PruningError, match="member 0 sends 3 rows to member 1, which expects 2"):
         C.splits_matrix(2, {0: [1, 3]}, {1: [2, 1]})
-    with pytest.raises(C.CompensationError, match="2 input splits for a group of 3"):
+    with pytest.raises(C.PruningError, match="2 input splits for a group of 3"):
         C.splits_matrix(3, {0: [1, 3]})
 
 
@@ -843,7 +843,7 @@ def test_plan_once_reuses_a_plan_per_distinct_arguments():
     sp = _splits(4, 7)  # lists: unhashable, planned each time, still right
     p = C.plan_once(C.plan_all_to_all, 4, G, sp, row_numel=COLS, dtype=F64)
     assert p == C.plan_all_to_all(4, G, sp, row_numel=COLS, dtype=F64)
-    with pytest.raises(C.CompensationError):  # errors are raised, not cached
+    with pytest.raises(C.PruningError):  # errors are raised, not cached
         C.plan_once(C.plan_all_reduce, 4, G, (ROWS, COLS), "no-such-op", dtype=F64)
 
 
