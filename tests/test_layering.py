@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "prismllm.fromfields",
             "prismllm.specs",
             "prismllm.childenv",
+            "prismllm.outputs",
             "prismllm.layout",
             "prismllm.devicemap",
         ),

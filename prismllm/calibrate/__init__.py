@@ -18,8 +18,6 @@ from typing import Any
 from prismllm.calibrate.analyze import Timeline
 from prismllm.calibrate.report import (
     CALIBRATED_FILE,
-    GRAPH_DIR,
-    SUMMARY_FILE,
     calibrated_table,
     calibrated_trace,
     render,
@@ -27,6 +25,7 @@ from prismllm.calibrate.report import (
     write,
 )
 from prismllm.outdir import must_replace, writing
+from prismllm.outputs import SUMMARY_FILE
 from prismllm.replay import TRANSFER_RULES, CalibrationError, Solution, solve
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.summary import steady_iteration_time
@@ -77,8 +76,6 @@ def calibrate(
 
 __all__ = [
     "CALIBRATED_FILE",
-    "GRAPH_DIR",
-    "SUMMARY_FILE",
     "calibrated_trace",
     "TRANSFER_RULES",
     "CalibrationError",

@@ -15,14 +15,13 @@ import pyarrow.parquet as pq
 from prismllm.calibrate.analyze import Timeline
 from prismllm.errors import PrismError
 from prismllm.fsutil import write_dir_atomically
+from prismllm.outputs import GRAPH_DIR, SUMMARY_FILE
 from prismllm.replay import INST_P2P, Solution
 from prismllm.terminal import Table
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.summary import fmt_ns
 
 CALIBRATED_FILE = "calibrated.parquet"
-SUMMARY_FILE = "summary.json"
-GRAPH_DIR = "graph"
 FORMAT = "prism-calibration"
 FORMAT_VERSION = 1
 

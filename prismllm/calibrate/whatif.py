@@ -57,10 +57,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from prismllm.calibrate.report import SUMMARY_FILE, calibrated_table, summarize, write
+from prismllm.calibrate.report import calibrated_table, summarize, write
 from prismllm.errors import PrismError
 from prismllm.layout import Layout
 from prismllm.outdir import writing
+from prismllm.outputs import SUMMARY_FILE
 from prismllm.replay import INST_P2P, Durations, ReplayGraph, Solution, solve
 from prismllm.specs import parse_ranks
 from prismllm.terminal import Table

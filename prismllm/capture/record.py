@@ -35,7 +35,6 @@ from prismllm.errors import PrismError, RequirementError
 from prismllm.fromfields import FromFields
 from prismllm.launch import (
     DEFAULT_RUNNER,
-    LOGS_DIR,
     LaunchError,
     LaunchResult,
     LaunchSpec,
@@ -43,6 +42,7 @@ from prismllm.launch import (
     launch,
 )
 from prismllm.outdir import writing
+from prismllm.outputs import LOGS_DIR
 from prismllm.routing.contract import OBSERVE_DIR, child_fields, manifest_entry
 from prismllm.specs import format_ranks, parse_layout
 from prismllm.trace.assemble import assemble_spool

@@ -45,7 +45,6 @@ from prismllm.fromfields import FromFields
 from prismllm.fsutil import sha256_file
 from prismllm.launch import (
     DEFAULT_RUNNER,
-    LOGS_DIR,
     LaunchError,
     LaunchResult,
     LaunchSpec,
@@ -57,6 +56,7 @@ from prismllm.launch import (
 )
 from prismllm.layout import DIMS, Layout, ReplicaPlan, replica_plan
 from prismllm.outdir import writing
+from prismllm.outputs import LOGS_DIR
 from prismllm.routing.contract import child_fields, manifest_entry
 from prismllm.specs import format_ranks, parse_devices
 from prismllm.trace.alltoall import reconcile_all_to_all

@@ -39,11 +39,10 @@ from prismllm.launch.sandbox import (
     sandbox_devices,
 )
 from prismllm.outdir import must_replace, writing
+from prismllm.outputs import EMULATE_FILE, SUMMARY_FILE
 from prismllm.specs import parse_ranks
 from prismllm.trace.graph import read_manifest
 from prismllm.trace.schema import FILES
-
-RESULT_FILE = "emulate.json"
 
 
 @dataclasses.dataclass
@@ -144,7 +143,7 @@ def communicators(graph: Path, sandbox: Sequence[int]) -> dict[str, int]:
 
 def _calibration(graph: Path) -> dict | None:
     """The calibration's prediction when ``graph`` is CAL/graph of `prism calibrate --write-graph`."""
-    f = graph.parent / "summary.json"
+    f = graph.parent / SUMMARY_FILE
     try:
         s = json.loads(f.read_text())
     except (OSError, ValueError):
@@ -232,7 +231,7 @@ def _emulate(opts: EmulateOptions) -> EmulateResult:
     if opts.timeout is not None and opts.timeout <= 0:
         raise PrismError(f"--timeout must be positive, not {opts.timeout:g}")
     out = Path(opts.out)
-    if must_replace(out, opts.force, (RESULT_FILE, PIDS_FILE), "emulation"):  # pids: a run cut off
+    if must_replace(out, opts.force, (EMULATE_FILE, PIDS_FILE), "emulation"):  # pids: a run cut off
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -292,7 +291,7 @@ def _emulate(opts: EmulateOptions) -> EmulateResult:
     }
     if opts.check:
         record["checks"] = {str(r): c for r, c in run.checks.items()}
-    (out / RESULT_FILE).write_text(json.dumps(record, indent=1) + "\n")
+    (out / EMULATE_FILE).write_text(json.dumps(record, indent=1) + "\n")
     if failure is not None:
         raise failure
     return EmulateResult(

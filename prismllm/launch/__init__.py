@@ -18,7 +18,6 @@ from prismllm.launch.messages import describe_returncode, error_line, says_out_o
 from prismllm.launch.spec import (
     DEFAULT_RUNNER,
     LAUNCHER_ID,
-    LOGS_DIR,
     STATUS_PREFIX,
     ExtraProcess,
     LaunchError,
@@ -35,7 +34,6 @@ __all__ = [
     "DEFAULT_RUNNER",
     "ExtraProcess",
     "LAUNCHER_ID",
-    "LOGS_DIR",
     "LaunchError",
     "LaunchInterrupted",
     "LaunchResult",

@@ -43,7 +43,6 @@ from prismllm.launch.environment import gpu_ids
 from prismllm.launch.launcher import launch
 from prismllm.launch.messages import describe_returncode, error_line, says_out_of_memory
 from prismllm.launch.spec import (
-    LOGS_DIR,
     ExtraProcess,
     LaunchError,
     LaunchResult,
@@ -51,15 +50,14 @@ from prismllm.launch.spec import (
     LineSink,
     RankOutOfMemory,
 )
+from prismllm.outputs import LOGS_DIR, RANKLOGS_DIR, REPLAY_FILE
 from prismllm.routing.contract import child_fields
 from prismllm.specs import DeviceSpec, cuda_on_cpu_devices, format_ranks, parse_devices
 from prismllm.trace.graph import PrismTrace, read_manifest
 from prismllm.trace.ranklog import ranklog_path, read_ranklog
 from prismllm.trace.schema import TENSORS_DIR
 
-RANKLOGS_DIR = "ranklogs"
 PIDS_FILE = "pids.json"
-REPLAY_FILE = "replay.json"  # the first assistant's replay of the virtual ranks
 ASSISTANT_MODULE = "prismllm.assistant"
 # After the first failure, how long the other processes may take to exit on their own: a
 # sandbox rank that raised closes its sockets before it exits, and the assistant, seeing them

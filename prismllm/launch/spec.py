@@ -16,7 +16,6 @@ from prismllm.errors import ExitCode, PrismError
 from prismllm.fromfields import FromFields
 
 DEFAULT_RUNNER = "prismllm.comm.bootstrap"
-LOGS_DIR = "logs"  # where a stage keeps the per-process logs of its launches (``--tee``)
 
 LineSink = Callable[[int, str, str], None]  # (rank, "stdout" | "stderr", line with its "\n")
 LAUNCHER_ID = -(10**9)  # the id the launcher's own lines (status reports) carry to a sink

@@ -37,13 +37,24 @@ from prismllm.launch import LineSink
 from prismllm.launch.sandbox import ON_THE_CPU
 from prismllm.layout import Layout
 from prismllm.outdir import writing
+from prismllm.outputs import (
+    BARE_DIR,
+    CAL_DIR,
+    EMULATE_DIR,
+    EMULATE_FILE,
+    GRAPH_DIR,
+    LOGS_DIR,
+    REPORT_FILE,
+    RUN_FILE,
+    SLICE_FILE,
+    SUMMARY_FILE,
+    TIME_DIR,
+)
 from prismllm.report import write_report
-from prismllm.report.data import BARE_DIR, CAL_DIR, EMULATE_DIR, RUN_FILE, TIME_DIR, coords_text
+from prismllm.report.data import coords_text
 from prismllm.time import TimeOptions, check_time_devices, plan_slices, time_slices
 from prismllm.trace.schema import MANIFEST_FILE
 
-LOGS_DIR = "logs"
-REPORT_FILE = "report.html"
 STAGES = ("capture", "time", "calibrate", "emulate", "report")
 # capture and time resume inside their own directories; the run's ``force`` starts OUT over as a
 # whole (_prepare), and is not theirs
@@ -222,7 +233,7 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
         return result
 
     # ---- time
-    timed = out / TIME_DIR / "graph"
+    timed = out / TIME_DIR / GRAPH_DIR
     if not (timed / MANIFEST_FILE).is_file() or "time" not in walls:
         t0 = time.monotonic()
         ui.stage("time", unit="slices")
@@ -239,17 +250,17 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
 
     # ---- calibrate
     cal = out / CAL_DIR
-    if not (cal / "graph" / MANIFEST_FILE).is_file() or "calibrate" not in walls:
+    if not (cal / GRAPH_DIR / MANIFEST_FILE).is_file() or "calibrate" not in walls:
         t0 = time.monotonic()
         ui.stage("calibrate")
         summary = calibrate(timed, cal, write_graph=True, force=True)  # the run's own stage, redone
         done_stage("calibrate", t0, f"{summary['nodes']:,} nodes solved")
-    summary = json.loads((cal / "summary.json").read_text())
+    summary = json.loads((cal / SUMMARY_FILE).read_text())
 
     # ---- emulate
     emu = None
     if opts.sandbox is not None:
-        ef = out / EMULATE_DIR / "emulate.json"
+        ef = out / EMULATE_DIR / EMULATE_FILE
         prev = read_json(ef)
         if not (prev and prev.get("ok")) or "emulate" not in walls:
             t0 = time.monotonic()
@@ -258,7 +269,7 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
             try:
                 emulate(
                     EmulateOptions.from_fields(
-                        opts, graph=cal / "graph", out=out / EMULATE_DIR, args=list(opts.args), force=True, sink=sink
+                        opts, graph=cal / GRAPH_DIR, out=out / EMULATE_DIR, args=list(opts.args), force=True, sink=sink
                     )
                 )
             finally:
@@ -288,7 +299,7 @@ def _adopt(src: Path, out: Path, through: str, done_stage: Callable[[str, float,
     disk), where this run has not done them itself."""
     stages = {
         "capture": ((BARE_DIR, BARE_DIR),),
-        "calibrate": ((BARE_DIR, BARE_DIR), (TIME_DIR, "graph"), (CAL_DIR, "graph")),
+        "calibrate": ((BARE_DIR, BARE_DIR), (TIME_DIR, GRAPH_DIR), (CAL_DIR, GRAPH_DIR)),
     }
     if through not in stages:
         raise PrismError(f"reuse_through {through!r}: expected capture or calibrate")
@@ -306,7 +317,7 @@ def _adopt(src: Path, out: Path, through: str, done_stage: Callable[[str, float,
 
 
 def _devices_of(time_dir: Path) -> str:
-    s = read_json(time_dir / "slices" / "slice-00000" / "slice.json") or {}
+    s = read_json(time_dir / "slices" / "slice-00000" / SLICE_FILE) or {}
     return str(s.get("devices", "?"))
 
 
@@ -354,4 +365,4 @@ def _summary(out: Path, state: dict[str, Any], s: dict[str, Any] | None, emu: di
     }
 
 
-__all__ = ["LOGS_DIR", "REPORT_FILE", "RunOptions", "RunUI", "run_pipeline"]
+__all__ = ["RunOptions", "RunUI", "run_pipeline"]

@@ -19,6 +19,7 @@ from typing import Any
 from prismllm.calibrate import calibrate
 from prismllm.calibrate.whatif import WhatIfError, calibration_source, duration_ns, parse_change, whatif
 from prismllm.outdir import writing
+from prismllm.outputs import CAL_DIR
 from prismllm.time import TimeOptions, time_slices
 
 
@@ -71,7 +72,7 @@ def spin_whatif(opts: SpinOptions, say: Callable[[str], None] | None = None) -> 
             ),
             say=say,
         )
-        measured = calibrate(timed.graph, out / "cal", force=True)  # this what-if's own, redone on a resume
+        measured = calibrate(timed.graph, out / CAL_DIR, force=True)  # this what-if's own, redone on a resume
         base = resolve["baseline_iteration_ns"]
         m = measured["predicted_iteration_ns"]
         return {
@@ -83,7 +84,7 @@ def spin_whatif(opts: SpinOptions, say: Callable[[str], None] | None = None) -> 
             "measured_change_ns": m - base,
             "spans_per_label": {label: a["compute_spans"] for label, a in zip(opts.spins, resolve["applied"])},
             "time": str(out / "time"),
-            "cal": str(out / "cal"),
+            "cal": str(out / CAL_DIR),
         }
 
 

@@ -36,8 +36,8 @@ from prismllm.fromfields import FromFields
 from prismllm.fsutil import read_json, write_file_atomically
 from prismllm.launch import LaunchError, LaunchInterrupted, RankOutOfMemory
 from prismllm.outdir import writing
+from prismllm.outputs import BARE_DIR, CAL_DIR, GRAPH_DIR
 from prismllm.pipeline.run import RunOptions, RunUI, run_pipeline
-from prismllm.report.data import BARE_DIR, CAL_DIR
 from prismllm.report.sweep import write_sweep_report
 from prismllm.trace.schema import MANIFEST_FILE
 
@@ -237,7 +237,7 @@ def _run_sweep(opts: SweepOptions, ui: RunUI | None, on_point: Callable[[Point, 
             raise
         except PrismError as e:
             status, error = "failed", str(e)
-        for stage, sub in (("capture", Path(BARE_DIR)), ("calibrate", Path(CAL_DIR) / "graph")):
+        for stage, sub in (("capture", Path(BARE_DIR)), ("calibrate", Path(CAL_DIR) / GRAPH_DIR)):
             if (Path(p.run.out) / sub / MANIFEST_FILE).is_file():
                 done.setdefault((stage, keys[stage]), Path(p.run.out))
         state["points"].append(_row(p, status, summary, error, oom_rank))

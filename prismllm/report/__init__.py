@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 
 from prismllm.fsutil import write_file_atomically
+from prismllm.outputs import REPORT_FILE
 from prismllm.report.data import collect
 from prismllm.report.html import render_html
 
@@ -21,7 +22,7 @@ def write_report(
     ranks: list[int] | None = None,
 ) -> Path:
     """Write RUN_DIR's report (default RUN_DIR/report.html); returns its path."""
-    path = Path(out) if out is not None else Path(run_dir) / "report.html"
+    path = Path(out) if out is not None else Path(run_dir) / REPORT_FILE
     write_file_atomically(path, render_html(collect(run_dir, reference=reference, ranks=ranks)))
     return path
 

@@ -37,11 +37,10 @@ from prismllm import __version__
 from prismllm.errors import InputError, PrismError
 from prismllm.fsutil import read_json
 from prismllm.layout import Layout
+from prismllm.outputs import BARE_DIR, CAL_DIR, EMULATE_DIR, EMULATE_FILE, GRAPH_DIR, RUN_FILE, SUMMARY_FILE
 from prismllm.trace.graph import PrismTrace, group_desc, ranks_text, read_manifest
 from prismllm.trace.summary import steady_iteration_time
 
-BARE_DIR, TIME_DIR, CAL_DIR, EMULATE_DIR = "bare", "time", "cal", "emulate"
-RUN_FILE = "run.json"
 FORMAT = "prism-report"
 MAX_TIMELINE_RANKS = 8
 # The memory grid's column dimensions, slowest first (tp fastest, as in the rank order).
@@ -53,17 +52,17 @@ def collect(run_dir: str | Path, reference: str | Path | None = None, ranks: lis
     the timeline's ranks (default one per pipeline stage)."""
     run_dir = Path(run_dir)
     cal = run_dir / CAL_DIR
-    summary = read_json(cal / "summary.json")
+    summary = read_json(cal / SUMMARY_FILE)
     if summary is None or summary.get("format") != "prism-calibration":
         raise InputError(
-            f"{run_dir} holds no calibration ({CAL_DIR}/summary.json): `prism report` reads the "
+            f"{run_dir} holds no calibration ({CAL_DIR}/{SUMMARY_FILE}): `prism report` reads the "
             f"directory of a `prism run` that got at least as far as calibrate"
         )
     bare = read_manifest(run_dir / BARE_DIR) if (run_dir / BARE_DIR).is_dir() else {}
     world = int(summary["world_size"])
     layout = Layout.parse(bare.get("layout"), world) if bare.get("layout") else None
     run = read_json(run_dir / RUN_FILE) or {}
-    emu = read_json(run_dir / EMULATE_DIR / "emulate.json")
+    emu = read_json(run_dir / EMULATE_DIR / EMULATE_FILE)
     command = list(bare.get("command") or run.get("command") or [])
     data: dict[str, Any] = {
         "format": FORMAT,
@@ -203,7 +202,7 @@ def default_ranks(world: int, layout: Layout | None) -> list[int]:
 def _timeline(cal: Path, s: dict[str, Any], layout: Layout | None, ranks: list[int] | None) -> dict[str, Any] | None:
     k = s.get("median_iteration")
     table_path = cal / "calibrated.parquet"
-    if k is None or not table_path.is_file() or not (cal / "graph").is_dir():
+    if k is None or not table_path.is_file() or not (cal / GRAPH_DIR).is_dir():
         return None
     world = int(s["world_size"])
     ranks = sorted(set(ranks)) if ranks else default_ranks(world, layout)
@@ -211,7 +210,7 @@ def _timeline(cal: Path, s: dict[str, Any], layout: Layout | None, ranks: list[i
     if bad:
         raise PrismError(f"--ranks: rank {bad[0]} is not in the graph's world of {world}")
     times = pq.read_table(table_path)
-    graph = PrismTrace.load(cal / "graph")
+    graph = PrismTrace.load(cal / GRAPH_DIR)
     rank = times.column("rank").to_numpy()
     it = times.column("iteration").to_numpy()
     sel = np.flatnonzero(np.isin(rank, ranks) & (it == k))
@@ -324,4 +323,4 @@ def _reference(ref: Path, s: dict[str, Any], bare: dict[str, Any]) -> dict[str, 
     }
 
 
-__all__ = ["BARE_DIR", "CAL_DIR", "EMULATE_DIR", "RUN_FILE", "TIME_DIR", "collect", "coords_text", "default_ranks"]
+__all__ = ["collect", "coords_text", "default_ranks"]

@@ -40,7 +40,6 @@ from prismllm.fsutil import write_file_atomically
 from prismllm.launch import LAUNCHER_ID, STATUS_PREFIX, LaunchError, LaunchInterrupted
 from prismllm.launch.program import check_program
 from prismllm.launch.sandbox import (
-    RANKLOGS_DIR,
     SandboxSpec,
     cuda_count,
     launch_sandbox,
@@ -49,6 +48,7 @@ from prismllm.launch.sandbox import (
 )
 from prismllm.layout import Layout, replica_plan
 from prismllm.outdir import writing
+from prismllm.outputs import GRAPH_DIR, LOAD_DIR, RANKLOGS_DIR, SLICE_FILE
 from prismllm.specs import DeviceSpec, parse_devices
 from prismllm.trace.assemble import assemble_spool
 from prismllm.trace.graph import PrismTrace, read_manifest
@@ -56,10 +56,7 @@ from prismllm.trace.ranklog import ranklog_path
 from prismllm.trace.replicate import assemble_replicated
 
 SLICES_DIR = "slices"
-GRAPH_DIR = "graph"
-LOAD_DIR = "load"  # the compute-under-load pass (its own slices and graph)
 STATE_FILE = "time.json"
-SLICE_FILE = "slice.json"  # in a slice's directory: how its run ended, what it measured
 
 
 @dataclasses.dataclass
