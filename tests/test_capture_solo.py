@@ -713,6 +713,24 @@ def test_the_rank_that_runs_out_of_memory_first_in_the_program_is_named(tmp_path
     assert "also out of memory: rank 0 after 4 call(s)" in p.stderr, p.stderr[-2000:]
 
 
+ZERO3_CHECK = str(Path(__file__).resolve().parent / "programs" / "zero3_check.py")
+
+
+def test_a_start_up_agreement_check_passes_solo_capture_with_default_rules(tmp_path):
+    """A partitioning library's start-up check of the ZeRO stage-3 kind (tests/programs/zero3_check.py:
+    each rank's parameter counts gathered as a tensor, its shard sizes as an object, a float
+    checksum; a disagreement refused) passes solo capture with no rule: a rank run alone is
+    answered with what it holds itself, as an SPMD program's peers hold the same. The graph equals
+    the real run's."""
+    out = tmp_path / "solo"
+    p = subprocess.run(
+        [PRISM, "capture", "--mode", "solo", "--world", "2", "--devices", "cpu", "--out", str(out), "--", ZERO3_CHECK],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert_equals_the_real_runs_structure(out, 2, ["--", ZERO3_CHECK])
+
+
 PIPELINE_TRAIN = str(Path(__file__).resolve().parent / "programs" / "pipeline_train.py")
 
 
