@@ -327,7 +327,7 @@ class Suite:
         # --force: a run of this lease starts over (a machine held across calls keeps the last one's outputs,
         # which prism run would resume from)
         cmd += ["--devices", "cuda:0,1", "--sandbox", str(c.sandbox), "--out", str(out), "--json", "--force"]
-        cmd += ["--timeout", str(self.a.timeout), "--", *c.command()]
+        cmd += ["--head-start", self.a.head_start, "--timeout", str(self.a.timeout), "--", *c.command()]
         print(f"[{c.name}] prism run ...", flush=True)
         t0 = time.monotonic()
         env = {**NVLS_OFF, **({"PRISM_ISSUE_THREAD": "0"} if self.a.no_issue_thread else {})}
@@ -339,6 +339,7 @@ class Suite:
             "wall_s": round(wall, 1),
             "lease": LEASE,
             "issue_thread": not self.a.no_issue_thread,
+            "head_start": self.a.head_start,
             "host": self.doc["machine"].get("host"),  # the machine itself: leases of one kind differ by it
         }
         if rc != 0:
@@ -558,6 +559,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="prism runs with PRISM_ISSUE_THREAD=0 (the sandbox's async pruned calls issued on the program's thread, "
         "not the issue thread's); rows say so (prism.issue_thread)",
+    )
+    ap.add_argument(
+        "--head-start",
+        choices=("overhead", "iteration", "off"),
+        default="overhead",
+        help="prism run's --head-start (the slices' host head start); rows say so (prism.head_start)",
     )
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     a = ap.parse_args(argv)
