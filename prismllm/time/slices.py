@@ -239,6 +239,29 @@ class _SliceOutput:
         self.f.close()
 
 
+def _missing_transfers(r: str, d: dict[str, Any]) -> str | None:
+    if not d.get("missing"):
+        return None
+    return (
+        f"rank {r}: NCCL's own time of {d['missing']} of {d['missing'] + d.get('read', 0)} asynchronous calls "
+        f"was not read (first: {d.get('first_missing')}); those transfers end where the program waited"
+    )
+
+
+def _host_behind(r: str, h: dict[str, int]) -> str | None:
+    if not h.get("host_behind"):
+        return None
+    return (
+        f"rank {r}: its device caught up with its host at {h['host_behind']} of {h['points']} points despite "
+        f"the head start: its spans there hold the sandbox host's pace (host-bound)"
+    )
+
+
+# what a GPU slice reports per timed rank (kept in the timed graph's manifest), and the line prism time
+# says where it matters
+_GPU_NOTES = {"transfer_durations": _missing_transfers, "head_start": _host_behind}
+
+
 def _run_slice(
     opts: TimeOptions,
     graph: Path,
@@ -454,23 +477,12 @@ def _time_slices(
         for r, m in sl.get("sandbox_results", {}).items():
             left_out[r] = int(m.get("emulation_overhead_left_out_ns", 0))
             emulation_host[r] = int(m.get("emulation_host_ns", 0))
-            durations = m.get("transfer_durations") or {}
-            if durations:
-                transfer_durations[r] = durations
-                if durations.get("missing") and say is not None:
-                    say(
-                        f"rank {r}: NCCL's own time of {durations['missing']} of "
-                        f"{durations['missing'] + durations.get('read', 0)} asynchronous calls was not read "
-                        f"(first: {durations.get('first_missing')}); those transfers end where the program waited"
-                    )
-            head = m.get("head_start") or {}
-            if head:
-                head_starts[r] = head
-                if head.get("host_behind") and say is not None:
-                    say(
-                        f"rank {r}: its device caught up with its host at {head['host_behind']} of {head['points']} "
-                        f"points despite the head start: its spans there hold the sandbox host's pace (host-bound)"
-                    )
+            for key, kept in (("transfer_durations", transfer_durations), ("head_start", head_starts)):
+                if m.get(key):
+                    kept[r] = m[key]
+                    line = _GPU_NOTES[key](r, m[key])
+                    if line and say is not None:
+                        say(line)
     # the bare graph's manifest, its program fingerprint and command included (what
     # `prism emulate` checks a launch of the timed or calibrated graph against)
     tm = {k: v for k, v in manifest.items() if k not in ("peak_memory_bytes", "capture")}
