@@ -228,7 +228,7 @@ class Recorder:
         self.head_start_from = -1  # the first point recorded after a head start
         self.points_timed = 0  # points from then on, resolved
         self.host_behind = 0  # ... at which the device had caught up with the host
-        self.giving = False
+        self.giving = False  # in give_head_start: the waits it makes itself give none
 
     # ---- points -------------------------------------------------------------------------
     def _host_point(self, t: int) -> int:
@@ -357,9 +357,10 @@ class Recorder:
             q.popleft()
 
     def give_head_start(self) -> None:
-        """The program's host has just waited for its device: the device sleeps about one
-        iteration before the program's next kernel, so the host runs that far ahead of it
-        (prismllm.comm.headstart). Not before the first iteration ended (the warm-up)."""
+        """The program's host has just waited for its device: the device sleeps before the
+        program's next kernel, so that the host runs that far ahead of it (prismllm.comm.headstart):
+        for the emulation layer's host time of the last iteration ("overhead") or about the last
+        iteration's device time ("iteration")."""
         # from the end of the second iteration: the first is the warm-up, the second measures the head start
         if not self.head_start or not self.cuda_live or self.finished or len(self.iterations) < 2 or self.giving:
             return
