@@ -119,26 +119,11 @@ class _Cuda:
 
 _cuda = _Cuda
 
-_COMM_INT_COLS = (
-    "m_index",
-    "m_iter",
-    "m_seq",
-    "m_peer",
-    "m_tag",
-    "m_in",
-    "m_out",
-    "m_coal",
-    "m_async",
-    "m_wait",
-    "m_p0",
-    "m_p1",
-    "m_done",
-    "m_dur",
-    "m_cuda",
-    "m_state",
-)
-_COMM_OBJ_COLS = ("m_op", "m_group", "m_red", "m_dtype", "m_shape", "m_insp", "m_outsp",
-                  "m_api", "m_label")  # fmt: skip
+# the communication rows' columns (Recorder.__init__ says what each holds): a cancelled call pops
+# one entry from every one of them
+_COMM_COLS = ("m_index", "m_iter", "m_seq", "m_peer", "m_tag", "m_in", "m_out", "m_coal", "m_async", "m_wait",
+              "m_p0", "m_p1", "m_done", "m_dur", "m_cuda", "m_state", "m_op", "m_group", "m_red", "m_dtype",
+              "m_shape", "m_insp", "m_outsp", "m_api", "m_label")  # fmt: skip
 
 
 class Recorder:
@@ -170,11 +155,32 @@ class Recorder:
         self.c_p0 = array("q")
         self.c_p1 = array("q")
         self.c_label: list[str] = []
-        # communication rows
-        for c in _COMM_INT_COLS:
-            setattr(self, c, array("q"))
-        for c in _COMM_OBJ_COLS:
-            setattr(self, c, [])
+        # communication rows, a column each (_COMM_COLS)
+        self.m_index = array("q")  # the row's node index in the rank's program order
+        self.m_iter = array("q")  # its iteration
+        self.m_seq = array("q")  # the call's sequence number on its group
+        self.m_peer = array("q")  # send/recv: the peer's global rank; a rooted call: the root; else -1
+        self.m_tag = array("q")
+        self.m_in = array("q")  # bytes in
+        self.m_out = array("q")  # bytes out
+        self.m_coal = array("q")  # the coalescing scope's id, -1 outside one
+        self.m_async = array("q")  # 1: waited apart from its issue (an async call), 0: sync
+        self.m_wait = array("q")  # async: the index of the compute node after its wait, else -1
+        self.m_p0 = array("q")  # the issue point
+        self.m_p1 = array("q")  # the point after its wait, -1 until waited or settled
+        self.m_done = array("q")  # CPU: when its Future completed (host clock), -1 unknown
+        self.m_dur = array("q")  # GPU: NCCL's own duration (ns), -1 none, DUR_PENDING awaited
+        self.m_cuda = array("q")  # 1: issued on CUDA tensors
+        self.m_state = array("q")  # ST_PENDING, ST_WAITED or ST_SETTLED
+        self.m_op: list[str] = []  # the schema's op name
+        self.m_group: list[str] = []  # the group's name
+        self.m_red: list[str] = []  # the reduce op ("" if none; "premul_sum:<factor>")
+        self.m_dtype: list[str] = []
+        self.m_shape: list[tuple] = []
+        self.m_insp: list[tuple] = []  # all_to_all input splits
+        self.m_outsp: list[tuple] = []  # and output splits
+        self.m_api: list[str] = []  # the c10d method the program called
+        self.m_label: list[str] = []  # the span label pending at the call (prismllm.mark)
         self.iterations: list[list] = []  # [iteration, start point, end point, label]
         self.iteration = 0
         self.iter_start = -1
@@ -654,7 +660,7 @@ class Recorder:
         p0 = self.m_p0[rows[0]]
         label = self.m_label[rows[0]]
         for _ in range(n):
-            for c in _COMM_INT_COLS + _COMM_OBJ_COLS:
+            for c in _COMM_COLS:
                 getattr(self, c).pop()
             self.n_kind.pop()
             self.n_sub.pop()
