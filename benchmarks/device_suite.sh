@@ -66,6 +66,12 @@ ls .whl/megatron_core-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-de
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$OUT/gpus.csv" 2>&1
 
 SMALL="--layers 2 --hidden 512 --heads 8 --seq 256 --vocab 4096 --micro-batch 2 --global-batch 8 --iters 6"
+# the GPU suite's DDP job (benchmarks/fidelity_gpu.py's ddp-2), which the diagnostic parts below run
+P=benchmarks/programs/torch_parallel.py
+A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+# the median steady iteration a program's log prints ("iter time X ms", all but the first two)
+median() { grep -h 'iter time' "$1" | tail -n +3 | grep -o 'iter time [0-9.]*' | awk '{print $3}' | sort -n \
+    | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}'; }
 
 case "$PART" in
 smoke)
@@ -144,8 +150,7 @@ kernels)
     # PyTorch profiler (benchmarks/programs/profile_rank.py, PROFILE_WITH=kineto), summarised by
     # benchmarks/kernel_timeline.py; the emulation once more under cProfile (host time); the real job recorded (prism record) for a
     # span-by-span comparison with the slice's timed graph. N = 2 and N = 4 (four GPUs; prism on two)
-    P=benchmarks/programs/torch_parallel.py K=benchmarks/programs/profile_rank.py D=out/kernels/logs W=out/kernels
-    A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    K=benchmarks/programs/profile_rank.py D=out/kernels/logs W=out/kernels
     mkdir -p "$D" "$W"
     for n in ${WORLDS:-2 4}; do
         r=$((n - 1)) w="$W/ddp$n" pk="PRISM_PROGRAM_CHECK=off PROFILE_WITH=kineto PROFILE_RANK=all PROFILE_OUT=$D"
@@ -179,7 +184,6 @@ issue-thread)
         "tests/test_emulate_gpu.py::test_losses_and_pruned_outputs_equal_the_real_run[dp2_distopt]" \
         >"$OUT/issue-thread-tests.log" 2>&1
     tail -5 "$OUT/issue-thread-tests.log"
-    P=benchmarks/programs/torch_parallel.py A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
     L=out/thread/logs
     mkdir -p "$L"
     CUDA_VISIBLE_DEVICES=2,3 timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P $A \
@@ -194,8 +198,7 @@ issue-thread)
         out/thread/ddp2/emulate/emulate.json 2>/dev/null
     WORLDS=2 timeout 100 bash benchmarks/device_suite.sh hostcost 2>&1 | tee "$OUT/hostcost.log" | grep -h "^ISSUE" ;;
 threads)
-    P=benchmarks/programs/torch_parallel.py K=benchmarks/programs/profile_rank.py D=out/threads/logs W=out/threads/ddp2
-    A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    K=benchmarks/programs/profile_rank.py D=out/threads/logs W=out/threads/ddp2
     mkdir -p "$D"
     env PROFILE_WITH=threads PROFILE_RANK=1 PROFILE_OUT="$D" PROFILE_TAG=real2 timeout 120 python3 -m torch.distributed.run \
         --standalone --nproc-per-node 2 $K $P $A >"$D/real2.log" 2>&1; echo "real: $?"
@@ -225,7 +228,7 @@ numa)
     # does where the host threads run move a DDP job's time? The machine's topology (each GPU's CPU and
     # NUMA affinity), then ddp-2 real and under prism run, each unpinned and pinned to GPU 0's NUMA node's
     # CPUs (taskset, inherited by every child), alternated; ~4 min
-    P=benchmarks/programs/torch_parallel.py D=out/numa A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    D=out/numa
     mkdir -p "$D"
     nvidia-smi topo -m | tee "$D/topo.txt"
     lscpu | grep -i "numa\|model name\|mhz" | tee "$D/lscpu.txt"
@@ -238,8 +241,7 @@ numa)
             $run timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P $A >"$D/real-$pin$round.log" 2>&1
             $run timeout 150 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out "$D/prism-$pin$round" \
                 --force -- $P $A >"$D/prism-$pin$round.log" 2>&1
-            echo "$pin $round: real median $(grep -h 'iter time' "$D/real-$pin$round.log" | tail -n +3 | grep -o 'iter time [0-9.]*' \
-                | awk '{print $3}' | sort -n | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}') ms |" \
+            echo "$pin $round: real median $(median "$D/real-$pin$round.log") ms |" \
                 "$(grep -h 'predicted iteration\|emulated, rank' "$D/prism-$pin$round.log" | tr -s ' ' | tr '\n' ' ')"
         done
     done
@@ -251,13 +253,10 @@ gil)
     # host threads' CPU time and context switches (profile_rank.py threads); the real job under prism record
     # and plain, twice each. Is the slices' run-to-run spread (one lease: 37.5 to 47.2 ms) the program's
     # threads waiting for the GIL? ~7 min
-    P=benchmarks/programs/torch_parallel.py K=benchmarks/programs/profile_rank.py D=out/gil W=out/gil/ddp2
-    A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    K=benchmarks/programs/profile_rank.py D=out/gil W=out/gil/ddp2
     mkdir -p "$D/sw"
     printf 'import sys\nsys.setswitchinterval(5e-5)\n' >"$D/sw/sitecustomize.py"
     echo "switch interval with the sitecustomize: $(PYTHONPATH=$PWD/$D/sw python3 -c 'import sys; print(sys.getswitchinterval())')"
-    median() { grep -h 'iter time' "$1" | tail -n +3 | grep -o 'iter time [0-9.]*' | awk '{print $3}' | sort -n \
-        | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}'; }
     timeout 150 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $P $A \
         >"$D/prism.log" 2>&1; echo "prism run: $? $(grep -h 'predicted iteration\|emulated, rank' "$D/prism.log" | tr -s ' ' | tr '\n' ' ')"
     for round in $(seq "${ROUNDS:-2}"); do
@@ -286,11 +285,8 @@ print(sys.argv[1].split('/')[-1], ' '.join(f\"{x['name']}:{x['cpu_s']:.2f}s/{x['
 headstart)
     # the host's head start of GPU slices (comm.headstart): a DDP job's prism run (the default head start,
     # "overhead"), its slice again with each head start, the real job; then the head start's GPU test; ~5 min
-    P=benchmarks/programs/torch_parallel.py D=out/hs W=out/hs/ddp2
-    A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    D=out/hs W=out/hs/ddp2
     mkdir -p "$D"
-    median() { grep -h 'iter time' "$1" | tail -n +3 | grep -o 'iter time [0-9.]*' | awk '{print $3}' | sort -n \
-        | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}'; }
     timeout 150 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $P $A \
         >"$D/prism.log" 2>&1; echo "prism run: $? $(grep -h 'predicted iteration\|emulated, rank' "$D/prism.log" | tr -s ' ' | tr '\n' ' ')"
     grep -h "head start" "$D/prism.log" | head -3

@@ -57,6 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from tracing_overhead import machine  # noqa: E402
 
+from prismllm.childenv import HEAD_START_CHOICES  # noqa: E402
+
 TORCH_PAR = str(ROOT / "benchmarks" / "programs" / "torch_parallel.py")
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
 MEGATRON = str(ROOT / "examples" / "megatron_gpt.py")
@@ -562,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--head-start",
-        choices=("overhead", "iteration", "off"),
+        choices=HEAD_START_CHOICES,
         default="overhead",
         help="prism run's --head-start (the slices' host head start); rows say so (prism.head_start)",
     )

@@ -38,6 +38,7 @@ INPUTS: tuple[str, ...] = get_args(Inputs)
 TIMINGS: tuple[str, ...] = get_args(Timing)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 HEAD_STARTS: tuple[str, ...] = get_args(HeadStart)
+HEAD_START_CHOICES = (*HEAD_STARTS, "off")  # the command line's: "off" leaves ChildEnv.head_start unset
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from prismllm.childenv import HEAD_STARTS
+from prismllm.childenv import HEAD_START_CHOICES
 from prismllm.errors import EXIT_CODES_HELP
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.validate import validate
@@ -181,7 +181,7 @@ SHARED: dict[str, Option] = {
     "head_start": Option(
         ("--head-start",),
         {
-            "choices": (*HEAD_STARTS, "off"),
+            "choices": HEAD_START_CHOICES,
             "default": "overhead",
             "help": "GPU slices: after each wait of the host for its device, the device sleeps (left out of the "
             "timing) for the emulation layer's host time of the last iteration (overhead, the default: the "

@@ -9,16 +9,19 @@ made the same DDP slice on four H100s measure 37.5 or 47.2 ms where the real job
 
 So after each point where the program's host waited for its device (``torch.cuda.synchronize``,
 ``Tensor.item``/``tolist``/``__float__``/``__int__``/``__bool__``, a copy between the GPU and the
-host, an Event's or a Stream's ``synchronize``), the device sleeps for about one iteration
-(``torch.cuda._sleep``) before the program's next kernel, between two events of the recorder's
-own. The host runs that far ahead, so the device never waits for it, and the sleep is left out
-of the rank's device timeline (:class:`DeviceHoles`): every later device time moves earlier by
-the sleeps before it. The spans then hold the device's own work; a rank whose host is slower
-than its device even so still shows its host's pace, and the recorder counts the points where
-its device had caught up with its host (``host_behind``), which ``prism time`` reports.
+host, an Event's or a Stream's ``synchronize``), the device sleeps (``torch.cuda._sleep``)
+before the program's next kernel, between two events of the recorder's own, and the sleep is
+left out of the rank's device timeline (:class:`DeviceHoles`): every later device time moves
+earlier by the sleeps before it. The host runs that far ahead of its device. How far
+(``ChildEnv.head_start``): the emulation layer's host time of the last iteration ("overhead":
+the real run's host is that much farther ahead, and the program's own host pace stays in the
+spans), or about the last iteration's device time ("iteration": the spans hold the device's own
+work), at most :data:`MAX_NS` either way. A rank whose host falls behind its device even so
+shows its host's pace, and the recorder counts the points where its device had caught up with
+its host (``host_behind``), which ``prism time`` reports.
 
-Nothing of this runs before the program's first iteration ended (its warm-up), and the sleep is
-about the last iteration's device time, at most :data:`MAX_NS`.
+Nothing of this runs before the program's second iteration ended (the first is its warm-up, the
+second sizes the head start).
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ from prismllm.outputs import (
 )
 from prismllm.report import write_report
 from prismllm.report.data import coords_text
-from prismllm.time import TimeOptions, check_time_devices, plan_slices, time_slices
+from prismllm.time import TimeOptions, check_time_devices, plan_slices, slice_dir, time_slices
 from prismllm.trace.schema import MANIFEST_FILE
 
 STAGES = ("capture", "time", "calibrate", "emulate", "report")
@@ -317,7 +317,7 @@ def _adopt(src: Path, out: Path, through: str, done_stage: Callable[[str, float,
 
 
 def _devices_of(time_dir: Path) -> str:
-    s = read_json(time_dir / "slices" / "slice-00000" / SLICE_FILE) or {}
+    s = read_json(slice_dir(time_dir, 0) / SLICE_FILE) or {}
     return str(s.get("devices", "?"))
 
 

@@ -208,7 +208,7 @@ def _with_compute_of(trace: PrismTrace, other: PrismTrace) -> PrismTrace:
     return dataclasses.replace(trace, nodes=nodes)
 
 
-def _slice_dir(out: Path, k: int) -> Path:
+def slice_dir(out: Path, k: int) -> Path:
     """Slice ``k``'s emulation output."""
     return out / SLICES_DIR / f"slice-{k:05d}"
 
@@ -276,7 +276,7 @@ def _run_slice(
     cancel: threading.Event | None,
 ) -> dict[str, Any]:
     """One slice's sandbox run; writes and returns its record (SLICE_FILE); PrismError if it failed."""
-    so = _slice_dir(out, k)
+    so = slice_dir(out, k)
     if so.exists():
         shutil.rmtree(so)
     so.mkdir(parents=True)
@@ -436,7 +436,7 @@ def _time_slices(
     (out / SLICES_DIR).mkdir(parents=True, exist_ok=True)
     write_file_atomically(sf, json.dumps(state, indent=1) + "\n")  # read back unguarded by a resume
 
-    todo = [(k, s) for k, s in enumerate(slices) if not _done(_slice_dir(out, k), s)]
+    todo = [(k, s) for k, s in enumerate(slices) if not _done(slice_dir(out, k), s)]
     resumed = len(slices) - len(todo)
     done = resumed
     if todo:
@@ -472,8 +472,8 @@ def _time_slices(
     for k, s in enumerate(slices):
         for r in s:
             name = f"rank-{r:06d}.msgpack"
-            shutil.copyfile(_slice_dir(out, k) / RANKLOGS_DIR / name, spool / name)
-        sl = json.loads((_slice_dir(out, k) / SLICE_FILE).read_text())
+            shutil.copyfile(slice_dir(out, k) / RANKLOGS_DIR / name, spool / name)
+        sl = json.loads((slice_dir(out, k) / SLICE_FILE).read_text())
         for r, m in sl.get("sandbox_results", {}).items():
             left_out[r] = int(m.get("emulation_overhead_left_out_ns", 0))
             emulation_host[r] = int(m.get("emulation_host_ns", 0))
@@ -534,4 +534,4 @@ def _time_slices(
     )
 
 
-__all__ = ["TimeOptions", "TimeResult", "plan_slices", "time_slices"]
+__all__ = ["TimeOptions", "TimeResult", "plan_slices", "slice_dir", "time_slices"]
