@@ -54,7 +54,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|headstart|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|headstart|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -282,6 +282,46 @@ gil)
 print(sys.argv[1].split('/')[-1], ' '.join(f\"{x['name']}:{x['cpu_s']:.2f}s/{x['voluntary_switches']}v/{x['involuntary_switches']}i\" for x in t))" "$f"
     done
     tar czf "$OUT/gil.tgz" "$D"/*.log "$D"/threads "$D"/time-*/graph "$D"/cal-*/summary.json "$D"/emu-*/emulate.json "$D"/rec*/graph 2>/dev/null ;;
+hostprof)
+    # where a DDP rank's host time goes, the real job's against the emulated sandbox's, on one machine: the
+    # CPU topology; py-spy (every thread, native frames, 200 samples a second) over 2 s of steady iterations
+    # on the real job's reporting rank and on the emulated sandbox, each of their threads' CPU time and CPU
+    # over that window, every busy thread of the machine (top); needs .whl/py_spy-*.whl (pip download
+    # py-spy --no-deps -d .whl); ~3 min (lease 17: one thread a core, so no pinning to try)
+    D=out/hostprof W=out/hostprof/ddp2
+    mkdir -p "$D"
+    python3 -m pip install -q --no-deps .whl/py_spy-*.whl >>"$OUT/install.log" 2>&1 || echo "py-spy: not installed"
+    { lscpu; lscpu -p=CPU,CORE,SOCKET,NODE; } >"$D/lscpu.txt" 2>&1
+    grep -E "^(Thread|Core|Socket|NUMA node\(s\)|Model name|CPU\(s\))" "$D/lscpu.txt"
+    LONG="$A --iters 60"  # the last --iters wins: ~2.5 s of steady iterations
+    # rank1: the pid of the program's process whose environment has RANK=1 (neither a launcher nor the assistant)
+    rank1() { for p in $(pgrep -f torch_parallel.py); do tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx RANK=1 \
+        && ! tr '\0' ' ' <"/proc/$p/cmdline" | grep -q "assistant\|torch.distributed.run\|prismllm.cli" && echo "$p" && return; done; }
+    # threadcpu PID: each thread's name, CPU ticks (user + system) and the CPU it ran on last, one line
+    threadcpu() { for t in /proc/$1/task/*; do awk '{sub(/^[0-9]+ \(/, ""); n = $0; sub(/\).*/, "", n); sub(/^[^)]*\) /, "");
+        printf "%s|%d|%d ", n, $12 + $13, $37}' "$t/stat" 2>/dev/null; done; echo; }
+    # sample TAG LOG: once LOG shows the 4th iteration, 2 s of py-spy on the rank-1 process
+    sample() {
+        for _ in $(seq 900); do grep -q "iteration 4/" "$2" 2>/dev/null && break; sleep 0.1; done
+        pid=$(rank1)
+        [ -z "$pid" ] && { echo "$1: no rank-1 process"; ps -eo pid,args | grep -v grep | grep torch_parallel | cut -c1-200; return; }
+        threadcpu "$pid" >"$D/$1-threads-before.txt"
+        top -H -b -n 2 -d 1 -w 200 >"$D/$1-top.txt" 2>&1 &
+        timeout 20 py-spy record --pid "$pid" --threads --native --idle --rate 200 --duration 2 \
+            --format raw --output "$D/$1.pyspy.txt" >"$D/$1.pyspy.log" 2>&1
+        threadcpu "$pid" >"$D/$1-threads-after.txt"
+        wait
+        echo "$1: pid $pid, $(wc -l <"$D/$1.pyspy.txt" 2>/dev/null) stacks"
+    }
+    timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P $LONG >"$D/real.log" 2>&1 &
+    sample real "$D/real.log"; wait
+    timeout 200 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $P $LONG \
+        >"$D/prism.log" 2>&1; echo "prism run: $? $(grep -h 'predicted iteration\|emulated, rank' "$D/prism.log" | tr -s ' ' | tr '\n' ' ')"
+    timeout 120 prism emulate --graph "$W/cal/graph" --sandbox 1 --devices cuda:0,1 --out "$D/emu" --force -- $P $LONG \
+        >"$D/emu.log" 2>&1 &
+    sample emu "$D/emu.log"; wait
+    echo "real (py-spy) $(median "$D/real.log") ms | emulated (py-spy) $(median "$D/emu.log") ms"
+    tar czf "$OUT/hostprof.tgz" "$D"/*.txt "$D"/*.log "$W"/time/graph "$W"/logs "$D"/emu/emulate.json 2>/dev/null ;;
 headstart)
     # the host's head start of GPU slices (comm.headstart): a DDP job's prism run (the default head start,
     # "overhead"), its slice again with each head start, the real job; then the head start's GPU test; ~5 min

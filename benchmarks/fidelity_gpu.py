@@ -232,13 +232,13 @@ class Suite:
     def __init__(self, a: argparse.Namespace):
         self.a = a
         self.t0 = time.monotonic()
-        # until a step of the kind ran: then the longest seen
+        # a step's expected seconds where its case has none of its own: until a step of the kind
+        # ran, then the longest seen
         self.estimate = {"real": 60.0, "prism": 240.0, "record": 90.0}
         self._seen: dict[str, float] = {}
         self.doc = json.loads(a.json.read_text()) if a.json.exists() else {"rows": []}
         self.doc.setdefault("rows", [])
         self.doc["machine"] = machine()
-        self.stopped = False
         self.lock = threading.RLock()  # the real runs of a case may run beside its prism run (--concurrent)
 
     def row(self, c: Case) -> dict:
@@ -280,13 +280,27 @@ class Suite:
         self._seen[kind] = max(self._seen.get(kind, 0.0), seconds)
         self.estimate[kind] = self._seen[kind]
 
-    def time_left(self, kind: str) -> bool:
+    def _expected(self, kind: str, r: dict) -> float:
+        """Seconds a step of ``kind`` takes for this case: its own last one (any lease: a Megatron
+        case's prism run takes four times a DDP case's), else the suite's estimate."""
+        if kind == "real":
+            own = [x for x in [*r["real_runs"], *r.get("earlier", [])] if "gpus" in x]
+        else:
+            own = [x[kind] for x in r.get("earlier", []) if kind in x] + ([r[kind]] if kind in r else [])
+        walls = [x["wall_s"] for x in own if x.get("rc") == 0 and x.get("wall_s")]
+        return walls[-1] + 10 if walls else self.estimate[kind]
+
+    def time_left(self, kind: str, c: Case, r: dict) -> bool:
+        """Whether a step of ``kind`` of case ``c`` ends before the deadline; if not, the case waits
+        for the next call (a later, shorter case may still fit)."""
         if self.a.deadline is None:
             return True
         left = self.a.deadline - (time.monotonic() - self.t0)
-        if left < self.estimate[kind]:
-            print(f"[suite] stopping: {left:.0f} s left, a {kind} step takes ~{self.estimate[kind]:.0f} s", flush=True)
-            self.stopped = True
+        need = self._expected(kind, r)
+        if left < need:
+            print(
+                f"[{c.name}] left for the next call: {left:.0f} s left, its {kind} step takes ~{need:.0f} s", flush=True
+            )
             return False
         return True
 
@@ -411,8 +425,8 @@ class Suite:
         return d
 
     def reals(self, c: Case, r: dict, first_gpu: int = 0) -> None:
-        while len(r["real_runs"]) < self.a.reals and not self.stopped:
-            if not self.time_left("real"):
+        while len(r["real_runs"]) < self.a.reals:
+            if not self.time_left("real", c, r):
                 return
             self.real(c, r, len(r["real_runs"]), first_gpu)
             self.save()
@@ -423,7 +437,7 @@ class Suite:
         spare = (self.doc["machine"].get("gpus") or 0) - 2  # GPUs the prism run leaves free
         if self.a.concurrent and c.world <= spare and "prism" not in r and len(r["real_runs"]) < self.a.reals:
             # the real runs on GPUs 2.. while prism runs on 0, 1: disjoint GPUs, one host
-            if not self.time_left("prism"):
+            if not self.time_left("prism", c, r):
                 return
             t = threading.Thread(target=self.reals, args=(c, r, 2), daemon=True)
             t.start()
@@ -432,11 +446,11 @@ class Suite:
             r["concurrent"] = True
         else:
             self.reals(c, r)
-            if "prism" not in r and not self.stopped:
-                if not self.time_left("prism"):
+            if "prism" not in r:
+                if not self.time_left("prism", c, r):
                     return
                 self.prism(c, r)
-        if self.a.record and "record" not in r and not self.stopped and self.time_left("record"):
+        if self.a.record and "record" not in r and self.time_left("record", c, r):
             self.record(c, r)
         finish(r)
         self.save()
@@ -582,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown case(s) {', '.join(unknown)}; --list shows them")
     suite = Suite(a)
     for c in every:
-        if c.name in names and not suite.stopped:
+        if c.name in names:
             suite.case(c)
     suite.save()
     print(markdown(suite.doc))

@@ -114,6 +114,17 @@ def build(a: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tu
     return fully_shard(model, mesh=mesh["dp"]), mesh["dp"].get_local_rank(), dp
 
 
+def param_groups(model: nn.Module) -> list[dict]:
+    """The parameters in two groups, DTensors and plain tensors: with tensor parallelism alone
+    (``--mode tp``) only the blocks' linear layers are DTensors, and AdamW's multi-tensor step
+    refuses a group that mixes the two (torch 2.11: "got mixed torch.Tensor and DTensor")."""
+    from torch.distributed.tensor import DTensor
+
+    params = list(model.parameters())
+    groups = [[p for p in params if isinstance(p, DTensor)], [p for p in params if not isinstance(p, DTensor)]]
+    return [{"params": g} for g in groups if g]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=MODES, default="ddp")
@@ -139,7 +150,7 @@ def main() -> None:
         raise SystemExit(f"torch_parallel: --tp {a.tp} does not divide the world of {world}")
     dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     model, dp_rank, dp = build(a, device, dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(param_groups(model), lr=1e-4)
     reporter = rank == (a.report_rank % world)
     if reporter:
         print(
