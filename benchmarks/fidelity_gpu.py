@@ -381,6 +381,10 @@ class Suite:
         p["emulated_recorded_ms"] = round((res.get("median_steady_iteration_ns") or 0) / 1e6, 3) or None
         p["emulated_peak_memory_bytes"] = res.get("peak_memory_bytes")
         p["arrivals"] = (emu.get("replay") or {}).get("arrivals")
+        # the emulation layer's host time by part ([calls, wall ns, CPU ns]), emulated and in the slices
+        p["emulated_host_parts"] = res.get("emulation_host_parts")
+        timed = json.loads((out / "time" / "graph" / "manifest.json").read_text()).get("timing") or {}
+        p["slice_host_parts"] = timed.get("emulation_host_parts")  # by timed rank
         bare = json.loads((out / "bare" / "manifest.json").read_text())
         peaks = bare.get("peak_memory_bytes") or {}
         p["captured_peak_bytes"] = peaks.get(str(c.sandbox))

@@ -100,6 +100,14 @@ def test_time_slices_every_representative_once_and_resumes(bare, tmp_path):
     assert set(left_out) == {"0", "1"} and all(v > 0 for v in left_out.values()), left_out
     # ... and counted on any device (on gloo all of it is left out: the two agree)
     assert timed.manifest["timing"]["emulation_host_ns"] == left_out
+    # ... and by part, over the steady iterations: the call checked against the graph, its plan,
+    # its Work, its post step; each part's CPU time within its wall time
+    parts = timed.manifest["timing"]["emulation_host_parts"]
+    assert set(parts) == {"0", "1"}, parts
+    for r, by_part in parts.items():
+        assert {"check", "plan", "work", "finish"} <= set(by_part), by_part
+        assert all(calls > 0 and 0 < cpu <= wall * 1.05 + 50_000 for calls, wall, cpu in by_part.values()), by_part
+        assert sum(wall for _, wall, _ in by_part.values()) < left_out[r]  # the first iteration is not in it
     assert compare_traces(ref, timed, timing=False).structure_equal
     d = timed.nodes.select(["kind", "duration_ns"]).to_pylist()
     assert sum(n["kind"] == "compute" and n["duration_ns"] > 0 for n in d) > 20

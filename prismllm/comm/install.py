@@ -529,6 +529,7 @@ def collect(rec: Recorder) -> RankLog:
         emulation_host_ns=int(rec.emulation_host_ns),
         scratch_bytes=scratch.reserved_bytes(),
         calls_off_thread=rec.calls_off_thread,
+        emulation_host_parts=rec.emulation_host_parts,
         transfer_durations=rec.transfer_durations() if rec.cuda else {},
         head_start=rec.head_start_counts() if rec.head_start else {},
     )

@@ -223,6 +223,9 @@ class Recorder:
         # the same layer's host time on every backend (on GPU counted, not left out)
         self.emulation_host_ns = 0
         self.calls_off_thread = 0  # emulation: pruned calls the issue thread issued (comm.sandbox)
+        # that host time by part (comm.sandbox: "check", "hand-off", "thread: plan", ...) over the
+        # steady iterations (the second on): part -> [calls, wall ns, the thread's CPU ns]
+        self.emulation_host_parts: dict[str, list[int]] = {}
         # the host's head start (prismllm.comm.headstart; prism time on GPUs): the device sleeps after
         # each of the program's waits for it, and the sleeps are left out of its timeline
         self.head_start = ""  # "overhead" | "iteration"; "": none (ChildEnv.head_start)
@@ -410,6 +413,15 @@ class Recorder:
         and the issue thread): how much farther ahead of its device the real run's host is."""
         at = self.layer_ns_at_boundary
         return min(headstart.MAX_NS, at[-1] - at[-2])
+
+    def count_layer_part(self, part: str, wall_ns: int, cpu_ns: int) -> None:
+        """One call's host time in one part of the emulation layer, from the second iteration on
+        (the first builds plans, buffers and communicators once)."""
+        if self.iterations:
+            acc = self.emulation_host_parts.setdefault(part, [0, 0, 0])
+            acc[0] += 1
+            acc[1] += wall_ns
+            acc[2] += cpu_ns
 
     def head_start_counts(self) -> dict[str, int]:
         """For the rank log: head starts given, and the points after the first at which the

@@ -338,6 +338,15 @@ def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
     return pg
 
 
+Stamp = tuple[int, int]  # (perf_counter_ns, thread_time_ns)
+
+
+def stamp() -> Stamp:
+    """Now, on the wall clock and on this thread's CPU clock: a part of the layer's host time
+    whose CPU time is well under its wall time waited (for the GIL, in a blocking call)."""
+    return time.perf_counter_ns(), time.thread_time_ns()
+
+
 # ---- works ----------------------------------------------------------------------------------
 class PrunedWork(dist.Work):
     """The Work of one pruned call: the small group's Works, then the sandbox's post step
@@ -350,7 +359,7 @@ class PrunedWork(dist.Work):
         calls: Sequence[C.SmallCall],
         outputs: list,
         checks: Sequence[tuple[Call, list]] = (),
-        leave_out: Callable[[int], None] | None = None,
+        leave_out: Callable[[Stamp, str], None] | None = None,
         issued: bool = True,
     ):
         super().__init__()
@@ -423,10 +432,10 @@ class PrunedWork(dist.Work):
                 w.wait()
             else:
                 w.wait(timeout)
-        t0 = time.perf_counter_ns()
+        t0 = stamp()
         self._finish()
         if self._leave_out is not None:
-            self._leave_out(t0)
+            self._leave_out(t0, "finish")
         return True
 
     def is_completed(self) -> bool:
@@ -603,7 +612,7 @@ class PrunedBackend(solo.GeneratedBackend):
         """The call, checked against this rank's graph before anything is issued: the
         assistant serves what the graph says, so a program that deviates from it must stop
         here with one message, not hang in a mismatched small call."""
-        t0 = time.perf_counter_ns()
+        t0 = stamp()
         c = super()._call(op_rows, k, **kw)
         if _EXPECT is not None:
             rec = self.owner._rec
@@ -611,20 +620,22 @@ class PrunedBackend(solo.GeneratedBackend):
             _EXPECT.check(
                 c.group_name, c.op, c.index, rec.m_in[j], rec.m_out[j], c.peer if c.op in ("send", "recv") else c.root
             )
-        self._leave_out(t0)
+        self._leave_out(t0, "check")
         return c
 
-    def _leave_out(self, t0: int) -> None:
+    def _leave_out(self, t0: Stamp, part: str) -> None:
         """On CPU, where the rank's host clock is its device clock, the time since ``t0``
-        (``perf_counter_ns``) was this layer's own work on a call (the call, its check against
+        (:func:`stamp`) was this layer's own work on a call (the call, its check against
         the graph, the plan, buffers, post steps), which the program's real backend does not
         do: the recorder leaves it out of the rank's clock, so slice timing measures the
         program and the link, not the emulation (docs/commands/time.md, "Emulation overhead on the CPU"). On GPU
         the device clock does not see host work while the host runs ahead, so nothing is left out;
         the time is still counted (``Recorder.emulation_host_ns``): a host-bound rank's device
         waits for it."""
-        ns = time.perf_counter_ns() - t0
-        self.owner._rec.emulation_host_ns += ns
+        ns = time.perf_counter_ns() - t0[0]
+        rec = self.owner._rec
+        rec.emulation_host_ns += ns
+        rec.count_layer_part(part, ns, time.thread_time_ns() - t0[1])
         if self.backend == "gloo":
             self.owner._rec.exclude(ns)
 
@@ -737,7 +748,7 @@ class PrunedBackend(solo.GeneratedBackend):
         NCCL batch: nothing yet, as NCCL returns no Work there; the batch's Work comes from
         ``_end_coalescing``). With the issue thread, an asynchronous call on the GPU is issued
         there (:meth:`_run_later`), unless ``inline``."""
-        t0 = time.perf_counter_ns()
+        t0 = stamp()
         tensors = solo._flat(ins) + solo._flat(outs)
         cuda = any(t.device.type == "cuda" for t in tensors)  # not is_cuda: --cuda-on-cpu maps it
         if cuda != (self.backend == "nccl") and tensors:
@@ -754,13 +765,13 @@ class PrunedBackend(solo.GeneratedBackend):
         if self._nccl_batch is not None:
             self._nccl_batch.append((smalls, solo._flat(outs), checks))
             return None
-        self._leave_out(t0)
+        self._leave_out(t0, "plan")
         works = self._issue(smalls)  # the real backend's part
-        t0 = time.perf_counter_ns()
+        t0 = stamp()
         w = PrunedWork(works, smalls, solo._flat(outs), checks, self._leave_out)
         if self._batch is not None:
             self._batch.append(w)
-        self._leave_out(t0)
+        self._leave_out(t0, "work")
         return w
 
     def _issue(self, smalls: list[C.SmallCall]) -> list:
@@ -768,7 +779,7 @@ class PrunedBackend(solo.GeneratedBackend):
         small = self.small()
         return [w for sc in smalls for w in C.issue(small, sc)]
 
-    def _run_later(self, calls: list[Call], outs, tag: int, t0: int) -> PrunedWork:
+    def _run_later(self, calls: list[Call], outs, tag: int, t0: Stamp) -> PrunedWork:
         """The call's Work now; its plan and small calls on the issue thread, after the point the
         program's stream has reached (a CUDA event: what the collective must see of its tensors)."""
         mark = dev = None
@@ -780,22 +791,27 @@ class PrunedBackend(solo.GeneratedBackend):
         self.small()  # made on the program's thread, at the group's first call, as without the thread
 
         def job() -> tuple:
-            t1 = time.perf_counter_ns()
+            rec = self.owner._rec
+            t1 = stamp()
             with contextlib.ExitStack() as on:
                 if mark is not None:  # after the mark, on the group's own stream
                     side = self._side_stream(dev)
                     on.enter_context(torch.cuda.device(dev))
                     on.enter_context(torch.cuda.stream(side))
                     side.wait_event(mark)
+                t2 = stamp()
                 smalls, checks = self._plans(calls, tag)
+                t3 = stamp()
                 works = self._issue(smalls)
-            rec = self.owner._rec
-            rec.emulation_host_ns += time.perf_counter_ns() - t1  # counted, never left out
+            t4 = stamp()
+            rec.emulation_host_ns += t4[0] - t1[0]  # counted, never left out
+            for part, a, b in (("thread: stream", t1, t2), ("thread: plan", t2, t3), ("thread: call", t3, t4)):
+                rec.count_layer_part(part, b[0] - a[0], b[1] - a[1])
             rec.calls_off_thread += 1
             return works, smalls, checks
 
         _ISSUE.submit(w, job)
-        self._leave_out(t0)
+        self._leave_out(t0, "hand-off")
         return w
 
     # -- calls GeneratedBackend answers without a Call, or without the tag --

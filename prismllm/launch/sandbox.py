@@ -343,6 +343,7 @@ def measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
             "emulation_host_ns": int(log.emulation_host_ns),
             "emulation_scratch_bytes": int(log.scratch_bytes),
             "emulation_calls_off_thread": int(log.calls_off_thread),
+            "emulation_host_parts": log.emulation_host_parts,
             "transfer_durations": log.transfer_durations,
             "head_start": log.head_start,
         }

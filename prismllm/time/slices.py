@@ -467,6 +467,7 @@ def _time_slices(
     spool.mkdir()
     left_out = {}  # per timed rank: the emulation layer's host time left out of its clock
     emulation_host = {}  # per timed rank: that layer's host time on any device (GPU: not left out)
+    host_parts = {}  # per timed rank: that time by part, over the steady iterations (Recorder.emulation_host_parts)
     transfer_durations = {}  # per timed rank on GPU: calls timed by NCCL's own events, and not
     head_starts = {}  # per timed rank on GPU: the host's head starts (comm.headstart)
     for k, s in enumerate(slices):
@@ -477,6 +478,8 @@ def _time_slices(
         for r, m in sl.get("sandbox_results", {}).items():
             left_out[r] = int(m.get("emulation_overhead_left_out_ns", 0))
             emulation_host[r] = int(m.get("emulation_host_ns", 0))
+            if m.get("emulation_host_parts"):
+                host_parts[r] = m["emulation_host_parts"]
             for key, kept in (("transfer_durations", transfer_durations), ("head_start", head_starts)):
                 if m.get(key):
                     kept[r] = m[key]
@@ -506,6 +509,7 @@ def _time_slices(
             "slice_of_rank": slice_of,
             "emulation_overhead_left_out_ns": left_out,
             "emulation_host_ns": emulation_host,
+            "emulation_host_parts": host_parts,
             "transfer_durations": transfer_durations,
             "head_start": head_starts,
             "compute_from": "load pass: every rank at once (DIR/load)" if load else "the slices",

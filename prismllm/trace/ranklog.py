@@ -50,6 +50,9 @@ class RankLog:
     scratch_bytes: int = 0
     # asynchronous pruned calls planned and issued off the program's thread (PRISM_ISSUE_THREAD)
     calls_off_thread: int = 0
+    # emulation_host_ns by part over the steady iterations: part -> [calls, wall ns, CPU ns]
+    # (Recorder.emulation_host_parts)
+    emulation_host_parts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     # GPU: asynchronous calls whose transfer time came from NCCL's own events ("read"), those
     # whose did not ("missing": their transfers end where the program waited) and the first
     # missing one with why (Recorder.transfer_durations)
