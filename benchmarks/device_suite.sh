@@ -32,6 +32,8 @@
 #              CPUs, alternated, two rounds: does where the host threads run move the time? ~4 min
 #   gil        a DDP job's slice and emulation alternated: the issue thread, without it, with a 50 us GIL switch
 #              interval; each one's threads' context switches; the job recorded and plain; ~7 min
+#   hostprof   where a DDP rank's host time goes, real and emulated: py-spy on each, their threads' CPU time,
+#              every busy thread of the machine (top); needs .whl/py_spy-*.whl; ~3 min
 #   headstart  the host's head start of GPU slices: a DDP job's slice with each head start (MODES), the real job,
 #              then the head start's GPU test; ~5 min
 #   hostcost   the host's cost of an async collective, real and emulated, N = 2 and 4 (issue_cost.py), the
