@@ -124,6 +124,14 @@ def test_time_refuses_bad_input(bare, tmp_path):
     assert "Traceback" not in p.stderr
     p = prism("time", "--graph", str(bare), "--out", str(tmp_path / "o"), "--slice-size", "4", "--", GPT3D, *ARGS)
     assert p.returncode == 2 and "must leave some of the 4 ranks virtual" in p.stderr, p.stderr
+    # the API checks what the command line's choices check (a head start it does not know would
+    # otherwise reach the slices, on a GPU only)
+    from prismllm.errors import PrismError
+    from prismllm.time.slices import TimeOptions, time_slices
+
+    opts = TimeOptions(graph=bare, out=tmp_path / "api", script=GPT3D, args=ARGS, head_start="always")
+    with pytest.raises(PrismError, match="--head-start 'always': expected one of overhead, iteration, off"):
+        time_slices(opts)
 
 
 def test_left_out_host_time_is_not_on_the_rank_clock():

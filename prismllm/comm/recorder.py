@@ -119,12 +119,6 @@ class _Cuda:
 
 _cuda = _Cuda
 
-# the communication rows' columns (Recorder.__init__ says what each holds): a cancelled call pops
-# one entry from every one of them
-_COMM_COLS = ("m_index", "m_iter", "m_seq", "m_peer", "m_tag", "m_in", "m_out", "m_coal", "m_async", "m_wait",
-              "m_p0", "m_p1", "m_done", "m_dur", "m_cuda", "m_state", "m_op", "m_group", "m_red", "m_dtype",
-              "m_shape", "m_insp", "m_outsp", "m_api", "m_label")  # fmt: skip
-
 
 class Recorder:
     """Records one rank. All methods run on the program's thread (autograd's, during
@@ -155,7 +149,7 @@ class Recorder:
         self.c_p0 = array("q")
         self.c_p1 = array("q")
         self.c_label: list[str] = []
-        # communication rows, a column each (_COMM_COLS)
+        # communication rows, a column each (m_*, listed in comm_columns)
         self.m_index = array("q")  # the row's node index in the rank's program order
         self.m_iter = array("q")  # its iteration
         self.m_seq = array("q")  # the call's sequence number on its group
@@ -181,6 +175,8 @@ class Recorder:
         self.m_outsp: list[tuple] = []  # and output splits
         self.m_api: list[str] = []  # the c10d method the program called
         self.m_label: list[str] = []  # the span label pending at the call (prismllm.mark)
+        # the columns above, named once: a cancelled call pops one entry from every one of them
+        self.comm_columns = tuple(name for name in vars(self) if name.startswith("m_"))
         self.iterations: list[list] = []  # [iteration, start point, end point, label]
         self.iteration = 0
         self.iter_start = -1
@@ -672,7 +668,7 @@ class Recorder:
         p0 = self.m_p0[rows[0]]
         label = self.m_label[rows[0]]
         for _ in range(n):
-            for c in _COMM_COLS:
+            for c in self.comm_columns:
                 getattr(self, c).pop()
             self.n_kind.pop()
             self.n_sub.pop()

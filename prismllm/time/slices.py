@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from prismllm.childenv import HEAD_START_CHOICES
 from prismllm.errors import PrismError, RequirementError
 from prismllm.fromfields import FromFields
 from prismllm.fsutil import write_file_atomically
@@ -393,6 +394,8 @@ def _time_slices(
     world = int(manifest["world_size"])
     if opts.parallel is not None and opts.parallel < 1:
         raise PrismError(f"--parallel must be at least 1, not {opts.parallel}")
+    if opts.head_start not in HEAD_START_CHOICES:  # (the command line offers only these)
+        raise PrismError(f"--head-start {opts.head_start!r}: expected one of {', '.join(HEAD_START_CHOICES)}")
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     check_program(manifest, opts.script, opts.args, world)  # the graph's program, or refuse
