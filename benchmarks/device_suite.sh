@@ -34,6 +34,8 @@
 #              interval; each one's threads' context switches; the job recorded and plain; ~7 min
 #   hostprof   where a DDP rank's host time goes, real and emulated: py-spy on each, their threads' CPU time,
 #              every busy thread of the machine (top); needs .whl/py_spy-*.whl; ~3 min
+#   parts      the emulation layer's host time by part on a DDP job's slice and emulation (60 iterations), top while
+#              the emulation runs, the assistant's GPU test; ~4 min
 #   headstart  the host's head start of GPU slices: a DDP job's slice with each head start (MODES), the real job,
 #              then the head start's GPU test; ~5 min
 #   hostcost   the host's cost of an async collective, real and emulated, N = 2 and 4 (issue_cost.py), the
@@ -56,7 +58,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|headstart|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -324,6 +326,41 @@ hostprof)
     sample emu "$D/emu.log"; wait
     echo "real (py-spy) $(median "$D/real.log") ms | emulated (py-spy) $(median "$D/emu.log") ms"
     tar czf "$OUT/hostprof.tgz" "$D"/*.txt "$D"/*.log "$W"/time/graph "$W"/logs "$D"/emu/emulate.json 2>/dev/null ;;
+parts)
+    # the emulation layer's host time by part (emulation_host_parts: wall and CPU a call) on the suite's DDP job
+    # at 60 iterations, in its slice and its emulation; every busy thread of the machine (top) while the
+    # emulation iterates (does an assistant thread still spin?); first the assistant's GPU test; ~4 min
+    D=out/parts W=out/parts/ddp2
+    mkdir -p "$D"
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_assistant_gpu.py 2>&1 | tail -2
+    LONG="$A --iters 60"  # the last --iters wins
+    timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P $LONG >"$D/real.log" 2>&1
+    echo "real: $(median "$D/real.log") ms"
+    timeout 300 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $P $LONG \
+        >"$D/prism.log" 2>&1 &
+    for _ in $(seq 2400); do grep -q "iteration 20/" "$W/logs/emulate.log" 2>/dev/null && break; sleep 0.1; done
+    top -H -b -n 2 -d 1 -w 200 | awk '/^top -/ {n++} n == 2' | head -20 >"$D/top.txt"
+    wait
+    grep -h 'predicted iteration\|emulated, rank' "$D/prism.log"
+    python3 - "$W" <<'PY'
+import json, sys
+
+w = sys.argv[1]
+
+
+def show(what, parts):
+    for part, (calls, wall, cpu) in sorted(parts.items(), key=lambda kv: -kv[1][1]):
+        print(f"{what:12s} {part:15s} {calls:6d} calls {wall / calls / 1e3:9.1f} us wall {cpu / calls / 1e3:9.1f} us CPU")
+
+
+timed = json.load(open(f"{w}/time/graph/manifest.json"))["timing"]
+for r, parts in (timed.get("emulation_host_parts") or {}).items():
+    show(f"slice {r}", parts)
+for r, res in json.load(open(f"{w}/emulate/emulate.json"))["sandbox_results"].items():
+    show(f"emulated {r}", res.get("emulation_host_parts") or {})
+PY
+    cat "$D/top.txt"
+    tar czf "$OUT/parts.tgz" "$D"/*.log "$D"/*.txt "$W"/time/graph "$W"/logs "$W"/emulate/emulate.json 2>/dev/null ;;
 headstart)
     # the host's head start of GPU slices (comm.headstart): a DDP job's prism run (the default head start,
     # "overhead"), its slice again with each head start, the real job; then the head start's GPU test; ~5 min

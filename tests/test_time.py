@@ -106,7 +106,7 @@ def test_time_slices_every_representative_once_and_resumes(bare, tmp_path):
     assert set(parts) == {"0", "1"}, parts
     for r, by_part in parts.items():
         assert {"check", "plan", "work", "finish"} <= set(by_part), by_part
-        assert all(calls > 0 and 0 < cpu <= wall * 1.05 + 50_000 for calls, wall, cpu in by_part.values()), by_part
+        assert all(calls > 0 and 0 < cpu <= wall * 1.1 + 50_000 for calls, wall, cpu in by_part.values()), by_part
         assert sum(wall for _, wall, _ in by_part.values()) < left_out[r]  # the first iteration is not in it
     assert compare_traces(ref, timed, timing=False).structure_equal
     d = timed.nodes.select(["kind", "duration_ns"]).to_pylist()
