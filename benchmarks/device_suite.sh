@@ -35,7 +35,7 @@
 #   hostprof   where a DDP rank's host time goes, real and emulated: py-spy on each, their threads' CPU time,
 #              every busy thread of the machine (top); needs .whl/py_spy-*.whl; ~3 min
 #   parts      the emulation layer's host time by part on a DDP job's slice and emulation (60 iterations), top while
-#              the emulation runs, the assistant's GPU test; ~4 min
+#              the emulation runs, the assistant's and the head start's GPU tests; ~6 min
 #   headstart  the host's head start of GPU slices: a DDP job's slice with each head start (MODES), the real job,
 #              then the head start's GPU test; ~5 min
 #   hostcost   the host's cost of an async collective, real and emulated, N = 2 and 4 (issue_cost.py), the
@@ -329,10 +329,12 @@ hostprof)
 parts)
     # the emulation layer's host time by part (emulation_host_parts: wall and CPU a call) on the suite's DDP job
     # at 60 iterations, in its slice and its emulation; every busy thread of the machine (top) while the
-    # emulation iterates (does an assistant thread still spin?); first the assistant's GPU test; ~4 min
+    # emulation iterates (does an assistant thread still spin?); first the assistant's and the head start's GPU
+    # tests; ~6 min
     D=out/parts W=out/parts/ddp2
     mkdir -p "$D"
-    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_assistant_gpu.py 2>&1 | tail -2
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_assistant_gpu.py tests/test_headstart_gpu.py \
+        2>&1 | tail -3
     LONG="$A --iters 60"  # the last --iters wins
     timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P $LONG >"$D/real.log" 2>&1
     echo "real: $(median "$D/real.log") ms"

@@ -60,3 +60,30 @@ def test_the_waits_are_wrapped_transparently_and_restored_exactly():
     finally:
         undo()
     assert {(o, n): o.__dict__.get(n) for o, n, _ in headstart.SYNC_POINTS} == before
+
+
+def test_a_head_start_is_the_layers_time_until_the_next_wait_as_the_last_iteration_spent_it():
+    """`overhead`: after the k-th wait of an iteration the device sleeps the emulation layer's host
+    time from the k-th wait to the next one in the last iteration (the last wait: to the next
+    iteration's first), not the whole iteration's at every wait; where the waits do not repeat,
+    the last iteration's whole layer time."""
+    from prismllm.comm.recorder import Recorder
+
+    rec = Recorder(0, 2)
+    rec.started = True
+    rec.layer_ns_at_waits = [10, 10]  # an iteration: two waits, 10 ns of layer time before them
+    rec.emulation_host_ns = 90  # 80 more after them, to the boundary
+    rec.comm_points = 1
+    rec.boundary(explicit=False)
+    rec.comm_points = 0
+    rec.boundary(explicit=False)  # a step with no call since: the same iteration goes on
+    assert rec.layer_ns_at_waits_last == [10, 10] and rec.layer_ns_at_waits == []
+    rec.layer_ns_at_boundary = [0, 90]
+    rec.layer_ns_at_waits = [95]  # the next iteration's first wait: 5 ns after the boundary
+    assert rec._layer_ns_to_next_wait() == 0  # from the first wait to the second: nothing
+    rec.layer_ns_at_waits = [95, 95]
+    assert rec._layer_ns_to_next_wait() == 85  # from the last wait to the next iteration's first
+    rec.layer_ns_at_waits = [95, 95, 180]  # a third wait the last iteration did not have
+    assert rec._layer_ns_to_next_wait() == 90
+    rec.layer_ns_at_boundary = [0, 90, 90 + 2 * headstart.MAX_NS]
+    assert rec._layer_ns_to_next_wait() == headstart.MAX_NS  # bounded

@@ -184,8 +184,8 @@ SHARED: dict[str, Option] = {
             "choices": HEAD_START_CHOICES,
             "default": "overhead",
             "help": "GPU slices: after each wait of the host for its device, the device sleeps (left out of the "
-            "timing) for the emulation layer's host time of the last iteration (overhead, the default: the "
-            "program's own host pace), about one iteration (iteration: the device's work alone, for a "
+            "timing) for the emulation layer's host time until the host's next wait, as the last iteration "
+            "spent it (overhead, the default: the program's own host pace), about one iteration (iteration: the device's work alone, for a "
             "device-bound program on a slower host), or not at all (off) (docs/commands/time.md)",
         },
     ),

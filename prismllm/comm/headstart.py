@@ -13,9 +13,9 @@ host, an Event's or a Stream's ``synchronize``), the device sleeps (``torch.cuda
 before the program's next kernel, between two events of the recorder's own, and the sleep is
 left out of the rank's device timeline (:class:`DeviceHoles`): every later device time moves
 earlier by the sleeps before it. The host runs that far ahead of its device. How far
-(``ChildEnv.head_start``): the emulation layer's host time of the last iteration ("overhead":
-the real run's host is that much farther ahead, and the program's own host pace stays in the
-spans), or about the last iteration's device time ("iteration": the spans hold the device's own
+(``ChildEnv.head_start``): the emulation layer's host time from this wait to the host's next, as
+the last iteration spent it from its wait of the same place ("overhead": the real run's host is
+that much farther ahead, and the program's own host pace stays in the spans), or about the last iteration's device time ("iteration": the spans hold the device's own
 work), at most :data:`MAX_NS` either way. A rank whose host falls behind its device even so
 shows its host's pace, and the recorder counts the points where its device had caught up with
 its host (``host_behind``), which ``prism time`` reports.

@@ -226,6 +226,9 @@ class Recorder:
         # each of the program's waits for it, and the sleeps are left out of its timeline
         self.head_start = ""  # "overhead" | "iteration"; "": none (ChildEnv.head_start)
         self.layer_ns_at_boundary: list[int] = []  # emulation_host_ns at each iteration boundary
+        # ... at each wait of the host for its device (a head start's point), this iteration's and the last's
+        self.layer_ns_at_waits: list[int] = []
+        self.layer_ns_at_waits_last: list[int] | None = None
         self.holes: dict[int, headstart.DeviceHoles] = {}  # device -> its sleeps, resolved
         self.holes_pending: deque[tuple[int, Any, Any]] = deque()  # (device, event before, event after)
         self.cycles_per_ns: dict[int, float] = {}
@@ -331,7 +334,7 @@ class Recorder:
             dev = self.p_dev[pid]
             anchor, host0 = self.anchors[dev]
             t = int(round(anchor.elapsed_time(ev) * 1e6))
-            if self.head_starts:
+            if self.head_start_from >= 0:  # holes given
                 self._resolve_holes(block)
                 if self.head_start_from <= pid:
                     self.points_timed += 1
@@ -364,10 +367,13 @@ class Recorder:
     def give_head_start(self) -> None:
         """The program's host has just waited for its device: the device sleeps before the
         program's next kernel, so that the host runs that far ahead of it (prismllm.comm.headstart):
-        for the emulation layer's host time of the last iteration ("overhead") or about the last
-        iteration's device time ("iteration")."""
+        for the emulation layer's host time until the host's next wait ("overhead") or about the
+        last iteration's device time ("iteration")."""
+        if not self.head_start or not self.cuda_live or self.finished or self.giving:
+            return
+        self.layer_ns_at_waits.append(self.emulation_host_ns)
         # from the end of the second iteration: the first is the warm-up, the second measures the head start
-        if not self.head_start or not self.cuda_live or self.finished or len(self.iterations) < 2 or self.giving:
+        if len(self.iterations) < 2:
             return
         dev = _cuda.get_device()
         pool = self.ev_pool.get(dev)
@@ -380,21 +386,21 @@ class Recorder:
             self.giving = False
 
     def _give_head_start(self, dev: int, pool: list) -> None:
-        self._resolve(len(self.p_host))  # the host waited: the last iteration's points have run
-        ns = self._last_iteration_ns() if self.head_start == "iteration" else self._last_layer_ns()
-        if ns <= 0:  # no pruned call: the host is where the real run's is
-            return
-        rate = self.cycles_per_ns[dev]
         before = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
         after = pool.pop() if pool else torch.cuda.Event(enable_timing=True)
         st = self._current_stream(dev)
+        # first: the device, idle since the wait, reaches it now, so that what the recorder does
+        # here (resolving every point since the last wait) is in the hole too, not in a span
         _cuda.record(before, st)
-        torch.cuda._sleep(int(ns * rate))
+        self._resolve(len(self.p_host))  # the host waited: the last iteration's points have run
+        ns = self._last_iteration_ns() if self.head_start == "iteration" else self._layer_ns_to_next_wait()
+        if ns > 0:  # else no pruned call until the next wait: the host is where the real run's is
+            torch.cuda._sleep(int(ns * self.cycles_per_ns[dev]))
         _cuda.record(after, st)
         self.holes_pending.append((dev, before, after))
-        if not self.head_starts:
+        if self.head_start_from < 0:
             self.head_start_from = len(self.p_host)
-        self.head_starts += 1
+        self.head_starts += int(ns > 0)
 
     def _last_iteration_ns(self) -> int:
         """The device time of the last iteration whose points are resolved (sleeps left out),
@@ -404,11 +410,23 @@ class Recorder:
                 return min(headstart.MAX_NS, max(headstart.MIN_NS, self.p_ns[end] - self.p_ns[start]))
         return headstart.MAX_NS
 
-    def _last_layer_ns(self) -> int:
-        """The emulation layer's host time in the last iteration (its calls, on the program's thread
-        and the issue thread): how much farther ahead of its device the real run's host is."""
-        at = self.layer_ns_at_boundary
-        return min(headstart.MAX_NS, at[-1] - at[-2])
+    def _layer_ns_to_next_wait(self) -> int:
+        """The emulation layer's host time (its calls, on the program's thread and the issue thread)
+        from this wait of the host to its next one, as the last iteration spent it from its wait of
+        the same place: how much farther ahead of its device the real run's host is until it waits
+        again. A program whose waits do not repeat from one iteration to the next: the last
+        iteration's whole layer time. (Each wait given the whole iteration's: a Megatron TP2 slice,
+        85-136 waits an iteration, slept 2.4-9 s an iteration on four H100s.)"""
+        last, now = self.layer_ns_at_waits_last, self.layer_ns_at_waits
+        k = len(now) - 1  # this wait's place in the iteration
+        if last and k < len(last) - 1:
+            ns = last[k + 1] - last[k]
+        elif last and k == len(last) - 1:  # the last wait: up to the next iteration's first
+            ns = now[0] - last[k]
+        else:
+            at = self.layer_ns_at_boundary
+            ns = at[-1] - at[-2]
+        return min(headstart.MAX_NS, ns)
 
     def count_layer_part(self, part: str, wall_ns: int, cpu_ns: int) -> None:
         """One call's host time in one part of the emulation layer, from the second iteration on
@@ -875,11 +893,13 @@ class Recorder:
             self.iterations[-1][2] = p
             self.iteration += 1
             self.layer_ns_at_boundary[-1] = self.emulation_host_ns
+            self.layer_ns_at_waits = (self.layer_ns_at_waits_last or []) + self.layer_ns_at_waits
         else:
             self._close_span(p)
             self.iterations.append([self.iteration, self.iter_start, p, ""])
             self.iteration += 1
             self.layer_ns_at_boundary.append(self.emulation_host_ns)
+        self.layer_ns_at_waits_last, self.layer_ns_at_waits = self.layer_ns_at_waits, []
         self.iter_start = p
         self.comm_points = 0
         self._open_span(p)

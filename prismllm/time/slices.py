@@ -81,7 +81,7 @@ class TimeOptions(FromFields):
     spin: dict[str, float] | None = None  # {label: ms}: the timed ranks spin in spans so labelled (prism whatif --spin)
     verify: bool = True  # check the graph's and the store's checksums (and the store's index) before launching
     # GPU: after each wait of a slice's host for its device, the device sleeps, left out of its timeline, so
-    # that the host runs ahead of it: "overhead" (the emulation layer's host time of the last iteration: the
+    # that the host runs ahead of it: "overhead" (the emulation layer's host time until the next wait: the
     # program's own pace), "iteration" (about one iteration: the device's work alone) or "off" (comm.headstart)
     head_start: str = "overhead"
 
