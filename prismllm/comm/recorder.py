@@ -228,7 +228,7 @@ class Recorder:
         self.layer_ns_at_boundary: list[int] = []  # emulation_host_ns at each iteration boundary
         # ... at each wait of the host for its device (a head start's point), this iteration's and the last's
         self.layer_ns_at_waits: list[int] = []
-        self.layer_ns_at_waits_last: list[int] | None = None
+        self.layer_ns_at_waits_last: list[int] = []
         self.holes: dict[int, headstart.DeviceHoles] = {}  # device -> its sleeps, resolved
         self.holes_pending: deque[tuple[int, Any, Any]] = deque()  # (device, event before, event after)
         self.cycles_per_ns: dict[int, float] = {}
@@ -428,9 +428,11 @@ class Recorder:
             ns = at[-1] - at[-2]
         return min(headstart.MAX_NS, ns)
 
-    def count_layer_part(self, part: str, wall_ns: int, cpu_ns: int) -> None:
-        """One call's host time in one part of the emulation layer, from the second iteration on
-        (the first builds plans, buffers and communicators once)."""
+    def count_layer_time(self, part: str, wall_ns: int, cpu_ns: int) -> None:
+        """Host time the emulation layer spent in one part of one call: in ``emulation_host_ns``,
+        and by part from the second iteration on (the first builds plans, buffers and
+        communicators once)."""
+        self.emulation_host_ns += wall_ns
         if self.iterations:
             acc = self.emulation_host_parts.setdefault(part, [0, 0, 0])
             acc[0] += 1
@@ -893,7 +895,7 @@ class Recorder:
             self.iterations[-1][2] = p
             self.iteration += 1
             self.layer_ns_at_boundary[-1] = self.emulation_host_ns
-            self.layer_ns_at_waits = (self.layer_ns_at_waits_last or []) + self.layer_ns_at_waits
+            self.layer_ns_at_waits = self.layer_ns_at_waits_last + self.layer_ns_at_waits
         else:
             self._close_span(p)
             self.iterations.append([self.iteration, self.iter_start, p, ""])

@@ -634,10 +634,9 @@ class PrunedBackend(solo.GeneratedBackend):
         waits for it."""
         ns = time.perf_counter_ns() - t0[0]
         rec = self.owner._rec
-        rec.emulation_host_ns += ns
-        rec.count_layer_part(part, ns, time.thread_time_ns() - t0[1])
+        rec.count_layer_time(part, ns, time.thread_time_ns() - t0[1])
         if self.backend == "gloo":
-            self.owner._rec.exclude(ns)
+            rec.exclude(ns)
 
     def small(self) -> Any:
         """The small group, made now if this is the group's first call."""
@@ -804,9 +803,8 @@ class PrunedBackend(solo.GeneratedBackend):
                 t3 = stamp()
                 works = self._issue(smalls)
             t4 = stamp()
-            rec.emulation_host_ns += t4[0] - t1[0]  # counted, never left out
             for part, a, b in (("thread: stream", t1, t2), ("thread: plan", t2, t3), ("thread: call", t3, t4)):
-                rec.count_layer_part(part, b[0] - a[0], b[1] - a[1])
+                rec.count_layer_time(part, b[0] - a[0], b[1] - a[1])  # counted, never left out
             rec.calls_off_thread += 1
             return works, smalls, checks
 
