@@ -25,6 +25,7 @@ Recordings are read-only for their users: write emulations, calibrations and cop
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from listeners import ListenerWatch
 
 ROOT = Path(__file__).resolve().parents[1]
 PRISM = str(Path(sys.executable).with_name("prism"))
@@ -47,6 +49,7 @@ class Recording:
     out: Path  # the graph (``prism record --out``); with --save-tensors, its tensors/ too
     log_path: Path  # gpt3d --json-log of the run (written by the last rank)
     params: Path | None  # gpt3d --save-params of the run, when asked for
+    listeners: frozenset = frozenset()  # what the run's processes listened on (tests/listeners.py)
 
     @property
     def log(self) -> list[dict]:
@@ -76,14 +79,25 @@ def gpt3d_recording(tmp_path_factory):
             cmd += ["--timeout", str(timeout), "--", GPT3D, *args, "--json-log", str(rec.log_path)]
             if rec.params is not None:
                 cmd += ["--save-params", str(rec.params)]
-            p = subprocess.run(
-                cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout + 120
+            p = subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
             )
+            with ListenerWatch(p.pid) as watch:
+                try:
+                    out, err = p.communicate(timeout=timeout + 120)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    out, err = p.communicate()
+            rec = dataclasses.replace(rec, listeners=frozenset(watch.seen))
             # a failed recording fails every test that needs it, without running it again
             done[key] = (
                 rec
                 if p.returncode == 0
-                else (f"{' '.join(cmd)} exited with {p.returncode}:\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
+                else (f"{' '.join(cmd)} exited with {p.returncode}:\n{out[-3000:]}{err[-3000:]}")
             )
         rec = done[key]
         if isinstance(rec, str):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from conftest import GPT3D, PRISM
+from listeners import is_loopback
 
 from prismllm.emulate import EmulateOptions, emulate
 from prismllm.errors import ExitCode, PrismError
@@ -130,6 +131,14 @@ def shared_record(gpt3d_recording, layout: str, nproc: int = 2) -> tuple[Path, l
 @pytest.fixture(scope="module")
 def tp2(gpt3d_recording):
     return shared_record(gpt3d_recording, "tp2")
+
+
+def test_a_recording_listens_on_loopback_only(tp2, gpt3d_recording):
+    """`prism record`'s processes (the launcher's store, the ranks' gloo pairs), sampled as `ss
+    -ltnp` would show them during the run: loopback alone."""
+    rec = gpt3d_recording(2, [*LAYOUTS["tp2"], *SIZES], save_tensors="all,inputs")
+    assert any("gpt3d.py" in name for _, _, name in rec.listeners), rec.listeners
+    assert not [s for s in rec.listeners if not is_loopback(s[0])], sorted(rec.listeners)
 
 
 def test_parse_ranks():
@@ -307,9 +316,11 @@ def test_n4_two_sandbox_ranks(tmp_path, gpt3d_recording):
 
 
 def test_two_invocations_meet_at_one_endpoint(tp2, tmp_path):
-    """Multi-host, on one machine: one `prism emulate --role sandbox` (it hosts the store at
-    the endpoint) and one `--role assistant` (started first: it waits for the store), as two
-    hosts would run them; the emulated losses equal the real run's."""
+    """Multi-host, on one machine: one `prism emulate --role sandbox` (it hosts the store, behind
+    a gate at the endpoint) and one `--role assistant` (started first: it waits for the store), as
+    two hosts would run them, sharing a token; the emulated losses equal the real run's. A client
+    without the token that reaches the endpoint meanwhile is closed unserved and reported; without
+    a token the run is refused before anything starts."""
     import socket
 
     graph, real = tp2
@@ -318,8 +329,21 @@ def test_two_invocations_meet_at_one_endpoint(tp2, tmp_path):
         port = s.getsockname()[1]
     log = tmp_path / "emu.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PRISM_RDZV_TOKEN", None)
     common = ["--graph", str(graph), "--sandbox", "1", "--rdzv-endpoint", f"127.0.0.1:{port}", "--timeout", "60"]
     program = ["--", GPT3D, *LAYOUTS["tp2"], *SIZES, "--json-log", str(log)]  # the same command on every host
+    p = subprocess.run(
+        [PRISM, "emulate", *common, "--role", "sandbox", "--out", str(tmp_path / "x"), *program],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert p.returncode == ExitCode.USAGE and "needs a shared token" in p.stderr, p.stderr
+    token = tmp_path / "token"
+    token.write_text("0123456789abcdef0123456789abcdef\n")
+    token.chmod(0o600)
+    common += ["--rdzv-token-file", str(token)]
     assistant = subprocess.Popen(
         [PRISM, "emulate", *common, "--role", "assistant", "--out", str(tmp_path / "a"), *program],
         stdout=subprocess.PIPE,
@@ -329,21 +353,36 @@ def test_two_invocations_meet_at_one_endpoint(tp2, tmp_path):
     )
     try:
         time.sleep(1.0)  # the assistant first: its store client waits for the server
-        sb = subprocess.run(
+        sandbox = subprocess.Popen(
             [PRISM, "emulate", *common, "--role", "sandbox", "--out", str(tmp_path / "s"), *program],
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
             env=env,
-            timeout=200,
         )
+        deadline = time.monotonic() + 60
+        while True:  # a stranger at the endpoint, as torch's store client would talk: nothing comes back
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    s.sendall(b"\x00\x01\x02\x03\x04")
+                    assert s.recv(1) == b""
+                break
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline, "the endpoint never listened"
+                time.sleep(0.1)
+        s_out, s_err = sandbox.communicate(timeout=200)
         a_out, a_err = assistant.communicate(timeout=60)
     finally:
-        if assistant.poll() is None:
-            assistant.kill()
-            assistant.wait()
-    assert sb.returncode == 0, sb.stderr[-3000:]
+        for proc in (assistant, sandbox):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert sandbox.returncode == 0, s_err[-3000:]
     assert assistant.returncode == 0, a_err[-3000:]
     assert "replayed 1 virtual rank" in a_out + a_err
+    assert re.search(
+        r"^prism: refused a connection to the rendezvous store from 127\.0\.0\.1:\d+: .*no token", s_err, re.M
+    )
     assert_same_losses(real, json.loads(log.read_text()))
     for d in ("a", "s"):
         assert_all_ended(

@@ -410,6 +410,19 @@ def test_child_env_is_torchrun_set_plus_nvls_off(tmp_path, monkeypatch):
         assert env["CUDA_VISIBLE_DEVICES"] == ""  # cpu: GPUs hidden
         assert env["EXTRA"] == "1" and "DROPPED" not in env
         assert ("ONLY3" in env) == (r == 3)
+        # one host: gloo and NCCL's bootstrap listen on loopback
+        assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["NCCL_SOCKET_IFNAME"] == "lo"
+
+
+def test_a_users_interfaces_are_kept_and_multi_host_runs_choose_their_own(tmp_path, monkeypatch):
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "eth7")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    spec = LaunchSpec(nproc=1, script="x.py")
+    env = L.build_env(spec, rank=0, local_rank=0, master_port=1, run_id="r")
+    assert env["NCCL_SOCKET_IFNAME"] == "eth7" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    multi = LaunchSpec(nproc=1, script="x.py", rdzv_token=b"t" * 16)
+    env = L.build_env(multi, rank=0, local_rank=0, master_port=1, run_id="r")
+    assert env["NCCL_SOCKET_IFNAME"] == "eth7" and "GLOO_SOCKET_IFNAME" not in env
 
 
 def test_nvls_off_cannot_be_overridden_and_subset_of_world(tmp_path):

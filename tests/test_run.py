@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import GPT3D
+from listeners import ListenerWatch, is_loopback
 from test_report_html import Opened, browser  # noqa: F401  (browser: a fixture used below)
 
 from prismllm.cli.main import main
@@ -50,12 +51,26 @@ ARGV = ["run", "--world", "8", "--layout", "tp=2,pp=2", "--sandbox", "7", "--dev
 
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory) -> tuple[Path, str]:
-    """The job run once: (OUT, what it printed)."""
+    """The job run once: (OUT, what it printed); what its processes listened on in LISTENED."""
     out = tmp_path_factory.mktemp("run") / "run"
     buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
+    with contextlib.redirect_stdout(buf), ListenerWatch() as watch:
         assert main([*ARGV, "--out", str(out), *JOB]) == 0
+    LISTENED.update(watch.seen)
     return out, buf.getvalue()
+
+
+LISTENED: set[tuple[str, int, str]] = set()
+
+
+def test_every_stage_listens_on_loopback_only(ran):
+    """As `ss -ltnp` during the run would show: the rendezvous stores, gloo's pairs and the
+    assistants' channels of capture, time and emulate listen on loopback alone (the prism process
+    and every process it started, sampled every 0.1 s)."""
+    procs = {name for _, _, name in LISTENED}
+    assert any("prismllm.assistant" in n for n in procs), LISTENED  # the emulation's processes were seen
+    assert any("gpt3d.py" in n for n in procs), LISTENED
+    assert not [s for s in LISTENED if not is_loopback(s[0])], sorted(LISTENED)
 
 
 def test_run_goes_from_the_program_to_the_report_and_resumes(ran, tmp_path, capsys):

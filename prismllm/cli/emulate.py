@@ -1,7 +1,7 @@
 """`prism emulate`: sandbox ranks run the real program, an assistant replays the others.
 
     prism emulate --graph GRAPH --sandbox RANKS --out DIR [--devices ...] [--inputs ...] [--tensors STORE]
-                  [--timing auto|fast|real] [--assistants K] [--check] [--rdzv-endpoint HOST:PORT
+                  [--timing auto|fast|real] [--assistants K] [--check] [--rdzv-endpoint HOST:PORT [--rdzv-token-file TOKEN]
                   --role all|sandbox|assistant] [--timeout S] [--force] [--tee] [--prefix] [--json]
                   -- SCRIPT ARGS...
 
@@ -48,6 +48,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT",
         help="multi-host: where every invocation's processes meet (hosted by the one that "
         "runs the sandbox ranks), as torchrun's --rdzv-endpoint",
+    )
+    p.add_argument(
+        "--rdzv-token-file",
+        default=None,
+        metavar="TOKEN",
+        help="with --rdzv-endpoint: a file (mode 600) holding the token every host shares; nothing "
+        "is served to a connection before it proves the token (default: $PRISM_RDZV_TOKEN)",
     )
     p.add_argument(
         "--role",

@@ -28,6 +28,7 @@ from prismllm.childenv import TIMINGS
 from prismllm.errors import PrismError
 from prismllm.fromfields import FromFields
 from prismllm.launch import LaunchResult, LineSink
+from prismllm.launch.gate import load_token
 from prismllm.launch.program import check_program
 from prismllm.launch.sandbox import (
     PIDS_FILE,
@@ -70,6 +71,9 @@ class EmulateOptions(FromFields):
     # invocation runs: "all", "sandbox" (the sandbox ranks) or "assistant".
     rdzv_endpoint: str | None = None
     role: str = "all"
+    # With rdzv_endpoint: the file holding the hosts' shared token (else $PRISM_RDZV_TOKEN); nothing
+    # reaches the store before it is proved (prismllm.launch.gate)
+    rdzv_token_file: str | os.PathLike | None = None
     # How the assistant replays the virtual ranks: "fast" (as fast as dependencies allow: slice
     # timing), "real" (in real time with the graph's durations, the sandbox's real completions
     # fed back: emulation with a calibrated graph), "auto" (real for a calibrated graph, else fast).
@@ -166,6 +170,8 @@ def _endpoint(opts: EmulateOptions) -> tuple[str, int]:
     if opts.role not in ("all", "sandbox", "assistant"):
         raise PrismError(f"--role must be all, sandbox or assistant, not {opts.role!r}")
     if opts.rdzv_endpoint is None:
+        if opts.rdzv_token_file is not None:
+            raise PrismError("--rdzv-token-file goes with --rdzv-endpoint (a single-host run listens on loopback only)")
         if opts.role != "all":
             raise PrismError(
                 f"--role {opts.role} needs --rdzv-endpoint HOST:PORT (where the other "
@@ -225,6 +231,7 @@ def _emulate(opts: EmulateOptions) -> EmulateResult:
     if opts.check and tensors is None:
         raise PrismError("--check compares with recorded outputs: it needs the recorded tensors (--inputs recorded)")
     rdzv = _endpoint(opts)
+    token = load_token(opts.rdzv_token_file) if opts.rdzv_endpoint is not None else None
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     check_program(manifest, opts.script, opts.args, world)  # a graph of another program: refuse
@@ -248,6 +255,7 @@ def _emulate(opts: EmulateOptions) -> EmulateResult:
             timing=timing,
             env=dict(opts.env),
             rdzv=rdzv,
+            rdzv_token=token,
         )
     )
     result, failure = run.launch, run.failure

@@ -15,6 +15,11 @@ NVLS_OFF_ENV: dict[str, str] = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 
+# Set in every child of a single-host run unless the user set them: gloo's pairs and NCCL's
+# bootstrap listen on loopback, not on the interface the host name resolves to (on a cluster node,
+# its network address): nothing of a run on one host is reachable from another.
+LOOPBACK_ENV: dict[str, str] = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
 # Variables the elastic agent of torchrun sets for each worker
 # (torch/distributed/elastic/agent/server/local_elastic_agent.py, _start_workers).
 TORCHRUN_ENV_VARS = (
@@ -155,9 +160,18 @@ def build_env(
     if "OMP_NUM_THREADS" not in base and spec.nproc > 1:
         env["OMP_NUM_THREADS"] = "1"  # as torchrun, to keep N processes from oversubscribing
     env["PYTHONUNBUFFERED"] = "1"  # output reaches the launcher as it is written
+    _on_loopback(spec, env)
     apply_overrides(env, spec.env, spec.rank_env.get(rank, {}))
     env.update(NVLS_OFF_ENV)
     return env
+
+
+def _on_loopback(spec: LaunchSpec, env: dict[str, str]) -> None:
+    """A single-host run's communication listens on loopback (``LOOPBACK_ENV``); a multi-host one
+    (a rendezvous token: ``LaunchSpec.rdzv_token``) must reach the other hosts."""
+    if spec.rdzv_token is None:
+        for k, v in LOOPBACK_ENV.items():
+            env.setdefault(k, v)
 
 
 def own_hosts(spec: LaunchSpec) -> bool:
@@ -196,6 +210,7 @@ def build_extra_env(
     )
     if own_hosts(spec):
         env.update(own_host_env(run_id, f"x{index}"))
+    _on_loopback(spec, env)
     apply_overrides(env, spec.env, extra.env)
     env.update(NVLS_OFF_ENV)
     return env

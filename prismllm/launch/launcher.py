@@ -75,6 +75,7 @@ from prismllm.launch.environment import (
     child_command,
     device_env,
 )
+from prismllm.launch.gate import StoreGate, StoreTunnel
 from prismllm.launch.messages import (
     error_file_message,
     error_line,
@@ -185,6 +186,7 @@ class _Launcher:
         self.pump: OutputPump | None = None
         self.watchdog: Watchdog | None = None
         self.store = None  # the rendezvous TCPStore when the launcher hosts it
+        self.gate: StoreGate | StoreTunnel | None = None  # multi-host with a token (prismllm.launch.gate)
         self.cleaning = False
         self.deferring = False
         self.deferred = 0
@@ -316,20 +318,46 @@ class _Launcher:
             raise LaunchError(f"script not found: {spec.script}")
         ranks = _resolve_ranks(spec)
         device_env(spec.devices, spec.nproc, os.environ)  # validate before starting anything
-        if spec.master_port is None:
-            self.store = host_store(spec.master_addr, spec.store_port)  # bound until the run ends
-            port = self.store.port
-        else:
-            port = spec.master_port
+        port = self._rendezvous()
         run_id = spec.run_id or uuid.uuid4().hex[:12]
         log_dir = Path(spec.log_dir) if spec.log_dir is not None else None
-        if log_dir is not None:
-            log_dir.mkdir(parents=True, exist_ok=True)
-        err_dir = tempfile.mkdtemp(prefix="prism-launch-")
         try:
-            return self._run(ranks, port, run_id, log_dir, err_dir)
+            if log_dir is not None:
+                log_dir.mkdir(parents=True, exist_ok=True)
+            err_dir = tempfile.mkdtemp(prefix="prism-launch-")
+            try:
+                return self._run(ranks, port, run_id, log_dir, err_dir)
+            finally:
+                shutil.rmtree(err_dir, ignore_errors=True)
         finally:
-            shutil.rmtree(err_dir, ignore_errors=True)
+            if self.gate is not None:
+                self.gate.close()
+
+    def _rendezvous(self) -> int:
+        """The port this launch's processes meet at. Hosted here (``master_port`` None): the store,
+        on ``master_addr``, or with a token on loopback behind a gate on ``master_addr``; another
+        launcher's (``master_port`` given): that port, or with a token a tunnel to it on loopback.
+        Behind a gate or through a tunnel the processes are told 127.0.0.1."""
+        spec = self.spec
+        if spec.rdzv_token is None:
+            if spec.master_port is not None:
+                return spec.master_port
+            self.store = host_store(spec.master_addr, spec.store_port)  # bound until the run ends
+            return self.store.port
+
+        def say(line: str) -> None:
+            self._print([line])
+
+        if spec.master_port is None:
+            self.store = host_store("127.0.0.1", 0)
+            self.gate = StoreGate(spec.master_addr, spec.store_port, self.store.port, spec.rdzv_token, say)
+            port = self.store.port
+        else:
+            wait = spec.timeout if spec.timeout is not None else 1800.0
+            self.gate = StoreTunnel((spec.master_addr, spec.master_port), spec.rdzv_token, say, wait)
+            port = self.gate.port
+        self.spec = dataclasses.replace(spec, master_addr="127.0.0.1")
+        return port
 
     def _spawn(
         self,

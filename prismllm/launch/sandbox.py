@@ -94,6 +94,7 @@ class SandboxSpec(FromFields):
     # "assistant"); the store is hosted by the invocation that runs the sandbox ranks.
     rdzv: tuple[str, int] | None = None
     role: str = "all"
+    rdzv_token: bytes | None = dataclasses.field(default=None, repr=False)  # required with rdzv (launch.gate)
     handle_signals: bool = True  # the launcher's signal handlers (main thread only)
     cancel: threading.Event | None = None  # set by another thread to end the run (LaunchInterrupted)
     spin: dict[str, float] | None = None  # {label: ms}: the sandbox ranks spin in spans so labelled (comm.spin)
@@ -201,6 +202,7 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
             on_start=publish,
             settle=SETTLE_S,
             master_addr=host,
+            rdzv_token=spec.rdzv_token,
             store_port=port if run_sandbox else 0,
             master_port=None if run_sandbox else port,
         )

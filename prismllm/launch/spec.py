@@ -91,6 +91,10 @@ class LaunchSpec(FromFields):
     # emulation: torchrun's --rdzv-endpoint). With no ranks (nproc 0, extras only) and
     # master_port given, nothing is hosted: the extras meet another launcher's store.
     store_port: int = 0
+    # Multi-host with a shared token (prismllm.launch.gate): the store hosted here listens on
+    # loopback behind a gate on master_addr:store_port, or, with master_port given, this host's
+    # processes reach the other launcher's gate through a tunnel on loopback. None: no gate.
+    rdzv_token: bytes | None = dataclasses.field(default=None, repr=False)
     run_id: str | None = None  # TORCHELASTIC_RUN_ID; None: a fresh one
     runner: str | None = DEFAULT_RUNNER  # module run as ``python -m runner SCRIPT``; None: SCRIPT
     python: str = sys.executable
