@@ -28,7 +28,7 @@ from prismllm.errors import PrismError
 from prismllm.specs import format_ranks, parse_ranks
 
 # the choices of the contract's fields, checked in one place (ChildEnv._check, from the annotations)
-Mode = Literal["record", "solo", "emulate"]
+Mode = Literal["record", "solo", "switch", "emulate"]
 Inputs = Literal["recorded", "generated"]
 Timing = Literal["fast", "real"]
 Backend = Literal["gloo", "nccl"]
@@ -46,7 +46,7 @@ class ChildEnv:
     """What a child process is told, by field (variable ``PRISM_<FIELD>``)."""
 
     # ---- every rank process (``python -m prismllm.comm.bootstrap``)
-    mode: Mode | None = None  # record | solo | emulate; None: the program runs with nothing installed
+    mode: Mode | None = None  # record | solo | switch | emulate; None: the program runs with nothing installed
     spool: str | None = None  # directory the rank writes its RankLog to at exit
     error_file: str | None = None  # where the child writes its ChildError (set by the launcher)
     memory_history: str | None = None  # directory for the CUDA allocator history (comm.memhistory)
@@ -67,6 +67,9 @@ class ChildEnv:
     # ---- solo mode
     rules: str | None = None  # a Python file of generator rules
     solo_batch: tuple[int, ...] | None = None  # the ranks running at once (they share object-collective values)
+    # ---- switch mode: the capture's coordinator (prismllm.comm.switch)
+    switch_address: str | None = None  # its abstract Unix socket
+    switch_token: str | None = None  # proves a connection is one of the run's ranks
     # ---- sandbox ranks (mode emulate) and assistants
     sandbox: tuple[int, ...] | None = None  # the ranks that run for real
     graph: str | None = None  # the graph the virtual ranks are replayed from

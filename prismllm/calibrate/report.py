@@ -277,6 +277,7 @@ def _recorded_row(s: dict[str, Any], pct) -> tuple[str, str]:
     what = {
         "timed": "measured in the slices (this prediction's input, not a reference)",
         "solo": "solo capture: each rank ran alone (not a reference)",
+        "switch": "switch-mode capture: every rank ran with real values, times distorted (not a reference)",
     }.get(s.get("graph_mode") or "", "")
     return ("graph's own iteration", f"{fmt_ns(s['recorded_iteration_ns'])}  {what}".rstrip())
 

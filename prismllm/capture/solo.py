@@ -65,6 +65,7 @@ from prismllm.trace.replicate import UnreplicableGroup, assemble_replicated
 from prismllm.trace.schema import MANIFEST_FILE
 from prismllm.trace.validate import validate
 
+CAPTURE_MODES = ("solo", "switch")  # each rank alone, generated answers; every rank at once, real values
 STATE_FILE = "capture.json"
 STATE_VERSION = 1
 
@@ -227,8 +228,10 @@ def _parallel_and_devices(opts: CaptureOptions) -> tuple[int, str, str | list[in
 def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dict[str, Any] | None]:
     """Check the inputs and work out what to run. Returns (plan, fingerprint, saved state or
     None). Raises PrismError with one clear message."""
-    if opts.mode != "solo":
-        raise PrismError(f"--mode {opts.mode}: only solo capture is available (switch mode is not built yet)")
+    if opts.mode not in CAPTURE_MODES:
+        raise PrismError(f"--mode must be one of {', '.join(CAPTURE_MODES)}, not {opts.mode!r}")
+    if opts.mode == "switch":
+        _check_switch(opts)
     if not isinstance(opts.world, int) or opts.world < 1:
         raise PrismError(f"--world must be at least 1, not {opts.world}")
     if not os.path.exists(opts.script):
@@ -252,7 +255,8 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
     if opts.timeout is not None and opts.timeout <= 0:
         raise PrismError(f"--timeout must be positive, not {opts.timeout:g}")
     layout = Layout.parse(opts.layout, opts.world)
-    plan = replica_plan(layout, opts.world)
+    # switch mode runs every rank: a replica's values are its own
+    plan = replica_plan(layout if opts.mode == "solo" else None, opts.world)
     if layout is not None and layout.ep > 1 and layout.edp > 1 and opts.tensors is not None:
         # Recorded values make each expert-DP replica route its own tokens: renaming a
         # representative would copy the wrong split sizes (measured: N=16 TP2·DP8·EP4).
@@ -260,7 +264,7 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
             replica_plan(None, opts.world),
             why_all=("--tensors with expert parallelism: each rank replays its own recorded routing"),
         )
-    g, device, devices = _parallel_and_devices(opts)
+    g, device, devices = _parallel_and_devices(opts) if opts.mode == "solo" else (opts.world, "cpu", "cpu")
     fp = fingerprint(opts, layout, device)
 
     out = Path(opts.out)
@@ -295,6 +299,8 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
     if state is not None:
         done = {int(r) for r in state.get("done", []) if ranklog_path(out / SPOOL_DIR, int(r)).exists()}
     reps = plan.representatives
+    if opts.mode == "switch" and not done >= set(reps):
+        done = set()  # switch-mode ranks run together: a part of them cannot be run again alone
     pending = [r for r in reps if r not in done]
     resumed = [r for r in reps if r in done]
     return (
@@ -302,6 +308,23 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
         fp,
         state,
     )
+
+
+def _check_switch(opts: CaptureOptions) -> None:
+    """What switch mode does not do yet, refused in one line each."""
+    if opts.parallel is not None:
+        raise PrismError(
+            "--parallel with --mode switch: every rank runs at once on the CPU for now (K ranks resident at a "
+            "time needs a rank's state swapped out while it waits, not built yet)"
+        )
+    if opts.devices not in ("auto", "cpu") and not opts.cuda_on_cpu:
+        raise PrismError(
+            f"--devices {opts.devices} with --mode switch: switch mode runs on the CPU for now; use --devices cpu "
+            "(or --cuda-on-cpu for a CUDA program), or --mode solo on GPUs"
+        )
+    for flag, value in (("--rules", opts.rules), ("--tensors", opts.tensors), ("--routing", opts.routing)):
+        if value is not None:
+            raise PrismError(f"{flag} with --mode switch: switch mode answers every call with the real values")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,6 +443,14 @@ def _capture(
     if on_progress is not None:
         on_progress(len(done), total, 0, 0.0)
     pending = list(plan.pending)
+    coordinator = None
+    if opts.mode == "switch" and pending:
+        # torch once a capture runs: the CLI's parsing and its refusals of bad input never load it
+        from prismllm.capture.coordinator import Coordinator
+
+        coordinator = Coordinator()
+    if coordinator is not None:
+        child = dataclasses.replace(child, switch_address=coordinator.address, switch_token=coordinator.token)
     for i in range(0, len(pending), plan.parallel):
         batch = pending[i : i + plan.parallel]
         spec = LaunchSpec.from_fields(
@@ -438,8 +469,14 @@ def _capture(
         t_batch = time.monotonic()
         try:
             result = launch(spec)
+            waiting = coordinator.waiting() if coordinator is not None and not result.ok else []
         finally:
             state["run_s"] = float(state.get("run_s", 0.0)) + (time.monotonic() - t_batch)
+            if coordinator is not None:
+                coordinator.close()
+        if waiting:
+            shown = waiting[:8] + ([f"... and {len(waiting) - 8} more"] if len(waiting) > 8 else [])
+            result.message += "\n  calls the coordinator still held:\n    " + "\n    ".join(shown)
         finished = [r for r in batch if result.returncodes.get(r) == 0 and ranklog_path(spool, r).exists()]
         done.update(finished)
         ran += len(finished)

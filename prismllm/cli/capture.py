@@ -15,18 +15,33 @@ from __future__ import annotations
 
 import argparse
 
-from prismllm.capture.solo import CaptureOptions, CapturePlan, CaptureResult, capture
+from prismllm.capture.solo import CAPTURE_MODES, CaptureOptions, CapturePlan, CaptureResult, capture
 from prismllm.cli import options
 from prismllm.cli.program import add_program_args, graph_program_fields
 from prismllm.cli.progress import Display, count, key_values
 from prismllm.launch import LaunchInterrupted, RankOutOfMemory
 
 SUMMARY = "capture the execution graph of an N-rank job from a few ranks run alone"
+EXAMPLES = r"""
+# the bare graph of 1024 ranks: one rank per replica class run alone, 2 at a time
+prism capture --world 1024 --layout tp=2,pp=8 --parallel 2 --out out/bare \
+    -- gpt3d.py --tp 2 --pp 8 --layers 8 --global-batch 128 --micro-batch 1
+# on two GPUs, one rank each: peak memory per rank, exact
+prism capture --world 1024 --layout tp=2,pp=8 --devices cuda:0,1 --out out/bare-gpu \
+    -- gpt3d.py --tp 2 --pp 8 --layers 8 --global-batch 128 --micro-batch 1
+"""
 RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", default="solo", choices=["solo"], help="capture mode (solo)")
+    p.add_argument(
+        "--mode",
+        default="solo",
+        choices=CAPTURE_MODES,
+        help="solo (default): each rank alone, its collectives answered with generated values (a layout's "
+        "replicas run once); switch: every rank of the world runs, each collective carried out with the "
+        "members' real values by a coordinator (CPU, all ranks at once)",
+    )
     options.add(p, "world", "out", required=("world", "out"))
     options.add(
         p,

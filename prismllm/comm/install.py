@@ -1,7 +1,8 @@
 """Make the program's own ``init_process_group`` / ``new_group`` use the recording backend.
 
 ``install("record")`` (called by ``prismllm.comm.bootstrap`` before the program runs; mode
-"solo" hands group creation to ``prismllm.comm.solo``, mode "emulate" to
+"solo" hands group creation to ``prismllm.comm.solo`` (mode "switch" too, with ``prismllm.comm.switch``'s
+backend), mode "emulate" to
 ``prismllm.comm.sandbox`` for groups with virtual members -- a group whose members all run
 for real is built by the record-mode creator below):
 
@@ -47,7 +48,7 @@ from torch.optim.optimizer import (
 )
 
 from prismllm.childenv import MODES, ChildEnv
-from prismllm.comm import recorder as _recorder_mod, redops, sandbox, saving, scratch, solo, solo_objects
+from prismllm.comm import recorder as _recorder_mod, redops, sandbox, saving, scratch, solo, solo_objects, switch
 from prismllm.comm.recorder import Recorder
 from prismllm.comm.recording import RecordingProcessGroup
 from prismllm.comm.rows import iteration_rows, node_rows
@@ -93,6 +94,9 @@ def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder 
     _MODE = mode
     if mode == "solo":
         solo.prepare(rank, child)
+    elif mode == "switch":
+        solo.local_rendezvous()
+        switch.prepare(rank, child)
     elif mode == "emulate":
         sandbox.prepare(rank, child)
     else:
@@ -275,6 +279,8 @@ def _create_pg(dist_opts, backend_options):
                "device_id": None, "backend_options": backend_options}  # fmt: skip
     if _MODE == "solo":
         return solo.create_pg(dist_opts, ctx, rec, _BTYPE)
+    if _MODE == "switch":
+        return solo.create_pg(dist_opts, ctx, rec, _BTYPE, switch.SwitchBackend)
     if _MODE == "emulate":  # a group with virtual members; all real: the real backend below
         pg = sandbox.create_pg(dist_opts, ctx, rec, _BTYPE)
         if pg is not None:
@@ -458,7 +464,7 @@ def _batch_isend_irecv(p2p_op_list):
 
 
 def _supports_coalescing(group: RecordingProcessGroup, device) -> bool:
-    if _MODE == "solo" or getattr(group._inner, "pruned", False):  # a stand-in is registered
+    if _MODE in ("solo", "switch") or getattr(group._inner, "pruned", False):  # a stand-in is registered
         return group._inner.supports_coalescing(device)
     return group._get_backend(device).supports_coalescing
 

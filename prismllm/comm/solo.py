@@ -111,11 +111,20 @@ def prepare(rank: int, child: ChildEnv) -> TensorGenerator:
     """Patch torch for a world without peers; build the tensor generator."""
     global _GEN
 
-    rdzv = importlib.import_module("torch.distributed.rendezvous")
-
     _GEN = TensorGenerator.for_rank(rank, child.rules, child.tensor_store)
     if _ORIG:
         return _GEN
+    local_rendezvous()
+    solo_objects.install(_GEN, child)
+    return _GEN
+
+
+def local_rendezvous() -> None:
+    """Every store this process makes is a local one and nothing waits for a peer at start-up
+    (the module docstring's first point; switch mode's too)."""
+    if "create_store" in _ORIG:
+        return
+    rdzv = importlib.import_module("torch.distributed.rendezvous")
     _ORIG["create_store"] = rdzv._create_c10d_store
     rdzv._create_c10d_store = lambda *a, **k: dist.HashStore()
     _ORIG["TCPStore"] = dist.TCPStore
@@ -123,20 +132,19 @@ def prepare(rank: int, child: ChildEnv) -> TensorGenerator:
     c10d.TCPStore = SoloTCPStore
     _ORIG["barrier"] = c10d._store_based_barrier
     c10d._store_based_barrier = lambda *a, **k: None
-    solo_objects.install(_GEN, child)
-    return _GEN
 
 
 # ---- group creation -------------------------------------------------------------------------
-def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
-    """The "prism" creator's solo branch: a RecordingProcessGroup over a GeneratedBackend."""
+def create_pg(dist_opts, ctx: dict, rec, btypes: dict, backend_class: type[GeneratedBackend] | None = None):
+    """The "prism" creator's solo branch: a RecordingProcessGroup over a GeneratedBackend (or
+    ``backend_class``, a subclass: switch mode's)."""
     devmap: dict[str, str] = ctx["devmap"]
     prefix_store = dist_opts.store.underlying_store
     rank, size = dist_opts.group_rank, dist_opts.group_size
     group_name = dist_opts.group_id
     granks = list(dist_opts.global_ranks_in_group)
     global_ranks = granks if granks else list(range(size))
-    inner = GeneratedBackend(rank, size, global_ranks, devmap, group_name)
+    inner = (backend_class or GeneratedBackend)(rank, size, global_ranks, devmap, group_name)
     backend = ctx["backend"]
     pg = RecordingProcessGroup(prefix_store, rank, size, inner, group_name, global_ranks, backend, rec, split=split_pg)
     _attach(pg, inner, devmap, btypes, ctx["device_id"])
@@ -200,7 +208,7 @@ def split_pg(parent, ranks, timeout=None, opts=None, group_name=None, group_desc
     granks = [parent._global_ranks[r] for r in ranks]
     pinner: GeneratedBackend = parent._inner
     name = group_name or c10d._process_group_name(ranks, use_hashed_name=True)
-    inner = GeneratedBackend(ranks.index(my), len(ranks), granks, pinner.devmap, name)
+    inner = type(pinner)(ranks.index(my), len(ranks), granks, pinner.devmap, name)
     pg = RecordingProcessGroup(
         parent._store,
         ranks.index(my),

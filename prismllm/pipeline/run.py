@@ -68,6 +68,7 @@ class RunOptions(FromFields):
     script: str
     args: Sequence[str] = ()
     layout: str | None = None
+    capture: str = "solo"  # the capture's mode: solo | switch (prism capture --mode)
     devices: str = "auto"
     cuda_on_cpu: bool = False  # capture maps the program's CUDA calls to the CPU; later stages follow its graph
     router_module: str | None = None  # the MoE router whose logits ``routing`` forces; later stages follow the graph
@@ -90,6 +91,7 @@ class RunOptions(FromFields):
         """What decides the bare graph: two runs with the same capture job share their capture."""
         return {
             "command": [str(Path(self.script).resolve()), *map(str, self.args)],
+            "capture": self.capture,
             "world": self.world,
             "layout": self.layout,
             "devices": self.devices,
@@ -219,13 +221,22 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
 
         try:
             res = capture(
-                CaptureOptions.from_fields(opts, out=bare, args=list(opts.args), force=_STAGE_FORCE, sink=sink),
+                CaptureOptions.from_fields(
+                    opts,
+                    out=bare,
+                    args=list(opts.args),
+                    force=_STAGE_FORCE,
+                    sink=sink,
+                    mode=opts.capture,
+                    parallel=opts.parallel if opts.capture == "solo" else None,  # switch: every rank at once
+                ),
                 on_plan=on_plan,
                 on_progress=lambda d, t, r, e: ui.update(d, t),
             )
         finally:
             close()
-        done_stage("capture", t0, f"{len(res.representatives)} of {res.world_size} ranks run alone on {res.device}")
+        how = "run alone" if opts.capture == "solo" else "run together with real values"
+        done_stage("capture", t0, f"{len(res.representatives)} of {res.world_size} ranks {how} on {res.device}")
     if opts.stop_after == "capture":
         result = _summary(out, state, None, None)
         state["summary"] = result

@@ -1,0 +1,101 @@
+"""Switch mode (`prism capture --mode switch`): every rank of the world runs the program, and a
+coordinator carries out each collective with the members' real values (issue 38). The graph equals
+the recorded real run's, the program's own checks of every collective's values pass, and a program
+whose path depends on reduced values takes the real run's path, where solo capture's generated
+answers send its ranks different ways. (The 8-rank gpt3d case is in test_capture_solo.py, beside the
+solo capture of the same recording.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import COLLECTIVES, PRISM
+
+from prismllm.cli.main import main
+from prismllm.errors import ExitCode
+from prismllm.trace import PrismTrace
+from prismllm.trace.compare import compare_traces
+
+ROOT = Path(__file__).resolve().parents[1]
+VALUE_PATH = str(ROOT / "tests" / "programs" / "value_path.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def prism(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([PRISM, *argv], capture_output=True, text=True, env=ENV, timeout=timeout)
+
+
+def capture(mode: str, world: int, out: Path, *program: str) -> subprocess.CompletedProcess:
+    every = ["--parallel", str(world)] if mode == "solo" else []  # switch mode runs every rank at once
+    return prism("capture", "--mode", mode, "--world", str(world), "--devices", "cpu", "--out", str(out),
+                 *every, "--timeout", "240", "--", *program)  # fmt: skip
+
+
+def same_structure(a: Path, b: Path) -> None:
+    res = compare_traces(PrismTrace.load(a), PrismTrace.load(b), timing=False)
+    assert res.structure_equal, json.dumps(res.first_difference, indent=1, default=str)
+
+
+def test_every_collective_kind_gets_the_real_values(tmp_path):
+    """tests/programs/collectives.py checks each result itself (every reduce op, gathers, scatters,
+    all-to-all with splits, send/recv, batched P2P, object collectives, coalescing, sub-groups)."""
+    p = capture("switch", 4, tmp_path / "cap", COLLECTIVES)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for r in range(4):
+        assert f"COLLECTIVES OK {r}" in p.stdout + p.stderr
+
+
+def test_a_path_set_by_reduced_values_is_the_real_runs(tmp_path):
+    """value_path.py skips a step on an infinite norm and stops on a reduced loss: switch capture
+    follows the recorded run; solo capture's ranks, answered from their own values, part ways."""
+    rec = prism("record", "--nproc", "4", "--devices", "cpu", "--out", str(tmp_path / "rec"), "--", VALUE_PATH)
+    assert rec.returncode == 0, rec.stderr[-3000:]
+    real_path = sorted(ln for ln in rec.stdout.splitlines() if ln.startswith("PATH"))
+    assert real_path[0] == "PATH 0 step0 skip1 step2 step3 step4 weights [36.0, 36.0, 36.0, 36.0]"
+    sw = capture("switch", 4, tmp_path / "switch", VALUE_PATH)
+    assert sw.returncode == 0, sw.stderr[-3000:]
+    assert sorted(ln for ln in sw.stdout.splitlines() if ln.startswith("PATH")) == real_path
+    same_structure(tmp_path / "rec", tmp_path / "switch")
+    solo = capture("solo", 4, tmp_path / "solo", VALUE_PATH)
+    assert solo.returncode != 0
+    assert "every member of a group must issue the same collectives in the same order" in solo.stderr, solo.stderr
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--parallel", "2"], "--parallel with --mode switch: every rank runs at once on the CPU"),
+        (["--devices", "cuda"], "switch mode runs on the CPU for now"),
+        (["--rules", __file__], "--rules with --mode switch"),
+    ],
+)
+def test_what_switch_mode_does_not_do_yet_is_one_line(tmp_path, capsys, extra, needle):
+    argv = ["capture", "--mode", "switch", "--world", "2", "--out", str(tmp_path / "o"), *extra, "--", VALUE_PATH]
+    if "--devices" not in extra:
+        argv[5:5] = ["--devices", "cpu"]
+    assert main(argv) == ExitCode.USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and needle in err[0], err
+
+
+def test_ranks_that_part_ways_are_named_with_the_calls_held(tmp_path):
+    """A rank that skips a collective its peers make: the run ends at its timeout and the message
+    says which calls the coordinator held, in from whom, waiting for whom."""
+    prog = tmp_path / "parting.py"
+    prog.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.ones(2)\n"
+        "if dist.get_rank() != 1:\n"
+        "    dist.all_reduce(t)\n"
+        "dist.all_reduce(t)\n"
+    )
+    p = prism("capture", "--mode", "switch", "--world", "3", "--devices", "cpu", "--out", str(tmp_path / "o"),
+              "--timeout", "15", "--", str(prog))  # fmt: skip
+    assert p.returncode != 0
+    assert "calls the coordinator still held:" in p.stderr, p.stderr
+    assert "all_reduce #1 on group" in p.stderr and "in from rank(s) 0,2, waiting for 1" in p.stderr, p.stderr
