@@ -167,7 +167,7 @@ def choose_recorder(opts: RecordOptions) -> str:
         print(
             f"prism record: WARNING: {reason}\n"
             "prism record: WARNING: recording through the Python path instead, which costs more "
-            "host time a call (docs/commands/record.md); the manifest says recorder=python",
+            "host time a call (`prism docs record`); the manifest says recorder=python",
             file=sys.stderr,
             flush=True,
         )

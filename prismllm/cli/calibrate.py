@@ -5,7 +5,8 @@ asynchronous ops, collectives and send/recv pairs starting when their last membe
 turns the measured durations into globally consistent start/end times for every node:
 CAL/calibrated.parquet (node_id, rank, index, iteration, start_ns, end_ns, op_start_ns,
 op_end_ns) and CAL/summary.json (predicted iteration times, the critical path of the median
-steady iteration, busy/idle time per rank, the pipeline bubble); docs/commands/calibrate.md.
+steady iteration, busy/idle time per rank, the pipeline bubble); `prism docs calibrate`
+defines them.
 
 --durations OTHER: solve GRAPH's structure with OTHER's measured durations (a graph of the same
 program and layout, e.g. re-recorded after a kernel change): same ranks, node count per rank
@@ -22,6 +23,12 @@ from prismllm.calibrate import TRANSFER_RULES, CalibrationError, calibrate, rend
 from prismllm.cli import options
 
 SUMMARY = "solve a timed graph: consistent node times, iteration time, critical path, bubble"
+EXAMPLES = r"""
+# the pipeline's stage: solve a timed graph, and write the graph that prism emulate replays
+prism calibrate out/time/graph --out out/cal --write-graph
+# a real recording's own timeline: its critical path, bubble, busy and idle time per rank
+prism calibrate out/real8 --out out/real8-cal
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

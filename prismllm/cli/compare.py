@@ -1,14 +1,21 @@
 """`prism compare A B [--json] [--timing-only | --structure-only]`: compare two graphs.
 
 Structure: per rank, the communication events in program order (op, group by its ranks,
-bytes, dtype, reduce op, peer, splits); prints "equal" or the first difference. Timing: the
-steady iteration time of each graph (median over all iterations but the first, of the slowest
-rank), the relative error (B - A) / A overall and per rank, compute time per rank.
+bytes, dtype, reduce op, peer, splits, seq, tag, async, shape, iteration, label, coalesced
+batch, wait point), where the compute spans lie, the iterations table's rows and labels, the
+groups (by ranks and description), each graph's edges against what its nodes imply, and the
+edge counts by kind; prints "equal", or "different" with the first difference and one line per
+kind of difference found. The manifest keys that describe the job (layout, command, program,
+device, mode, peak memory) are listed when they differ, for information. Timing: the steady
+iteration time of each graph (median over all iterations but the first, of the slowest rank),
+the relative error (B - A) / A overall and per rank, compute time per rank.
 
-Exit status 0 when the structure is equal (or not compared: --timing-only), 1 when it differs.
-With --json one object is printed: {"structure": {"equal", "first_difference"} | null,
-"timing": {"iteration_time_a_ns", "iteration_time_b_ns", "rel_error", "per_rank",
-"iterations", "compute_ns"} | null}; see prismllm.trace.compare for the fields.
+Exit status 0 when the structure is equal (or not compared: --timing-only; manifest
+differences other than the world size do not count), 1 when it differs. With --json one object
+is printed: {"structure": {"equal", "first_difference", "differences"} | null, "manifest":
+[{"key", "a", "b", "message"}] | null, "timing": {"iteration_time_a_ns", "iteration_time_b_ns",
+"rel_error", "per_rank", "iterations", "compute_ns", "host_bound_differs"} | null}; see
+prismllm.trace.compare for the fields.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from __future__ import annotations
 import argparse
 
 from rich.console import Console
+from rich.markup import escape
 
 from prismllm.cli import options
 from prismllm.errors import ExitCode
@@ -56,7 +64,15 @@ def render(res, console: Console, path_a: str, path_b: str) -> None:
         if res.structure_equal:
             console.print("structure: [green]equal[/green]")
         else:
-            console.print(f"structure: [red]different[/red]: {res.first_difference['message']}", highlight=False)
+            first = escape(res.first_difference["message"])
+            console.print(f"structure: [red]different[/red]: {first}", highlight=False, soft_wrap=True)
+            for d in res.differences:
+                if not d["informational"]:
+                    console.print(f"  {d['message']}", highlight=False, markup=False, soft_wrap=True)
+    if res.manifest:
+        console.print("manifest:")
+        for m in res.manifest:
+            console.print(f"  {m['message']}", highlight=False, markup=False, soft_wrap=True)
     if not res.timing_checked:
         return
     t = Table(title="timing", title_justify="left", show_header=False)

@@ -29,6 +29,13 @@ from prismllm.errors import ExitCode
 from prismllm.launch import LaunchInterrupted
 
 SUMMARY = "run a few ranks for real inside the virtual world of a recorded graph"
+EXAMPLES = r"""
+# ranks 0 and 1023 real, every other rank replayed in real time from the calibrated graph
+prism emulate --graph out/cal/graph --sandbox 0,1023 --out out/emu \
+    -- gpt3d.py --tp 2 --pp 8 --layers 8 --global-batch 128 --micro-batch 1
+# rank 1 real inside a recording with saved tensors, its outputs checked against it
+prism emulate --graph out/real --sandbox 1 --out out/emu-check --check -- gpt3d.py --tp 2
+"""
 RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
 
 

@@ -26,6 +26,13 @@ from prismllm.trace.kineto import export_kineto
 from prismllm.trace.perfetto import export_perfetto, parse_ranks
 
 SUMMARY = "export a graph for Perfetto, Holistic Trace Analysis or Chakra"
+EXAMPLES = r"""
+# for https://ui.perfetto.dev: a process per rank, a track per stream; the first 16 ranks
+prism export out/cal/graph --perfetto out/cal.json --ranks 0-15
+# for Holistic Trace Analysis, and for Chakra / ASTRA-sim
+prism export out/cal/graph --hta out/hta
+prism export out/cal/graph --chakra out/chakra
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

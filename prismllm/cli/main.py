@@ -1,8 +1,8 @@
 """`prism`: the command-line entry point. Each subcommand lives in its own module exposing
-``SUMMARY`` (its line in ``prism --help``), ``add_arguments(parser)`` and ``run(args) -> int``; its
-docstring is its ``--help`` description, kept as written unless the module sets
-``RAW_DESCRIPTION = False``. A module that sets ``RUNS_PROGRAM = True`` runs the user's program,
-so PyTorch must be there before it starts.
+``SUMMARY`` (its line in ``prism --help``), ``EXAMPLES`` (command lines that end its ``--help``),
+``add_arguments(parser)`` and ``run(args) -> int``; its docstring is its ``--help`` description,
+kept as written unless the module sets ``RAW_DESCRIPTION = False``. A module that sets
+``RUNS_PROGRAM = True`` runs the user's program, so PyTorch must be there before it starts.
 
 Whatever a command raises ends here as one line on stderr and an exit code of
 :class:`prismllm.errors.ExitCode`; ``prism --debug COMMAND`` (or PRISM_DEBUG=1) prints the
@@ -21,7 +21,7 @@ import prismllm
 from prismllm import __version__
 from prismllm.childenv import user_setting
 from prismllm.cli import options
-from prismllm.errors import EXIT_CODES_HELP, ExitCode, PrismError
+from prismllm.errors import ExitCode, PrismError
 
 SUBCOMMANDS = (
     "run",
@@ -37,7 +37,20 @@ SUBCOMMANDS = (
     "whatif",
     "sweep",
     "moe_stats",
+    "example",
+    "docs",
 )
+
+# Where `prism --help` sends someone who has just installed prismllm.
+GETTING_STARTED = """\
+# write gpt3d.py, a small Megatron-style GPT, and print the command that runs it at 32 ranks
+prism example
+# the documentation's pages, then the first one to read
+prism docs
+prism docs getting-started
+# a command's flags and examples
+prism run --help
+"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="prism",
         allow_abbrev=False,
         description="Emulate large-scale LLM training faithfully on a few devices.",
-        epilog=EXIT_CODES_HELP,
+        epilog=options.epilog(GETTING_STARTED),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"prismllm {__version__}")
@@ -56,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name in SUBCOMMANDS:
         module = importlib.import_module(f"prismllm.cli.{name}")
         p = options.command(
-            sub, name.replace("_", "-"), module.SUMMARY, module.__doc__, raw=getattr(module, "RAW_DESCRIPTION", True)
+            sub,
+            name.replace("_", "-"),
+            module.SUMMARY,
+            module.__doc__,
+            raw=getattr(module, "RAW_DESCRIPTION", True),
+            examples=getattr(module, "EXAMPLES", ""),
         )
         module.add_arguments(p)
         # ``parser``: what a command's manifest rebuilds its command line from (options.canonical_argv)

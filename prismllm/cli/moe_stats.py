@@ -6,7 +6,7 @@ router observed every gating call (GRAPH/moe/). Printed per router (and over all
 br_min, br_max, br_avg, br_std, br_med, br_skew of the tokens per expert over the average, each
 the mean over the calls. --write FILE writes them as a routing file: `prism capture --routing FILE
 --router-module SPEC` then forces that skew on every rank of a job of any size.
-docs/commands/moe-stats.md.
+`prism docs moe-stats` has the long form.
 """
 
 from __future__ import annotations
@@ -25,6 +25,14 @@ from prismllm.routing.stats import FIELDS, RoutingError
 from prismllm.terminal import Table
 
 SUMMARY = "the routing skew of a recorded MoE run: balance statistics, and a routing file to replay it"
+EXAMPLES = r"""
+# the routing skew of a real 4-rank MoE run, written as a routing file
+prism record --nproc 4 --router-module Router --out out/moe4 -- gpt3d.py --ep 4 --num-experts 8
+prism moe-stats out/moe4 --write skew.json
+# that skew forced on every rank of a 1024-rank capture
+prism capture --world 1024 --layout pp=4,ep=8 --router-module Router --routing skew.json \
+    --out out/moe1024 -- gpt3d.py --pp 4 --ep 8 --num-experts 8 --global-batch 1024
+"""
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

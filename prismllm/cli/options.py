@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import sys
+import textwrap
 from typing import Any
 
 from prismllm.childenv import HEAD_START_CHOICES
@@ -62,6 +63,15 @@ SHARED: dict[str, Option] = {
         },
     ),
     "devices": Option(("--devices",), {"default": "auto", "metavar": "DEVICES", "help": DEVICES_HELP}),
+    "capture": Option(
+        ("--capture",),
+        {
+            "choices": ("solo", "switch"),
+            "default": "solo",
+            "help": "how the bare graph is captured: solo (default: each rank alone, generated values, a layout's "
+            "replicas once) or switch (every rank at once on the CPU, real values: `prism capture --mode switch`)",
+        },
+    ),
     "parallel": Option(
         ("--parallel",),
         {
@@ -131,7 +141,7 @@ SHARED: dict[str, Option] = {
         {
             "default": None,
             "metavar": "FILE",
-            "help": "tensor-generator rules for solo capture (a Python file, docs/commands/capture.md#rules)",
+            "help": "tensor-generator rules for solo capture (a Python file; `prism docs capture`, section Rules)",
         },
     ),
     "router_module": Option(
@@ -141,7 +151,7 @@ SHARED: dict[str, Option] = {
             "metavar": "SPEC",
             "help": "the MoE router: a class name or a glob on the module's name, then :METHOD that returns the "
             "logits (default forward), e.g. Router or TopKRouter:gating; with --routing its routing is forced, "
-            "else (prism record) observed (docs/commands/moe-stats.md)",
+            "else (prism record) observed (`prism docs moe-stats`)",
         },
     ),
     "routing": Option(
@@ -159,7 +169,7 @@ SHARED: dict[str, Option] = {
             "action": "store_true",
             "help": "run a program that hard-codes CUDA on the CPU: torch.cuda calls, device arguments, streams "
             "and NCCL map to the CPU and gloo (values and structure, not GPU timing or memory); kept in the "
-            "graph's manifest, so time, calibrate and emulate replay it the same way (docs/concepts.md)",
+            "graph's manifest, so time, calibrate and emulate replay it the same way (`prism docs concepts`)",
         },
     ),
     "tee": Option(
@@ -186,7 +196,7 @@ SHARED: dict[str, Option] = {
             "help": "GPU slices: after each wait of the host for its device, the device sleeps (left out of the "
             "timing) for the emulation layer's host time until the host's next wait, as the last iteration "
             "spent it (overhead, the default: the program's own host pace), about one iteration (iteration: the device's work alone, for a "
-            "device-bound program on a slower host), or not at all (off) (docs/commands/time.md)",
+            "device-bound program on a slower host), or not at all (off) (`prism docs time`)",
         },
     ),
     # dest "verify": a stage's options take it by name (FromFields)
@@ -203,27 +213,41 @@ SHARED: dict[str, Option] = {
 
 
 class _ProseHelpFormatter(argparse.HelpFormatter):
-    """Wraps a description written in prose to the terminal; the exit codes stay laid out as written."""
+    """Wraps a description written in prose to the terminal; the epilog (the examples, the exit
+    codes) stays laid out as written."""
 
     def _fill_text(self, text: str, width: int, indent: str) -> str:
-        if text == EXIT_CODES_HELP:
+        if text.endswith(EXIT_CODES_HELP):
             return argparse.RawDescriptionHelpFormatter._fill_text(self, text, width, indent)
         return super()._fill_text(text, width, indent)
 
 
+def epilog(examples: str = "") -> str:
+    """What a ``--help`` ends with: ``examples`` (command lines, each under a ``#`` line that says
+    what it does, laid out as written) under an ``examples:`` heading, then the exit codes."""
+    if not examples:
+        return EXIT_CODES_HELP
+    return "examples:\n" + textwrap.indent(textwrap.dedent(examples).strip("\n"), "  ") + "\n\n" + EXIT_CODES_HELP
+
+
 def command(
-    subparsers: argparse._SubParsersAction, name: str, summary: str, description: str, raw: bool = False
+    subparsers: argparse._SubParsersAction,
+    name: str,
+    summary: str,
+    description: str,
+    raw: bool = False,
+    examples: str = "",
 ) -> argparse.ArgumentParser:
     """A command's parser: ``summary`` in ``prism --help``, ``description`` in its own ``--help``
-    (``raw``: kept as written, for descriptions laid out by hand), then the exit codes that every
-    command shares."""
+    (``raw``: kept as written, for descriptions laid out by hand), then its ``examples`` and the
+    exit codes that every command shares (:func:`epilog`)."""
     formatter = argparse.RawDescriptionHelpFormatter if raw else _ProseHelpFormatter
     # no abbreviations: a flag that is gone (capture's old --device) must not quietly mean another
     return subparsers.add_parser(
         name,
         help=summary,
         description=description,
-        epilog=EXIT_CODES_HELP,
+        epilog=epilog(examples),
         formatter_class=formatter,
         allow_abbrev=False,
     )
@@ -281,4 +305,14 @@ def load_graph(path: str, check: bool = True, verify: bool = True) -> PrismTrace
     return trace
 
 
-__all__ = ["DEVICES_HELP", "SHARED", "add", "canonical_argv", "command", "load_graph", "print_json", "result_fields"]
+__all__ = [
+    "DEVICES_HELP",
+    "SHARED",
+    "add",
+    "canonical_argv",
+    "command",
+    "epilog",
+    "load_graph",
+    "print_json",
+    "result_fields",
+]

@@ -22,6 +22,12 @@ from prismllm.cli.progress import Display, count, key_values
 from prismllm.launch import LaunchInterrupted
 
 SUMMARY = "run a program like torchrun and record its execution graph"
+EXAMPLES = r"""
+# 8 processes, as torchrun would start them (gpt3d.py: `prism example` writes it)
+prism record --nproc 8 --out out/tp2pp2 -- gpt3d.py --tp 2 --pp 2 --iters 4
+# every collective's outputs and inputs saved: the input of `prism emulate --check`
+prism record --nproc 2 --devices cpu --out out/real --save-tensors all,inputs -- gpt3d.py --tp 2
+"""
 RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
 
 

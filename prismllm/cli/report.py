@@ -11,6 +11,12 @@ from prismllm.report import write_report
 from prismllm.specs import parse_ranks
 
 SUMMARY = "write the HTML report of a `prism run` directory"
+EXAMPLES = r"""
+# rewrite out/demo/report.html
+prism report out/demo
+# a real 8-rank run beside the prediction, into a page of its own
+prism report out/run8 --reference out/real8 --html run8.html
+"""
 RAW_DESCRIPTION = False  # a docstring in prose, wrapped to the terminal
 
 

@@ -28,6 +28,15 @@ from prismllm.pipeline.run import RunOptions, run_pipeline
 from prismllm.terminal import Table
 
 SUMMARY = "capture, time, calibrate (and emulate) a job of N ranks, then write its report"
+EXAMPLES = r"""
+# the whole pipeline at 32 ranks, rank 31 run for real (gpt3d.py: `prism example` writes it)
+prism run --world 32 --layout tp=2,pp=2 --sandbox 31 --out out/demo \
+    -- gpt3d.py --tp 2 --pp 2 --layers 2 --hidden 32 --heads 4 --seq 16 --vocab 128 \
+       --micro-batch 1 --global-batch 32 --iters 3
+# 1024 ranks, captured on two GPUs; the same command again resumes where it stopped
+prism run --world 1024 --layout tp=2,pp=8 --devices cuda:0,1 --out out/w1024 \
+    -- gpt3d.py --tp 2 --pp 8 --layers 8 --global-batch 128 --micro-batch 1
+"""
 RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
 
 
@@ -38,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 # the flags of a whole pipeline run (prism run; prism sweep, for each point)
-PIPELINE_FLAGS = ("layout", "devices", "cuda_on_cpu", "router_module", "routing", "parallel", "sandbox", "inputs",
+PIPELINE_FLAGS = ("capture", "layout", "devices", "cuda_on_cpu", "router_module", "routing", "parallel", "sandbox", "inputs",
                   "tensors", "rules", "head_start", "timeout", "force", "json")  # fmt: skip
 
 

@@ -14,6 +14,12 @@ from prismllm.trace.graph import ranks_text
 from prismllm.trace.summary import fmt_bytes, fmt_ns, summarize
 
 SUMMARY = "summarise a recorded graph"
+EXAMPLES = r"""
+# what a graph holds: world, ops, bytes per group, iteration times, peak memory
+prism show out/tp2pp2
+# the same as JSON
+prism show out/demo/cal/graph --json
+"""
 RAW_DESCRIPTION = False  # a docstring in prose, wrapped to the terminal
 MAX_ROWS = 20
 

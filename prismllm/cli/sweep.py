@@ -13,7 +13,7 @@ A key K whose {K} appears in ARGS, --layout or --sandbox is filled in there; any
 the program flag --K V (V = on: the bare flag; off: nothing); the key `world` sets --world.
 Values are separated by commas, or by | when a value holds a comma. --memory-only stops each
 point after the capture (peak memory per rank, no iteration time). Run the same command again
-to go on where a sweep stopped. docs/commands/sweep.md.
+to go on where a sweep stopped. `prism docs sweep` has the long form.
 """
 
 from __future__ import annotations
@@ -35,6 +35,14 @@ from prismllm.report.sweep import best_point
 from prismllm.terminal import Table
 
 SUMMARY = "run the pipeline for every point of a grid of configurations: time and memory per point"
+EXAMPLES = r"""
+# micro-batch size and recompute: which point is fastest without running out of memory
+prism sweep --world 64 --layout tp=2,pp=4 --grid micro-batch=1,2,4 --grid recompute=off,on \
+    --out out/sweep -- gpt3d.py --tp 2 --pp 4 --global-batch 64
+# {pp} filled in the layout and the program's flags; peak memory only (capture, no timing)
+prism sweep --world 64 --layout 'tp=2,pp={pp}' --grid pp=2,4 --memory-only --out out/mem \
+    -- gpt3d.py --tp 2 --pp {pp} --global-batch 64
+"""
 RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
 
 

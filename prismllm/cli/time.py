@@ -18,6 +18,14 @@ from prismllm.cli.progress import Display
 from prismllm.time import TimeOptions, time_slices
 
 SUMMARY = "time every rank of a bare graph for real, a slice of ranks at a time"
+EXAMPLES = r"""
+# every captured rank timed for real, an assistant playing the other ranks
+prism time --graph out/bare --out out/time \
+    -- gpt3d.py --tp 2 --pp 8 --layers 8 --global-batch 128 --micro-batch 1
+# four GPUs: two slices at once, each one sandbox GPU and one assistant GPU
+prism time --graph out/bare --out out/time --devices cuda --parallel 2 \
+    -- gpt3d.py --tp 2 --pp 8 --layers 8 --global-batch 128 --micro-batch 1
+"""
 RUNS_PROGRAM = True  # its processes import torch: cli.main checks for it before anything starts
 
 
@@ -32,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="CPU: take the compute spans from a second pass in which every rank runs at once (each in "
         "its own slice), so each computes under the load the real run's ranks put on the host's "
-        "shared cores; communication stays the first pass's (docs/commands/time.md)",
+        "shared cores; communication stays the first pass's (`prism docs time`)",
     )
     options.add(p, "head_start", "timeout", "force", "no_verify", "json")
     add_program_args(p, prefix=False)
@@ -59,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         total = sum(res.left_out_ns.values())
         display.say(
             f"left out of the timed ranks' clocks: {total / 1e6:.1f} ms of the emulation layer's own host "
-            f"time on their calls (CPU timing; docs/accuracy.md)"
+            f"time on their calls (CPU timing; `prism docs accuracy`)"
         )
     if args.json:
         options.print_json(options.result_fields(res))

@@ -10,7 +10,7 @@ Selectors: op=NAME[|NAME] (compute or a communication op), label=TEXT, label~REG
 (tp, pp, dp, ep, cp or a combination like tp-pp, from the graph's layout; or a group_desc),
 size=N (group size; a send/recv pair is 2), rank=RANKS; conditions joined by commas all hold.
 Amounts: 0.5 or x0.5 (factor), +2ms / -300us (added), =1.5ms (replaced). Network tables:
-docs/commands/whatif.md.
+`prism docs whatif`.
 
 --graph GRAPH solves GRAPH with its own durations instead of the graph CAL was solved from;
 --layout gives the layout group= reads where the graph's manifest has none.
@@ -35,6 +35,13 @@ from prismllm.report.html import fmt_ns
 from prismllm.terminal import Table
 
 SUMMARY = "re-solve a calibration with spans scaled or another network: the new iteration time"
+EXAMPLES = r"""
+# compute 30 % faster, all-to-all twice as fast: the iteration time before and after
+prism whatif out/cal --scale 'op=compute:0.7' --scale 'op=all_to_all:0.5'
+# measured instead: every span labelled mlp 2 ms longer, timed again (the program and its
+# arguments as CAL's graph was captured; gpt3d.py --labels labels its spans)
+prism whatif out/cal --spin mlp=2ms --out out/spin -- gpt3d.py --labels --tp 2 --pp 2
+"""
 PROGRAM_AFTER_DASHES = True  # `-- SCRIPT ARGS` after CAL and the options (cli.main)
 
 
