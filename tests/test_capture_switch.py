@@ -50,16 +50,23 @@ def test_every_collective_kind_gets_the_real_values(tmp_path):
 
 
 def test_a_path_set_by_reduced_values_is_the_real_runs(tmp_path):
-    """value_path.py skips a step on an infinite norm and stops on a reduced loss: switch capture
-    follows the recorded run; solo capture's ranks, answered from their own values, part ways."""
+    """value_path.py skips a step on an infinite norm and stops on a reduced loss. `prism run
+    --capture switch` captures the recorded run's graph and saves its values, which the slices'
+    and the emulation's virtual ranks replay: the sandbox rank takes the real path too. Solo
+    capture's ranks, answered from their own values, part ways."""
     rec = prism("record", "--nproc", "4", "--devices", "cpu", "--out", str(tmp_path / "rec"), "--", VALUE_PATH)
     assert rec.returncode == 0, rec.stderr[-3000:]
     real_path = sorted(ln for ln in rec.stdout.splitlines() if ln.startswith("PATH"))
     assert real_path[0] == "PATH 0 step0 skip1 step2 step3 step4 weights [36.0, 36.0, 36.0, 36.0]"
-    sw = capture("switch", 4, tmp_path / "switch", VALUE_PATH)
-    assert sw.returncode == 0, sw.stderr[-3000:]
-    assert sorted(ln for ln in sw.stdout.splitlines() if ln.startswith("PATH")) == real_path
-    same_structure(tmp_path / "rec", tmp_path / "switch")
+    run = prism("run", "--capture", "switch", "--world", "4", "--devices", "cpu", "--sandbox", "3",
+                "--out", str(tmp_path / "run"), "--", VALUE_PATH)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    logs = tmp_path / "run" / "logs"
+    captured = sorted(ln for ln in (logs / "capture.log").read_text().splitlines() if ln.startswith("PATH"))
+    assert captured == real_path
+    same_structure(tmp_path / "rec", tmp_path / "run" / "bare")
+    emulated = [ln for ln in (logs / "emulate.log").read_text().splitlines() if ln.startswith("PATH")]
+    assert emulated == [real_path[3]], emulated
     solo = capture("solo", 4, tmp_path / "solo", VALUE_PATH)
     assert solo.returncode != 0
     assert "every member of a group must issue the same collectives in the same order" in solo.stderr, solo.stderr

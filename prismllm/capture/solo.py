@@ -62,7 +62,7 @@ from prismllm.specs import format_ranks, parse_devices
 from prismllm.trace.alltoall import reconcile_all_to_all
 from prismllm.trace.ranklog import ranklog_path
 from prismllm.trace.replicate import UnreplicableGroup, assemble_replicated
-from prismllm.trace.schema import MANIFEST_FILE
+from prismllm.trace.schema import MANIFEST_FILE, TENSORS_DIR
 from prismllm.trace.validate import validate
 
 CAPTURE_MODES = ("solo", "switch")  # each rank alone, generated answers; every rank at once, real values
@@ -97,6 +97,7 @@ class CaptureOptions(FromFields):
     env: dict[str, str | None] = dataclasses.field(default_factory=dict)
     mode: str = "solo"
     verify: bool = True  # check the tensor store's checksums and index before any rank runs
+    save_tensors: str | None = None  # switch mode: save the selected calls' values into OUT/tensors
 
 
 @dataclasses.dataclass
@@ -160,6 +161,7 @@ def fingerprint(opts: CaptureOptions, layout: Layout | None, device: str) -> dic
         "router_module": opts.router_module,
         "routing": _path_digest(opts.routing),
         "runner": opts.runner,
+        "save_tensors": opts.save_tensors,
         "prismllm": __version__,
     }
 
@@ -232,6 +234,8 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
         raise PrismError(f"--mode must be one of {', '.join(CAPTURE_MODES)}, not {opts.mode!r}")
     if opts.mode == "switch":
         _check_switch(opts)
+    elif opts.save_tensors is not None:
+        raise PrismError("--save-tensors needs --mode switch: a solo rank's values are generated, not a run's")
     if not isinstance(opts.world, int) or opts.world < 1:
         raise PrismError(f"--world must be at least 1, not {opts.world}")
     if not os.path.exists(opts.script):
@@ -325,6 +329,13 @@ def _check_switch(opts: CaptureOptions) -> None:
     for flag, value in (("--rules", opts.rules), ("--tensors", opts.tensors), ("--routing", opts.routing)):
         if value is not None:
             raise PrismError(f"{flag} with --mode switch: switch mode answers every call with the real values")
+    if opts.save_tensors is not None:
+        from prismllm.generate.store import Selector  # imports torch: only for a capture that saves
+
+        try:
+            Selector(opts.save_tensors, strict=True)
+        except ValueError as e:
+            raise PrismError(f"bad --save-tensors {opts.save_tensors!r}: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,7 +454,10 @@ def _capture(
     if on_progress is not None:
         on_progress(len(done), total, 0, 0.0)
     pending = list(plan.pending)
-    coordinator = None
+    coordinator, store = None, out / TENSORS_DIR
+    if opts.save_tensors is not None:
+        shutil.rmtree(store, ignore_errors=True)  # switch mode runs every rank again: its values anew
+        child = dataclasses.replace(child, save_tensors=opts.save_tensors, tensor_store=str(store.resolve()))
     if opts.mode == "switch" and pending:
         # torch once a capture runs: the CLI's parsing and its refusals of bad input never load it
         from prismllm.capture.coordinator import Coordinator
@@ -493,6 +507,10 @@ def _capture(
         if on_progress is not None:
             on_progress(len(done), total, ran, time.monotonic() - t_run)
     run_wall = time.monotonic() - t_run
+    if opts.save_tensors is not None:
+        from prismllm.generate.store import seal_store
+
+        seal_store(store)  # the ranks that wrote it have exited: it is complete
 
     t_asm = time.monotonic()
     layout = plan.layout

@@ -1,14 +1,18 @@
 """`prism capture`: the bare graph of an N-rank job, from a few ranks run alone.
 
-    prism capture --world N --out DIR [--layout tp=..,pp=..,ep=..,cp=..,order=tp-cp-ep-dp-pp]
-                  [--devices ...] [--parallel K] [--rules FILE] [--tensors STORE] [--timeout S]
-                  [--force] [--tee] [--prefix] [--json] -- SCRIPT ARGS...
+    prism capture --world N --out DIR [--mode solo|switch] [--layout tp=..,pp=..,ep=..,cp=..,order=tp-cp-ep-dp-pp]
+                  [--devices ...] [--parallel K] [--rules FILE] [--tensors STORE] [--save-tensors SELECTOR]
+                  [--timeout S] [--force] [--tee] [--prefix] [--json] -- SCRIPT ARGS...
 
 Run SCRIPT as ranks of a world of N, each rank alone (solo mode: collectives are answered by the
 tensor generator or a tensor store), K ranks at a time (--parallel), and write the N-rank execution
 graph (PrismTrace) to DIR. With --layout only one rank per class of replicas runs (one per (tp, cp,
 ep, pp) coordinate); the DP replicas are renamed copies. An interrupted or failed capture resumes
 when the same command is run again.
+
+Switch mode (--mode switch) runs every rank at once on the CPU, each collective carried out by a
+coordinator with the members' real values; --save-tensors writes them (DIR/tensors) for time and
+emulate to replay.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "parallel",
         "rules",
         "tensors",
+        "save_tensors",
         "timeout",
         "force",
         "tee",

@@ -63,6 +63,15 @@ SHARED: dict[str, Option] = {
         },
     ),
     "devices": Option(("--devices",), {"default": "auto", "metavar": "DEVICES", "help": DEVICES_HELP}),
+    "save_tensors": Option(
+        ("--save-tensors",),
+        {
+            "default": None,
+            "metavar": "SELECTOR",
+            "help": "save the outputs of the selected collectives for solo capture and emulation to "
+            "replay: all, op names (all_to_all,recv,...), label:<label>, and inputs (their inputs too)",
+        },
+    ),
     "capture": Option(
         ("--capture",),
         {

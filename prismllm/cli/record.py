@@ -43,14 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="number of rank processes",
     )
     options.add(p, "out", required=("out",))
-    options.add(p, "devices", "cuda_on_cpu", "layout", "router_module", "routing")
-    p.add_argument(
-        "--save-tensors",
-        default=None,
-        metavar="SELECTOR",
-        help="save the outputs of the selected collectives for solo capture and emulation to "
-        "replay: all, op names (all_to_all,recv,...), label:<label>, and inputs (their inputs too)",
-    )
+    options.add(p, "devices", "cuda_on_cpu", "layout", "router_module", "routing", "save_tensors")
     p.add_argument(
         "--tensor-store", default=None, metavar="DIR", help="where --save-tensors writes (default: DIR/tensors)"
     )

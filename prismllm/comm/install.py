@@ -97,6 +97,7 @@ def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder 
     elif mode == "switch":
         solo.local_rendezvous()
         switch.prepare(rank, child)
+        saving.setup(rank, child)
     elif mode == "emulate":
         sandbox.prepare(rank, child)
     else:
@@ -280,7 +281,11 @@ def _create_pg(dist_opts, backend_options):
     if _MODE == "solo":
         return solo.create_pg(dist_opts, ctx, rec, _BTYPE)
     if _MODE == "switch":
-        return solo.create_pg(dist_opts, ctx, rec, _BTYPE, switch.SwitchBackend)
+        pg = solo.create_pg(dist_opts, ctx, rec, _BTYPE, switch.SwitchBackend)
+        if saving.saving_enabled():  # the real values of the selected calls, as record mode saves them
+            pg._inner = saving.SavingInner(pg._inner, pg)
+            pg._on_wait_hook = saving.on_wait
+        return pg
     if _MODE == "emulate":  # a group with virtual members; all real: the real backend below
         pg = sandbox.create_pg(dist_opts, ctx, rec, _BTYPE)
         if pg is not None:

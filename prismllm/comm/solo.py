@@ -208,7 +208,7 @@ def split_pg(parent, ranks, timeout=None, opts=None, group_name=None, group_desc
     granks = [parent._global_ranks[r] for r in ranks]
     pinner: GeneratedBackend = parent._inner
     name = group_name or c10d._process_group_name(ranks, use_hashed_name=True)
-    inner = type(pinner)(ranks.index(my), len(ranks), granks, pinner.devmap, name)
+    inner = pinner.split_backend(ranks.index(my), len(ranks), granks, name)
     pg = RecordingProcessGroup(
         parent._store,
         ranks.index(my),
@@ -616,6 +616,11 @@ class GeneratedBackend:
 
     def abort(self):
         return None
+
+    def split_backend(self, rank: int, size: int, global_ranks: list[int], group_name: str) -> GeneratedBackend:
+        """The backend of a group split from this one: of this one's class (switch mode's stays switch
+        mode's, whatever wraps it) and devices."""
+        return type(self)(rank, size, global_ranks, self.devmap, group_name)
 
     def split_group(self, *a, **k):  # the RecordingProcessGroup splits (split_pg), never its inner
         raise RuntimeError("split_group: use RecordingProcessGroup.split_group")

@@ -53,7 +53,7 @@ from prismllm.outputs import (
 from prismllm.report import write_report
 from prismllm.report.data import coords_text
 from prismllm.time import TimeOptions, check_time_devices, plan_slices, slice_dir, time_slices
-from prismllm.trace.schema import MANIFEST_FILE
+from prismllm.trace.schema import MANIFEST_FILE, TENSORS_DIR
 
 STAGES = ("capture", "time", "calibrate", "emulate", "report")
 # capture and time resume inside their own directories; the run's ``force`` starts OUT over as a
@@ -229,6 +229,8 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
                     sink=sink,
                     mode=opts.capture,
                     parallel=opts.parallel if opts.capture == "solo" else None,  # switch: every rank at once
+                    # switch: the real values, for the slices' and the emulation's virtual ranks to replay
+                    save_tensors="all,inputs" if opts.capture == "switch" else None,
                 ),
                 on_plan=on_plan,
                 on_progress=lambda d, t, r, e: ui.update(d, t),
@@ -278,9 +280,19 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
             ui.stage("emulate")
             sink, close = _log_sink(out / LOGS_DIR / "emulate.log")
             try:
+                # the calibrated graph holds no store: the virtual ranks replay the capture's (switch
+                # mode's real values), as the slices did, unless the run was given one
+                own = bare / TENSORS_DIR
+                tensors = opts.tensors if opts.tensors is not None or not own.is_dir() else str(own)
                 emulate(
                     EmulateOptions.from_fields(
-                        opts, graph=cal / GRAPH_DIR, out=out / EMULATE_DIR, args=list(opts.args), force=True, sink=sink
+                        opts,
+                        graph=cal / GRAPH_DIR,
+                        out=out / EMULATE_DIR,
+                        args=list(opts.args),
+                        force=True,
+                        sink=sink,
+                        tensors=tensors,
                     )
                 )
             finally:
