@@ -9,11 +9,14 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 from prismllm.cli import main as climain
 from prismllm.errors import ExitCode
-from prismllm.trace import assemble, compare_traces
+from prismllm.trace import PrismTrace, assemble, compare_traces
+from prismllm.trace.edges import build_edges
 from prismllm.trace.synth import example_logs
 
 MANIFEST = {"mode": "record", "command": ["python", "train.py", "--tp", "2"]}
@@ -286,7 +289,8 @@ def test_compare_self(cli, graph):
     rc, out, err = cli("compare", graph, graph, "--json")
     assert rc == 0, err
     r = json.loads(out)
-    assert r["structure"] == {"equal": True, "first_difference": None}
+    assert r["structure"] == {"equal": True, "first_difference": None, "differences": []}
+    assert r["manifest"] == []
     t = r["timing"]
     assert t["iteration_time_a_ns"] == t["iteration_time_b_ns"] == 113_000
     assert t["rel_error"] == 0.0 and t["per_rank"] == {str(i): 0.0 for i in range(4)}
@@ -393,3 +397,243 @@ def test_compare_names_a_rank_host_bound_in_one_graph_only(cli, tmp_path):
     rc, out, _ = cli("compare", save(example_logs(), tmp_path / "c"), b, "--json")
     t = json.loads(out)["timing"]
     assert t["compute_ns"]["0"]["host_lead_a_ns"] is None and t["host_bound_differs"] == []
+
+
+# ---------------------------------------------------------------------- compare: every table
+def changed(graph, out, *, nodes=None, edges=None, groups=None, iterations=None, manifest=None):
+    """The graph at ``graph`` with some of its parts replaced (each a function of the old one),
+    saved at ``out`` by PrismTrace.save, so its checksums are valid: only compare can tell."""
+    t = PrismTrace.load(graph)
+
+    def keep(f, x):
+        return f(x) if f else x
+
+    return PrismTrace(
+        manifest=keep(manifest, dict(t.manifest)),
+        nodes=keep(nodes, t.nodes),
+        edges=keep(edges, t.edges),
+        groups=keep(groups, t.groups),
+        iterations=keep(iterations, t.iterations),
+    ).save(out)
+
+
+def with_cells(table, column, rows, value):
+    """``table`` with ``column`` set to ``value`` in ``rows`` (row numbers)."""
+    values = table.column(column).to_pylist()
+    for r in rows:
+        values[r] = value
+    i = table.schema.get_field_index(column)
+    return table.set_column(i, table.schema.field(i), pa.array(values, table.schema.field(i).type))
+
+
+def node_row(nodes, rank, index):
+    return next(i for i, (r, x) in enumerate(zip(nodes["rank"].to_pylist(), nodes["index"].to_pylist()))
+                if (r, x) == (rank, index))  # fmt: skip
+
+
+def node_cell(rank, index, column, value):
+    return lambda n: with_cells(n, column, [node_row(n, rank, index)], value)
+
+
+def rebuilt_edges(nodes_fn):
+    """A node change and the edges its nodes then imply (the graph stays consistent)."""
+
+    def apply(t):
+        nodes = nodes_fn(t.nodes)
+        return {"nodes": lambda _: nodes, "edges": lambda _: build_edges(nodes, t.groups, t.manifest["world_size"])}
+
+    return apply
+
+
+def swapped(rank, i, j):
+    """Nodes i and j of ``rank`` swapped in program order (rows stay sorted by rank, index)."""
+
+    def swap(n):
+        ri, rj = node_row(n, rank, i), node_row(n, rank, j)
+        perm = list(range(n.num_rows))
+        perm[ri], perm[rj] = rj, ri
+        return with_cells(with_cells(n.take(perm), "index", [ri], i), "index", [rj], j)
+
+    return swap
+
+
+def with_group(desc, ranks):
+    def add(t):
+        row = {"group_id": [pc.max(t["group_id"]).as_py() + 1], "name": [desc], "desc": [desc], "ranks": [ranks]}
+        return pa.concat_tables([t, pa.table(row, schema=t.schema)])
+
+    return add
+
+
+# one change each, to the example with a group no node uses ("spare", ranks 0 and 3). Rank 0's
+# program: 0 setup, 1 forward, 2 tp all_reduce, 3 compute, 4 async dp all_reduce, 5, 6 (its
+# wait), 7 all_gather, 8 reduce_scatter, 9 all_to_all, 10 send, 11 optimizer, then iteration 1
+CHANGES = {
+    "iteration row dropped": ({"iterations": lambda t: t.slice(1)}, "iterations", "iteration"),
+    "iteration relabelled": ({"iterations": lambda t: with_cells(t, "label", [3], "warm-up")}, "iterations", "label"),
+    "edge row duplicated": ({"edges": lambda t: pa.concat_tables([t, t.slice(3, 1)])}, "edges", "implied"),
+    "edges emptied": ({"edges": lambda t: t.slice(0, 0)}, "edges", "implied"),
+    "tag": ({"nodes": node_cell(0, 10, "tag", 7)}, "nodes", "tag"),
+    "async_op": ({"nodes": node_cell(1, 2, "async_op", True)}, "nodes", "async_op"),
+    "shape": ({"nodes": node_cell(3, 7, "shape", [128, 2])}, "nodes", "shape"),
+    "label": ({"nodes": node_cell(2, 9, "label", "moe")}, "nodes", "label"),
+    "iteration": ({"nodes": node_cell(1, 8, "iteration", 1)}, "nodes", "iteration"),
+    "group added": ({"groups": with_group("extra", [1, 2])}, "groups", "group"),
+    "group dropped": ({"groups": lambda t: t.filter(pc.not_equal(t["desc"], "spare"))}, "groups", "group"),
+    # the tp all_reduce after the compute span that followed it, edges rebuilt: only the kinds move
+    "compute span moved": (rebuilt_edges(swapped(0, 2, 3)), "nodes", "kind"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CHANGES))
+def test_compare_names_every_changed_table(cli, tmp_path, case):
+    parts, table, field = CHANGES[case]
+    a = changed(save(example_logs(), tmp_path / "g"), tmp_path / "a", groups=with_group("spare", [0, 3]))
+    b = changed(a, tmp_path / "b", **(parts(PrismTrace.load(a)) if callable(parts) else parts))
+    rc, out, err = cli("compare", a, b, "--structure-only", "--json")
+    assert rc == 1, err
+    s = json.loads(out)["structure"]
+    assert s["equal"] is False and s["first_difference"] is not None
+    found = [d for d in s["differences"] if (d["table"], d["field"]) == (table, field)]
+    assert found, s["differences"]  # one entry a kind (the edges: a graph and edge kind)
+    d = found[0]
+    assert d["count"] >= 1 and not d["informational"] and d["first"]["message"]
+    rc, out, _ = cli("compare", a, b, "--structure-only")
+    assert rc == 1 and "structure: different" in out and d["message"] in out, out
+    # and the other way round
+    rc, _, _ = cli("compare", b, a, "--structure-only")
+    assert rc == 1
+
+
+def test_compare_edges_against_what_the_nodes_imply(tmp_path):
+    a = save(example_logs(), tmp_path / "a")
+    t = PrismTrace.load(a)
+    dup = PrismTrace.load(changed(a, tmp_path / "dup", edges=lambda e: pa.concat_tables([e, e.slice(3, 1)])))
+    res = compare_traces(t, dup, timing=False)
+    implied = [d for d in res.differences if d["field"] == "implied"]
+    assert [(d["graph"], d["first"]["kind"], d["first"]["missing"], d["first"]["extra"]) for d in implied] == [
+        ("B", "order", 0, 1)
+    ]
+    counts = next(d for d in res.differences if (d["table"], d["field"]) == ("edges", "count"))
+    assert counts["first"] == {"table": "edges", "field": "count", "kind": "order", "a": 88, "b": 89,
+                               "message": "order edges: A has 88, B 89"}  # fmt: skip
+    empty = PrismTrace.load(changed(a, tmp_path / "empty", edges=lambda e: e.slice(0, 0)))
+    res = compare_traces(empty, t, timing=False)  # A is the damaged one now
+    implied = {d["first"]["kind"]: d for d in res.differences if d["field"] == "implied"}
+    assert {k: (d["graph"], d["first"]["missing"], d["first"]["extra"]) for k, d in implied.items()} == {
+        "order": ("A", 88, 0),
+        "wait": ("A", 8, 0),
+        "sync": ("A", 30, 0),
+    }
+    assert implied["order"]["message"] == (
+        "edges.implied (A, against its own nodes): 88 order edge(s) missing, 0 extra; "
+        "first missing: rank 0 node 0 -> rank 0 node 1"
+    )
+    assert res.first_difference["message"].startswith("the edges table of A is not what its nodes imply: 88 order")
+
+
+def test_compare_batches_and_wait_points_by_position(tmp_path):
+    """Batch ids and wait indices differ between graphs of one program (ids are the recorder's,
+    indices count compute spans): compared as communication positions."""
+
+    def batch(gid):  # rank r's all_gather and reduce_scatter (comm #2 and #3) in batch gid
+        return lambda n: with_cells(n, "coalesced", [node_row(n, r, i) for r in range(4) for i in (7, 8)], gid)
+
+    def wait(index):  # the dp all_reduce (node 4, comm #1) waited for before node index
+        return rebuilt_edges(lambda n: with_cells(n, "wait_index", [node_row(n, r, 4) for r in range(4)], index))
+
+    a = changed(save(example_logs(), tmp_path / "g"), tmp_path / "a", nodes=batch(5))
+    t = PrismTrace.load(a)
+    # another batch id, the same members: equal
+    assert compare_traces(t, PrismTrace.load(changed(a, tmp_path / "b", nodes=batch(9))), timing=False).structure_equal
+    # rank 1's reduce_scatter out of the batch
+    c = PrismTrace.load(changed(a, tmp_path / "c", nodes=node_cell(1, 8, "coalesced", -1)))
+    d = compare_traces(t, c, timing=False).first_difference
+    assert (d["rank"], d["comm_index"], d["field"], d["a"], d["b"]) == (1, 3, "coalesced", 2, -1)
+    assert "coalesced differs: A the batch from comm #2, B no batch" in d["message"]
+    # the wait one compute span earlier (node 5 instead of 6: still before comm #2), edges rebuilt: equal
+    e = PrismTrace.load(changed(a, tmp_path / "e", **wait(5)(t)))
+    assert e.column("wait_index")[node_row(e.nodes, 0, 4)] == 5
+    assert compare_traces(t, e, timing=False).structure_equal
+    # ... after the all_gather (before comm #3)
+    d = compare_traces(t, PrismTrace.load(changed(a, tmp_path / "f", **wait(8)(t))), timing=False).first_difference
+    assert (d["rank"], d["comm_index"], d["field"], d["a"], d["b"]) == (0, 1, "wait_point", 2, 3)
+    assert "wait_point differs: A waits before comm #2, B waits before comm #3" in d["message"]
+
+
+def test_compare_lists_every_difference_and_starts_with_the_first(cli, tmp_path):
+    a = changed(save(example_logs(), tmp_path / "g"), tmp_path / "a", groups=with_group("spare", [0, 3]))
+    b = changed(
+        a,
+        tmp_path / "b",
+        nodes=lambda n: node_cell(3, 9, "tag", 4)(node_cell(2, 10, "label", "pp")(n)),
+        iterations=lambda t: t.slice(0, t.num_rows - 1),  # rank 3's iteration 1
+        groups=lambda t: t.filter(pc.not_equal(t["desc"], "spare")),
+    )
+    rc, out, err = cli("compare", a, b, "--structure-only", "--json")
+    assert rc == 1, err
+    s = json.loads(out)["structure"]
+    # the lowest rank first, then the comm index: rank 2's label before rank 3's tag
+    d = s["first_difference"]
+    assert (d["table"], d["rank"], d["comm_index"], d["field"], d["a"], d["b"]) == ("nodes", 2, 5, "label", "", "pp")
+    assert [(x["table"], x["field"], x["count"]) for x in s["differences"]] == [
+        ("nodes", "tag", 1),
+        ("nodes", "label", 1),
+        ("iterations", "iteration", 1),
+        ("groups", "group", 1),
+    ]
+    msgs = [x["message"] for x in s["differences"]]
+    assert msgs[2] == "iterations.iteration: 1 row(s) in one graph only; first: rank 3 iteration 1: A has 1 row(s), B 0"
+    assert msgs[3] == "groups: 1 group(s) in one graph only; first: group ('spare', ranks [0, 3]) only in A"
+    rc, out, _ = cli("compare", a, b, "--structure-only")
+    lines = out.splitlines()
+    assert lines[2].startswith("structure: different: rank 2 comm #5"), out
+    assert lines[3:] == [f"  {m}" for m in msgs]
+
+
+def test_compare_reports_manifest_differences_without_failing(cli, tmp_path):
+    """A solo capture differs from the recording in mode and layout: said, not a difference of
+    structure (exit 0). A different world size is one."""
+    a = save(example_logs(), tmp_path / "a")
+    layout = {"tp": 2, "dp": 2, "pp": 1}
+    b = changed(a, tmp_path / "b", manifest=lambda m: {**m, "layout": layout, "mode": "solo", "hostname": "x"})
+    rc, out, err = cli("compare", a, b, "--json")
+    assert rc == 0, err
+    r = json.loads(out)
+    assert r["structure"]["equal"] is True and r["structure"]["first_difference"] is None
+    assert [(m["key"], m["a"], m["b"]) for m in r["manifest"]] == [("layout", None, layout), ("mode", "record", "solo")]
+    info = r["structure"]["differences"]
+    assert [(x["table"], x["field"], x["informational"]) for x in info] == [
+        ("manifest", "layout", True),
+        ("manifest", "mode", True),
+    ]
+    rc, out, _ = cli("compare", a, b, "--structure-only")
+    assert rc == 0 and "structure: equal" in out, out
+    assert out.splitlines()[3:] == [
+        "manifest:",
+        '  layout: A null, B {"dp": 2, "pp": 1, "tp": 2}',  # the manifest's keys are sorted
+        '  mode: A "record", B "solo"',
+    ]
+    # the program's arguments: the item that differs
+    c = changed(a, tmp_path / "c", manifest=lambda m: {**m, "command": ["python", "train.py", "--tp", "4"]})
+    rc, out, _ = cli("compare", a, c, "--structure-only")
+    assert rc == 0 and '  command: A 4 items, B 4; item 3: A "2", B "4"' in out.splitlines(), out
+    # peak memory: the ranks that differ
+    d = changed(a, tmp_path / "d", manifest=lambda m: {**m, "peak_memory_bytes": {**m["peak_memory_bytes"], "2": 5}})
+    rc, out, _ = cli("compare", a, d, "--json")
+    assert rc == 0
+    assert json.loads(out)["manifest"] == [
+        {
+            "key": "peak_memory_bytes",
+            "a": {"2": (1 << 30) + 2048},
+            "b": {"2": 5},
+            "message": f"peak_memory_bytes: 1 rank(s) differ; rank 2: A {(1 << 30) + 2048}, B 5",
+        }
+    ]
+    # the world size is structure: a difference, and in the manifest's list too
+    t = PrismTrace.load(a)
+    wider = PrismTrace(**{**{k: getattr(t, k) for k in ("nodes", "edges", "groups", "iterations")},
+                          "manifest": {**t.manifest, "world_size": 8}})  # fmt: skip
+    res = compare_traces(t, wider, timing=False)
+    assert res.structure_equal is False and res.first_difference["field"] == "world_size"
+    assert [(m["key"], m["a"], m["b"]) for m in res.manifest] == [("world_size", 4, 8)]
