@@ -499,14 +499,14 @@ def test_gpt3d_solo_capture_matches_record(tmp_path, gpt3d_recording):
 
 def test_gpt3d_switch_capture_is_the_real_run(tmp_path, gpt3d_recording):
     """The 8-rank TP2·PP2·DP2 recording (test_record_gpt3d's, shared) against a switch capture of
-    the same command: the same graph, and the same losses (the coordinator's sums in member order
-    against gloo's)."""
+    the same command, two ranks running at a time: the same graph, and the same losses (the
+    coordinator's sums in member order against gloo's)."""
     from test_record_gpt3d import program, recording
 
     rec = recording(gpt3d_recording, "tp2pp2dp2")
     log = tmp_path / "switch.json"
     p = subprocess.run(
-        [PRISM, "capture", "--mode", "switch", "--world", "8", "--devices", "cpu", "--out", str(tmp_path / "cap"),
+        [PRISM, "capture", "--mode", "switch", "--world", "8", "--parallel", "2", "--devices", "cpu", "--out", str(tmp_path / "cap"),
          "--timeout", "600", "--", str(ROOT / "examples" / "gpt3d.py"), *program("tp2pp2dp2"), "--json-log", str(log)],
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900,
     )  # fmt: skip
@@ -516,7 +516,7 @@ def test_gpt3d_switch_capture_is_the_real_run(tmp_path, gpt3d_recording):
     got = json.loads(log.read_text())
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in rec.log], rel=1e-5)
     m = PrismTrace.load(tmp_path / "cap").manifest
-    assert m["mode"] == "switch" and m["capture"]["ranks_run"] == 8
+    assert m["mode"] == "switch" and m["capture"]["ranks_run"] == 8 and m["capture"]["switches"] > 0
 
 
 def test_moe_solo_capture_replays_saved_tensors(tmp_path):

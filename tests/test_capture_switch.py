@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -29,10 +30,12 @@ def prism(*argv: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run([PRISM, *argv], capture_output=True, text=True, env=ENV, timeout=timeout)
 
 
-def capture(mode: str, world: int, out: Path, *program: str) -> subprocess.CompletedProcess:
-    every = ["--parallel", str(world)] if mode == "solo" else []  # switch mode runs every rank at once
+def capture(
+    mode: str, world: int, out: Path, *program: str, parallel: int | None = None
+) -> subprocess.CompletedProcess:
+    k = ["--parallel", str(parallel or world)] if mode == "solo" or parallel else []
     return prism("capture", "--mode", mode, "--world", str(world), "--devices", "cpu", "--out", str(out),
-                 *every, "--timeout", "240", "--", *program)  # fmt: skip
+                 *k, "--timeout", "240", "--", *program)  # fmt: skip
 
 
 def same_structure(a: Path, b: Path) -> None:
@@ -42,11 +45,14 @@ def same_structure(a: Path, b: Path) -> None:
 
 def test_every_collective_kind_gets_the_real_values(tmp_path):
     """tests/programs/collectives.py checks each result itself (every reduce op, gathers, scatters,
-    all-to-all with splits, send/recv, batched P2P, object collectives, coalescing, sub-groups)."""
-    p = capture("switch", 4, tmp_path / "cap", COLLECTIVES)
+    all-to-all with splits, send/recv, batched P2P, object collectives, coalescing, sub-groups),
+    here with two of its four ranks running at a time: each rank that waits is stopped for another."""
+    p = capture("switch", 4, tmp_path / "cap", COLLECTIVES, parallel=2)
     assert p.returncode == 0, p.stderr[-3000:]
     for r in range(4):
         assert f"COLLECTIVES OK {r}" in p.stdout + p.stderr
+    cap = PrismTrace.load(tmp_path / "cap").manifest["capture"]
+    assert cap["parallel"] == 2 and cap["switches"] > 0, cap
 
 
 def test_a_path_set_by_reduced_values_is_the_real_runs(tmp_path):
@@ -75,7 +81,6 @@ def test_a_path_set_by_reduced_values_is_the_real_runs(tmp_path):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["--parallel", "2"], "--parallel with --mode switch: every rank runs at once on the CPU"),
         (["--devices", "cuda"], "switch mode runs on the CPU for now"),
         (["--rules", __file__], "--rules with --mode switch"),
     ],
@@ -89,9 +94,17 @@ def test_what_switch_mode_does_not_do_yet_is_one_line(tmp_path, capsys, extra, n
     assert len(err) == 1 and needle in err[0], err
 
 
-def test_ranks_that_part_ways_are_named_with_the_calls_held(tmp_path):
-    """A rank that skips a collective its peers make: the run ends at its timeout and the message
-    says which calls the coordinator held, in from whom, waiting for whom."""
+def test_a_solo_capture_cannot_save_values_it_invents(tmp_path, capsys):
+    argv = ["capture", "--world", "2", "--devices", "cpu", "--out", str(tmp_path / "o"), "--save-tensors", "all"]
+    assert main([*argv, "--", VALUE_PATH]) == ExitCode.USAGE
+    assert "--save-tensors needs --mode switch" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("parallel", [None, 2])
+def test_ranks_that_part_ways_are_found_deadlocked(tmp_path, parallel):
+    """A rank that skips a collective its peers make, and ends: the others wait for it forever. The
+    coordinator finds every rank left waiting on a call no one else will make, ends them, and says
+    which calls it held, in from whom, waiting for whom (every rank at once, or two at a time)."""
     prog = tmp_path / "parting.py"
     prog.write_text(
         "import torch, torch.distributed as dist\n"
@@ -101,8 +114,11 @@ def test_ranks_that_part_ways_are_named_with_the_calls_held(tmp_path):
         "    dist.all_reduce(t)\n"
         "dist.all_reduce(t)\n"
     )
-    p = prism("capture", "--mode", "switch", "--world", "3", "--devices", "cpu", "--out", str(tmp_path / "o"),
-              "--timeout", "15", "--", str(prog))  # fmt: skip
+    k = ["--parallel", str(parallel)] if parallel else []
+    t0 = time.monotonic()
+    p = prism("capture", "--mode", "switch", "--world", "3", "--devices", "cpu", *k, "--out", str(tmp_path / "o"),
+              "--timeout", "120", "--", str(prog))  # fmt: skip
     assert p.returncode != 0
-    assert "calls the coordinator still held:" in p.stderr, p.stderr
+    assert time.monotonic() - t0 < 100  # found, not timed out
+    assert "the ranks are deadlocked" in p.stderr, p.stderr
     assert "all_reduce #1 on group" in p.stderr and "in from rank(s) 0,2, waiting for 1" in p.stderr, p.stderr

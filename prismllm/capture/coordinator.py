@@ -11,15 +11,30 @@ ranks) fails every member's call with one line naming the instance.
 
 Reductions run in the tensors' dtype, member by member in group order (sum, avg, product, min,
 max, the bitwise ops, premul_sum); an average of integers truncates, as NCCL's.
+
+With ``slots`` K, at most K ranks run at a time (the paper's context switching, Appendix A, with
+SIGSTOP and SIGCONT standing for a GPU context's checkpoint and restore): a rank that waits on a
+call the coordinator has not completed is stopped and its slot given to another, chosen by the
+paper's rule: among the ranks that can go on (never run, or a call of theirs completed since
+they stopped), the one the most incomplete calls wait for. A rank waits, for the coordinator,
+when it has a call in and its threads have run under 2 ms of CPU time between two looks 20 ms
+apart with none of them runnable: a Future waited on in torch's C++ (DDP's reducer) tells no one else.
+Where no rank can run and every stopped rank was stopped after the last progress, the ranks are
+deadlocked (a program whose ranks part ways): the coordinator says who waits for whom and ends
+them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import queue
 import secrets
+import signal
 import socket
 import threading
+import time
 from typing import Any
 
 import torch
@@ -44,19 +59,39 @@ class _Instance:
 
 
 class _Conn:
-    """One rank's connection; replies are written under its own lock (several threads answer)."""
+    """One rank's connection. Replies go out on a thread of its own: a stopped rank reads nothing,
+    and whoever answers it (the thread of the member that completed a call) must not wait."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.rank = -1
-        self.lock = threading.Lock()
+        self.pid = -1
+        self._out: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._send, daemon=True, name="prism-coordinator-send").start()
 
     def reply(self, msg: dict[str, Any]) -> None:
-        with self.lock:
+        self._out.put(msg)
+
+    def _send(self) -> None:
+        while (msg := self._out.get()) is not None:
             try:
                 send_frame(self.sock, msg)
             except OSError:
-                pass  # the rank is gone: the launcher reports it
+                return  # the rank is gone: the launcher reports it
+
+    def close(self) -> None:
+        self._out.put(None)
+
+
+@dataclasses.dataclass
+class _Rank:
+    """A rank as the scheduler sees it."""
+
+    pid: int
+    state: str = "ready"  # running | ready (stopped, may go on) | waiting (stopped on a call) | done
+    calls: set = dataclasses.field(default_factory=set)  # its calls not yet answered
+    stopped_at: int = -1  # the progress count when it was stopped for waiting
+    cpu: int = -1  # its threads' CPU time (ns) at the last look
 
 
 def _reduce(flats: list[torch.Tensor], op: str) -> torch.Tensor:
@@ -127,11 +162,44 @@ def _outputs(inst: _Instance, reduce_op: str, root: int) -> dict[int, torch.Tens
     raise PrismError(f"switch mode cannot carry out {op!r}")
 
 
+IDLE_SHARE = 0.1  # of the time between two looks: a rank that ran less waits (Coordinator._watch)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass  # gone: the launcher reports its end
+
+
+def _cpu(pid: int) -> tuple[int | None, bool]:
+    """(CPU time of the process's threads in ns, whether one of them is runnable); None when gone."""
+    total, runnable = 0, False
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None, False
+    for t in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                total += int(f.read().split()[0])
+            with open(f"/proc/{pid}/task/{t}/stat") as f:
+                stat = f.read()
+            runnable |= stat[stat.rindex(")") + 2] == "R"
+        except (OSError, ValueError, IndexError):
+            continue
+    return total, runnable
+
+
 class Coordinator:
     """Serves the ranks of one switch-mode capture; :meth:`close` ends it. ``address`` and
     ``token`` go to every rank (``ChildEnv.switch_address``/``switch_token``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, world: int, slots: int | None = None) -> None:
+        # every rank at once still watches: a rank that waits is stopped, so that ranks which all
+        # wait on one another are found deadlocked instead of hanging
+        self.world, self.slots = world, slots if slots is not None else world
+        self._look_s = 0.02 if self.slots < world else 0.1
         self.address = f"prism-switch-{secrets.token_hex(8)}"
         self.token = secrets.token_hex(16)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -145,7 +213,12 @@ class Coordinator:
         self.calls = 0  # answered
         self.refused = 0  # connections without the token
         self._closed = False
+        self._ranks: dict[int, _Rank] = {}
+        self._progress = 0  # calls in and calls answered: what a stopped rank may have waited for
+        self.switches = 0  # ranks stopped for waiting
+        self.deadlock: list[str] = []  # who waited for whom, when the ranks deadlocked
         threading.Thread(target=self._accept, daemon=True, name="prism-coordinator").start()
+        threading.Thread(target=self._watch, daemon=True, name="prism-scheduler").start()
 
     # -- connections --
     def _accept(self) -> None:
@@ -168,17 +241,25 @@ class Coordinator:
             self.refused += 1
             conn.sock.close()
             return
-        conn.rank = int(hello["rank"])
+        conn.rank, conn.pid = int(hello["rank"]), int(hello.get("pid", -1))
+        self._arrive(conn)
         while (msg := recv_frame(conn.sock)) is not None:
             try:
                 self._call(conn, msg)
             except PrismError as e:
                 conn.reply({"t": "error", "id": msg["id"], "message": str(e)})
+        conn.close()
+        with self._lock:
+            self._ranks[conn.rank].state = "done"
+            self._schedule()
 
     # -- calls --
     def _call(self, conn: _Conn, msg: dict[str, Any]) -> None:
         op, group = msg["op"], msg["group"]
         part = _Part(conn.rank, conn, msg)
+        with self._lock:
+            self._ranks[conn.rank].calls.add(msg["id"])
+            self._progress += 1
         if op in ("send", "recv"):
             src, dst = (conn.rank, msg["peer"]) if op == "send" else (msg["peer"], conn.rank)
             key = (group, src, dst, int(msg["seq"]))
@@ -253,27 +334,118 @@ class Coordinator:
             return
         p.conn.reply({"t": "done", "id": p.msg["id"], "out": encode(flat)})
         self.calls += 1
+        with self._lock:
+            r = self._ranks[p.rank]
+            r.calls.discard(p.msg["id"])
+            self._progress += 1
+            if r.state == "waiting":  # what it waited for may be this
+                r.state = "ready"
+            self._schedule()
+
+    # -- scheduling (slots) --
+    def _arrive(self, conn: _Conn) -> None:
+        """A rank's first message: it runs if a slot is free, else it stops until one is."""
+        with self._lock:
+            r = self._ranks[conn.rank] = _Rank(conn.pid, state="ready")
+            _signal(r.pid, signal.SIGSTOP)
+            self._schedule()
+
+    def _schedule(self) -> None:
+        """Give free slots to the ranks that can go on, the most waited-for first (under the lock)."""
+        free = self.slots - sum(r.state == "running" for r in self._ranks.values())
+        while free > 0:
+            ready = [k for k, r in self._ranks.items() if r.state == "ready"]
+            if not ready:
+                if not self._unstick():
+                    return
+                continue
+            wanted = self._wanted()
+            best = max(ready, key=lambda k: (wanted.get(k, 0), -k))
+            self._ranks[best].state, self._ranks[best].cpu = "running", -1
+            _signal(self._ranks[best].pid, signal.SIGCONT)
+            free -= 1
+
+    def _unstick(self) -> bool:
+        """No rank can go on and no rank runs: the stopped ranks that stopped before the latest
+        progress are given their turn again (what they wait for may have come); where every one
+        stopped after it, nothing will come: the ranks are deadlocked. False when none is freed."""
+        if any(r.state == "running" for r in self._ranks.values()):
+            return False
+        stale = [r for r in self._ranks.values() if r.state == "waiting" and r.stopped_at < self._progress]
+        for r in stale:
+            r.state = "ready"
+        if stale:
+            return True
+        arrived = len(self._ranks) == self.world
+        if arrived and any(r.state == "waiting" for r in self._ranks.values()) and not self.deadlock:
+            self.deadlock = ["the ranks are deadlocked: every one waits for a call no other rank will make"]
+            self.deadlock += self._waiting_lines()
+            for r in self._ranks.values():
+                if r.state != "done":
+                    _signal(r.pid, signal.SIGCONT)
+                    _signal(r.pid, signal.SIGKILL)
+        return False
+
+    def _wanted(self) -> dict[int, int]:
+        """Per rank: how many incomplete calls wait for it (its part not in)."""
+        out: dict[int, int] = {}
+        for inst in self._instances.values():
+            for i, r in enumerate(inst.granks):
+                if i not in inst.parts:
+                    out[r] = out.get(r, 0) + 1
+        for _, src, _, _ in self._recvs:
+            out[src] = out.get(src, 0) + 1
+        return out
+
+    def _watch(self) -> None:
+        """Every 20 ms (100 ms with every rank at once): a running rank with a call in that ran (almost)
+        no CPU time since the last look, none of its threads runnable, waits for the coordinator:
+        stopped, its slot given on."""
+        while not self._closed:
+            time.sleep(self._look_s)
+            with self._lock:
+                for r in self._ranks.values():
+                    if r.state != "running" or not r.calls:
+                        continue
+                    cpu, runnable = _cpu(r.pid)
+                    # a waiting rank's threads still wake now and then (the status board, torch's
+                    # own): idle is under a tenth of the time between looks, nothing runnable
+                    idle = cpu is not None and r.cpu >= 0 and cpu - r.cpu < IDLE_SHARE * self._look_s * 1e9
+                    if idle and not runnable:
+                        _signal(r.pid, signal.SIGSTOP)
+                        r.state, r.stopped_at = "waiting", self._progress
+                        self.switches += 1
+                    r.cpu = cpu if cpu is not None else -1
+                self._schedule()
 
     # -- state --
     def waiting(self) -> list[str]:
         """One line per call that waits for a member: what is in and who is missing (for a stall)."""
         with self._lock:
-            lines = []
-            for (group, seq), inst in sorted(self._instances.items()):
-                members = [inst.granks[i] for i in sorted(inst.parts)]
-                missing = [r for i, r in enumerate(inst.granks) if i not in inst.parts]
-                lines.append(
-                    f"{inst.op} #{seq} on group {group!r}: in from rank(s) {format_ranks(members)}, "
-                    f"waiting for {format_ranks(missing)}"
-                )
-            for group, src, dst, k in sorted(self._recvs):
-                lines.append(f"recv #{k} on group {group!r}: rank {dst} waits for rank {src}'s send")
-            return lines
+            return self._waiting_lines()
+
+    def _waiting_lines(self) -> list[str]:
+        lines = []
+        for (group, seq), inst in sorted(self._instances.items()):
+            members = [inst.granks[i] for i in sorted(inst.parts)]
+            missing = [r for i, r in enumerate(inst.granks) if i not in inst.parts]
+            lines.append(
+                f"{inst.op} #{seq} on group {group!r}: in from rank(s) {format_ranks(members)}, "
+                f"waiting for {format_ranks(missing)}"
+            )
+        for group, src, dst, k in sorted(self._recvs):
+            lines.append(f"recv #{k} on group {group!r}: rank {dst} waits for rank {src}'s send")
+        return lines
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
             conns = list(self._conns)
+            for r in self._ranks.values():  # none is left stopped
+                if r.state != "done":
+                    _signal(r.pid, signal.SIGCONT)
+        for c in conns:
+            c.close()
         for s in [self.sock, *(c.sock for c in conns)]:
             try:
                 s.shutdown(socket.SHUT_RDWR)

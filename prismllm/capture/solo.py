@@ -268,7 +268,10 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
             replica_plan(None, opts.world),
             why_all=("--tensors with expert parallelism: each rank replays its own recorded routing"),
         )
-    g, device, devices = _parallel_and_devices(opts) if opts.mode == "solo" else (opts.world, "cpu", "cpu")
+    # switch mode: every rank is started, K of them (--parallel) run at a time
+    g, device, devices = (
+        _parallel_and_devices(opts) if opts.mode == "solo" else (opts.parallel or opts.world, "cpu", "cpu")
+    )
     fp = fingerprint(opts, layout, device)
 
     out = Path(opts.out)
@@ -316,11 +319,6 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
 
 def _check_switch(opts: CaptureOptions) -> None:
     """What switch mode does not do yet, refused in one line each."""
-    if opts.parallel is not None:
-        raise PrismError(
-            "--parallel with --mode switch: every rank runs at once on the CPU for now (K ranks resident at a "
-            "time needs a rank's state swapped out while it waits, not built yet)"
-        )
     if opts.devices not in ("auto", "cpu") and not opts.cuda_on_cpu:
         raise PrismError(
             f"--devices {opts.devices} with --mode switch: switch mode runs on the CPU for now; use --devices cpu "
@@ -336,6 +334,21 @@ def _check_switch(opts: CaptureOptions) -> None:
             Selector(opts.save_tensors, strict=True)
         except ValueError as e:
             raise PrismError(f"bad --save-tensors {opts.save_tensors!r}: {e}") from None
+
+
+def _held_calls(coordinator: Any, result: LaunchResult) -> None:
+    """A failed switch-mode run's message says what the coordinator held: the deadlock it found
+    (in place of the launcher's account of the ranks it ended), else the calls still waiting."""
+    if coordinator.deadlock:
+        head, lines = coordinator.deadlock[0], coordinator.deadlock[1:]
+        result.message = f"switch-mode capture: {head}; the calls each waits on:"
+    else:
+        head, lines = "", coordinator.waiting()
+        if lines:
+            result.message += "\n  calls the coordinator still held:"
+    shown = lines[:8] + ([f"... and {len(lines) - 8} more"] if len(lines) > 8 else [])
+    if shown:
+        result.message += "\n    " + "\n    ".join(shown)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -462,11 +475,12 @@ def _capture(
         # torch once a capture runs: the CLI's parsing and its refusals of bad input never load it
         from prismllm.capture.coordinator import Coordinator
 
-        coordinator = Coordinator()
+        coordinator = Coordinator(plan.world, slots=opts.parallel)
     if coordinator is not None:
         child = dataclasses.replace(child, switch_address=coordinator.address, switch_token=coordinator.token)
-    for i in range(0, len(pending), plan.parallel):
-        batch = pending[i : i + plan.parallel]
+    step = len(pending) if opts.mode == "switch" else plan.parallel
+    for i in range(0, len(pending), step):
+        batch = pending[i : i + step]
         spec = LaunchSpec.from_fields(
             opts,
             nproc=len(batch),
@@ -483,14 +497,12 @@ def _capture(
         t_batch = time.monotonic()
         try:
             result = launch(spec)
-            waiting = coordinator.waiting() if coordinator is not None and not result.ok else []
         finally:
             state["run_s"] = float(state.get("run_s", 0.0)) + (time.monotonic() - t_batch)
             if coordinator is not None:
                 coordinator.close()
-        if waiting:
-            shown = waiting[:8] + ([f"... and {len(waiting) - 8} more"] if len(waiting) > 8 else [])
-            result.message += "\n  calls the coordinator still held:\n    " + "\n    ".join(shown)
+        if coordinator is not None and not result.ok:
+            _held_calls(coordinator, result)
         finished = [r for r in batch if result.returncodes.get(r) == 0 and ranklog_path(spool, r).exists()]
         done.update(finished)
         ran += len(finished)
@@ -535,6 +547,8 @@ def _capture(
         "ranks_run": ran,
         "ranks_resumed": len(plan.resumed),
         "parallel": plan.parallel,
+        # switch mode: how often a waiting rank was stopped for another (prismllm.capture.coordinator)
+        "switches": coordinator.switches if coordinator is not None else None,
         "runs": state["runs"],
         "run_wall_s": round(run_wall, 3),
         "run_wall_s_all_runs": round(float(state["run_s"]), 3),

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import socket
 import struct
 import threading
@@ -122,7 +123,7 @@ class SwitchClient:
         self._ids = itertools.count()
         self._pending: dict[int, tuple[Call, torch.futures.Future]] = {}
         self._lock = threading.Lock()
-        send_frame(self.sock, {"t": "hello", "rank": rank, "token": token})
+        send_frame(self.sock, {"t": "hello", "rank": rank, "token": token, "pid": os.getpid()})
         self._receiver = threading.Thread(target=self._receive, daemon=True, name="prism-switch")
         self._receiver.start()
         # Ended before the interpreter finalizes: a daemon thread still in torch's C++ (writing

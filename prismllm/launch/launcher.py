@@ -282,11 +282,13 @@ class _Launcher:
 
     def _end_all(self) -> None:
         """SIGTERM every live child's process group, SIGKILL after the grace period, and end
-        whatever the children left in their groups."""
+        whatever the children left in their groups. A stopped child (switch mode's coordinator
+        stops the ranks that wait) is continued, or it would hold its SIGTERM until the SIGKILL."""
         alive = self._alive()
         for c in alive:
             c.ended_by_launcher = True
             killpg(c.proc.pid, signal.SIGTERM)
+            killpg(c.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + max(0.0, self.spec.grace_period)
         while self._alive() and time.monotonic() < deadline and not self.escalate.is_set():
             self._drain_exits(0.05)
