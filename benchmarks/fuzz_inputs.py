@@ -15,6 +15,13 @@ Each case copies it, applies one mutation and sorts the outcome into
 - traceback: any other exception, or a message of more than one line (a failure);
 - hang: a case that outlived its timeout (a failure).
 
+With --reseal, a second kind of case: a consistent change (a node's field, an edge, an iteration
+or group row, a duration, a manifest value) sealed again, as an edit by hand or a writer's bug
+would leave a graph: the checksums hold, so only validation or `prism compare` can tell. Each is
+refused, or harmless (the same graph), or noticed (compare against the original reports a
+structure, manifest or timing difference); compare-missed (a changed graph compare calls equal)
+is a failure.
+
 tests/test_fuzz_inputs.py runs a few hundred cases in-process in the suite.
 """
 
@@ -22,6 +29,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import io
 import json
 import math
 import os
@@ -36,15 +45,18 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import pyarrow as pa
 
+from prismllm.cli.main import main as prism_main
 from prismllm.errors import PrismError
 from prismllm.generate.store import TensorStore, rank_files, verify_store
+from prismllm.trace.compare import compare_traces
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import TENSORS_DIR
 from prismllm.trace.validate import validate
 
-OUTCOMES = ("refused", "accepted-harmless", "accepted-changed", "traceback", "hang")
-FAILURES = ("accepted-changed", "traceback", "hang")
+OUTCOMES = ("refused", "accepted-harmless", "noticed", "accepted-changed", "compare-missed", "traceback", "hang")
+FAILURES = ("accepted-changed", "compare-missed", "traceback", "hang")
 # values a manifest key is set to: wrong types, out of range, huge, odd JSON
 BAD_VALUES: list[Any] = ["abc", "2", "", [], [1, 2], {}, {"0": 1}, None, True, -1, 0, 1, 2, 3, 2**31, 2**63, 1.5,
                          math.nan, math.inf, "x" * 10_000]  # fmt: skip
@@ -184,6 +196,142 @@ MUTATIONS: list[Callable[[Path, random.Random], str]] = [
 ]  # fmt: skip
 
 
+# ---------------------------------------------------------------------------------- resealed edits
+def _set(table: pa.Table, column: str, row: int, value: Any) -> pa.Table:
+    values = table.column(column).to_pylist()
+    values[row] = value
+    i = table.schema.get_field_index(column)
+    return table.set_column(i, table.schema.field(i), pa.array(values, type=table.schema.field(i).type))
+
+
+def _rows(table: pa.Table, keep: list[int]) -> pa.Table:
+    return table.take(pa.array(keep, type=pa.int64()))
+
+
+def _edit_node(t: PrismTrace, rng: random.Random) -> str:
+    comm = [i for i, k in enumerate(t.nodes.column("kind").to_pylist()) if k == "comm"]
+    row = rng.choice(comm) if comm and rng.random() < 0.8 else rng.randrange(t.nodes.num_rows)
+    field = rng.choice(("tag", "async_op", "shape", "label", "iteration", "seq", "in_bytes", "dtype", "reduce_op",
+                        "peer", "op", "wait_index", "coalesced", "duration_ns", "issue_ns"))  # fmt: skip
+    old = t.nodes.column(field)[row].as_py()
+    new = {
+        "tag": lambda: (old or 0) + 1,
+        "async_op": lambda: not old,
+        "shape": lambda: [*(old or []), 1],
+        "label": lambda: (old or "") + "x",
+        "iteration": lambda: (old if old is not None else 0) + 1,
+        "seq": lambda: (old or 0) + 1,
+        "in_bytes": lambda: (old or 0) + 4,
+        "dtype": lambda: "float16" if old != "float16" else "float32",
+        "reduce_op": lambda: "max" if old != "max" else "sum",
+        "peer": lambda: (old if old is not None else -1) + 1,
+        "op": lambda: "broadcast" if old != "broadcast" else "all_reduce",
+        "wait_index": lambda: -1 if (old or -1) >= 0 else (old or 0) + 2,
+        "coalesced": lambda: (old if old is not None else -1) + 7,
+        "duration_ns": lambda: (old or 0) * 2 + 1000,
+        "issue_ns": lambda: (old or 0) + 1000,
+    }[field]()
+    t.nodes = _set(t.nodes, field, row, new)
+    return f"node row {row} {field} {old!r} -> {new!r}"
+
+
+def _edit_edges(t: PrismTrace, rng: random.Random) -> str:
+    n = t.edges.num_rows
+    what = rng.choice(("drop", "duplicate", "empty", "kind"))
+    if what == "empty" or n == 0:
+        t.edges = t.edges.slice(0, 0)
+        return "edges emptied"
+    row = rng.randrange(n)
+    if what == "drop":
+        t.edges = _rows(t.edges, [i for i in range(n) if i != row])
+    elif what == "duplicate":
+        t.edges = _rows(t.edges, [*range(n), row])
+    else:
+        old = t.edges.column("kind")[row].as_py()
+        t.edges = _set(t.edges, "kind", row, "wait" if old != "wait" else "order")
+    return f"edge row {row}: {what}"
+
+
+def _edit_table_rows(t: PrismTrace, rng: random.Random) -> str:
+    name = rng.choice(("iterations", "groups"))
+    table = getattr(t, name)
+    n = table.num_rows
+    what = rng.choice(("drop", "duplicate", "label"))
+    row = rng.randrange(n) if n else 0
+    if n == 0:
+        return f"{name}: empty, unchanged"
+    if what == "drop":
+        table = _rows(table, [i for i in range(n) if i != row])
+    elif what == "duplicate":
+        table = _rows(table, [*range(n), row])
+    else:
+        field = "label" if name == "iterations" else "desc"
+        table = _set(table, field, row, (table.column(field)[row].as_py() or "") + "x")
+    setattr(t, name, table)
+    return f"{name} row {row}: {what}"
+
+
+def _edit_manifest(t: PrismTrace, rng: random.Random) -> str:
+    key = rng.choice(("layout", "command", "mode", "world_size", "device", "peak_memory_bytes"))
+    old = t.manifest.get(key)
+    new = {
+        "layout": lambda: {"tp": 2, "pp": 1} if old != {"tp": 2, "pp": 1} else None,
+        "command": lambda: [*(old or []), "--extra"],
+        "mode": lambda: "solo" if old != "solo" else "record",
+        "world_size": lambda: (old or 1) * 2,
+        "device": lambda: "cuda" if old != "cuda" else "cpu",
+        "peak_memory_bytes": lambda: {str(r): 1 << 20 for r in range(t.world_size)},
+    }[key]()
+    t.manifest = {**t.manifest, key: new}
+    return f"manifest {key} {json.dumps(old)[:40]} -> {json.dumps(new)[:40]}"
+
+
+RESEALS: list[Callable[[PrismTrace, random.Random], str]] = [_edit_node, _edit_node, _edit_edges, _edit_table_rows,
+                                                             _edit_manifest]  # fmt: skip
+
+
+def reseal(src: Path, case: Path, rng: random.Random) -> str:
+    """Write to ``case`` the graph ``src`` with one consistent change, sealed again; its description."""
+    t = PrismTrace.load(src, verify=False)
+    t.manifest = {k: v for k, v in t.manifest.items() if k not in ("files", "manifest_crc32")}
+    what = rng.choice(RESEALS)(t, rng)
+    shutil.rmtree(case, ignore_errors=True)
+    t.save(case)
+    return what
+
+
+def reseal_outcome(case: Path, original: PrismTrace, timeout_s: float = 10.0) -> tuple[str, str]:
+    """(outcome, detail) of a resealed case: refused on load or validation, the same graph, a
+    difference `prism compare` reports (structure, manifest or timing), or one it misses."""
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
+    try:
+        trace = PrismTrace.load(case)
+        validate(trace)
+        if trace.equals(original):
+            return "accepted-harmless", ""
+        res = compare_traces(original, trace).to_dict()
+    except _Hang:
+        return "hang", f"more than {timeout_s:g} s"
+    except PrismError as e:
+        text = str(e)
+        return ("refused", text) if "\n" not in text else ("traceback", f"a message of several lines: {text[:200]}")
+    except Exception as e:  # noqa: BLE001 - what the fuzzer looks for
+        return "traceback", f"{type(e).__name__}: {str(e)[:200]}"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    timing = res["timing"] or {}
+    moved = (
+        timing.get("iteration_time_a_ns") != timing.get("iteration_time_b_ns")
+        or any(v.get("a_ns") != v.get("b_ns") for v in (timing.get("compute_ns") or {}).values())
+        or bool((timing.get("node_times") or {}).get("differ"))
+    )
+    if not res["structure"]["equal"] or res["manifest"] or moved:
+        return "noticed", ""
+    return "compare-missed", "compare found no difference"
+
+
 def mutate(src: Path, case: Path, rng: random.Random) -> str:
     """Copy the graph ``src`` (with its store) to ``case`` and apply one mutation; its description."""
     shutil.rmtree(case, ignore_errors=True)
@@ -210,7 +358,7 @@ def snapshot(graph: Path) -> tuple[PrismTrace, dict]:
     return trace, store
 
 
-class _Hang(Exception):
+class _Hang(BaseException):  # not an Exception: prism's main turns those into a line
     pass
 
 
@@ -239,14 +387,32 @@ def load_outcome(case: Path, original: tuple[PrismTrace, dict], timeout_s: float
 
 
 # ---------------------------------------------------------------------------------- CLI
+SUBPROCESS = False  # --subprocess: each command in a process of its own (as a user runs it), ~1 s a command
+
+
 def _prism(*argv: str, timeout_s: float) -> tuple[int | None, str, str]:
+    """(exit status, stdout, stderr) of ``prism ARGV``; None for a command that outlived ``timeout_s``.
+    In-process by default: the same ``main`` the console script calls, 50-100 times faster."""
+    if SUBPROCESS:
+        try:
+            p = subprocess.run(
+                [sys.executable, "-m", "prismllm.cli.main", *argv], capture_output=True, text=True, timeout=timeout_s
+            )
+        except subprocess.TimeoutExpired:
+            return None, "", ""
+        return p.returncode, p.stdout, p.stderr
+    out, err = io.StringIO(), io.StringIO()
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        p = subprocess.run(
-            [sys.executable, "-m", "prismllm.cli.main", *argv], capture_output=True, text=True, timeout=timeout_s
-        )
-    except subprocess.TimeoutExpired:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = prism_main(list(argv))
+    except _Hang:
         return None, "", ""
-    return p.returncode, p.stdout, p.stderr
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+    return rc, out.getvalue(), err.getvalue()
 
 
 def _shown(out: str) -> dict | None:
@@ -284,15 +450,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cli", action="store_true", help="also run prism show and prism compare on each case")
+    ap.add_argument("--subprocess", action="store_true", help="run each CLI command in a process of its own")
+    ap.add_argument("--reseal", type=int, default=0, metavar="M", help="also M resealed edits (see above)")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds a case may take (each CLI command)")
     ap.add_argument("--work", type=Path, default=None, help="where cases are written (default: a temp dir)")
     ap.add_argument("--json", type=Path, default=None, help="write the tally and the failures here")
     args = ap.parse_args(argv)
+    global SUBPROCESS
+    SUBPROCESS = args.subprocess
 
     rng = random.Random(args.seed)
     original = snapshot(args.graph)
     original_shown = _shown(_prism("show", str(args.graph), "--json", timeout_s=args.timeout)[1]) if args.cli else None
-    tally = {"in-process": collections.Counter(), "cli": collections.Counter()}
+    tally = {"in-process": collections.Counter(), "cli": collections.Counter(), "resealed": collections.Counter()}
     failures = []
     with tempfile.TemporaryDirectory(dir=args.work) as tmp:
         case = Path(tmp) / "case"
@@ -309,9 +479,17 @@ def main(argv: list[str] | None = None) -> int:
                 tally["cli"][outcome] += 1
                 if outcome in FAILURES:
                     failures.append({"case": i, "mutation": what, "where": "cli", "outcome": outcome, "detail": detail})
-            if (i + 1) % 50 == 0:
+            if (i + 1) % 500 == 0:
                 print(
                     f"{i + 1}/{args.cases}: " + "; ".join(f"{k} {dict(v)}" for k, v in tally.items() if v), flush=True
+                )
+        for i in range(args.reseal):
+            what = reseal(args.graph, case, rng)
+            outcome, detail = reseal_outcome(case, original[0], args.timeout)
+            tally["resealed"][outcome] += 1
+            if outcome in FAILURES:
+                failures.append(
+                    {"case": i, "mutation": what, "where": "resealed", "outcome": outcome, "detail": detail}
                 )
     for where, counts in tally.items():
         if counts:

@@ -5,7 +5,8 @@ test_emulate's too) is mutated a few hundred times, seeded (benchmarks/fuzz_inpu
 truncation, empty, deleted and swapped files, bad manifest values, index offsets), and each copy
 goes through the loaders in-process (PrismTrace.load, validate, verify_store, every store entry
 read): no exception but a one-line PrismError, no hang, and whatever is accepted equals the
-original. The issue's two cases, two ranks' stores swapped and every index offset set to -1, are
+original; graphs edited consistently and sealed again are refused by validation or shown different
+by `prism compare`. The issue's two cases, two ranks' stores swapped and every index offset set to -1, are
 refused by `prism emulate` before any process starts; a store written before seals (no
 manifest) still loads, its index still checked against its data and the graph.
 """
@@ -34,6 +35,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import fuzz_inputs  # noqa: E402
 
 CASES = 300
+RESEALED = 150
 SEED = 37
 
 
@@ -67,6 +69,22 @@ def test_mutated_inputs_are_refused_in_one_line_or_harmless(graph, tmp_path):
             failures.append(f"case {i} ({what}): {outcome} {detail}")
     assert not failures, "\n".join(failures)
     assert tally["refused"] >= CASES * 0.9, tally  # almost every mutation changes a byte that is checked
+
+
+def test_consistent_edits_are_refused_or_shown_by_compare(graph, tmp_path):
+    """A graph changed and sealed again (its checksums hold): validation refuses it, or `prism
+    compare` against the original reports the change (structure, manifest or timing)."""
+    rng = random.Random(SEED)
+    original = PrismTrace.load(graph)
+    tally, failures = {}, []
+    for i in range(RESEALED):
+        what = fuzz_inputs.reseal(graph, tmp_path / "case", rng)
+        outcome, detail = fuzz_inputs.reseal_outcome(tmp_path / "case", original, timeout_s=20)
+        tally[outcome] = tally.get(outcome, 0) + 1
+        if outcome in fuzz_inputs.FAILURES:
+            failures.append(f"case {i} ({what}): {outcome} {detail}")
+    assert not failures, "\n".join(failures)
+    assert tally.get("refused", 0) and tally.get("noticed", 0), tally
 
 
 def emulate(g: Path, out: Path, *extra: str) -> tuple[int, str]:

@@ -637,3 +637,20 @@ def test_compare_reports_manifest_differences_without_failing(cli, tmp_path):
     res = compare_traces(t, wider, timing=False)
     assert res.structure_equal is False and res.first_difference["field"] == "world_size"
     assert [(m["key"], m["a"], m["b"]) for m in res.manifest] == [("world_size", 4, 8)]
+
+
+def test_compare_names_a_node_whose_own_time_differs(cli, tmp_path):
+    """One call's duration changed (the iteration time and the compute totals stay): the timing
+    part says how many nodes differ in a time of their own, and the largest difference."""
+    a = save(example_logs(), tmp_path / "a")
+    t = PrismTrace.load(a)
+    row = t.nodes.column("kind").to_pylist().index("comm")
+    rank, index = t.nodes["rank"][row].as_py(), t.nodes["index"][row].as_py()
+    old = t.nodes["duration_ns"][row].as_py()
+    b = changed(a, tmp_path / "b", nodes=node_cell(rank, index, "duration_ns", old + 5000))
+    rc, out, _ = cli("compare", a, b, "--json")
+    nt = json.loads(out)["timing"]["node_times"]
+    assert nt["differ"] == 1 and nt["of"] == t.num_nodes, nt
+    assert nt["largest"] == {"rank": rank, "index": index, "column": "duration_ns", "a": old, "b": old + 5000}
+    rc, out, _ = cli("compare", a, b)
+    assert "nodes whose own times differ" in out and f"rank {rank} node {index} duration_ns" in out, out

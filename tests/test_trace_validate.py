@@ -169,6 +169,33 @@ def test_duplicate_node_ids_and_dangling_edges(logs):
         validate(bad)
 
 
+@pytest.mark.parametrize(
+    "column, value", [("peer", 1), ("seq", 0), ("dtype", "float16"), ("async_op", True), ("shape", [1]), ("tag", 3)]
+)
+def test_a_compute_span_carries_no_communication_field(logs, column, value):
+    """A value no writer puts in a compute span (a graph edited after it was written): refused,
+    where the replay would ignore it and a comparison of two graphs would not see it."""
+    t = build(logs)
+    row = t.nodes.column("kind").to_pylist().index("compute")
+    values = t.nodes.column(column).to_pylist()
+    values[row] = value
+    i = t.nodes.schema.get_field_index(column)
+    bad = copy.copy(t)
+    bad.nodes = t.nodes.set_column(i, t.nodes.schema.field(i), pa.array(values, t.nodes.schema.field(i).type))
+    bad.__post_init__()
+    with pytest.raises(TraceError, match=rf"is a compute span with {column} = .*carries no communication fields"):
+        validate(bad)
+
+
+def test_a_group_stored_twice_is_refused(logs):
+    t = build(logs)
+    bad = copy.copy(t)
+    bad.groups = pa.concat_tables([t.groups, t.groups.slice(0, 1)])
+    bad.__post_init__()
+    with pytest.raises(TraceError, match=r"groups.parquet lists group \d+ more than once"):
+        validate(bad)
+
+
 # ---------------------------------------------------------------------- deadlocks
 def two_ranks(prog0, prog1, groups=None):
     groups = groups or [GroupInfo("0", "default_pg", [0, 1])]

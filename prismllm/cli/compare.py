@@ -81,6 +81,13 @@ def render(res, console: Console, path_a: str, path_b: str) -> None:
     t.add_row("steady iteration time A", fmt_ns(res.iteration_time_a_ns))
     t.add_row("steady iteration time B", fmt_ns(res.iteration_time_b_ns))
     t.add_row("relative error (B-A)/A", _pct(res.rel_error))
+    nt = res.node_times
+    if nt is not None:
+        big = nt.get("largest")
+        where = (
+            f"; largest: rank {big['rank']} node {big['index']} {big['column']} {big['a']} -> {big['b']}" if big else ""
+        )
+        t.add_row("nodes whose own times differ", f"{nt['differ']:,} of {nt['of']:,}{where}")
     errs = [(r, e) for r, e in res.per_rank.items() if e is not None]
     if errs:
         absmax = max(errs, key=lambda x: abs(x[1]))
@@ -115,6 +122,6 @@ def render(res, console: Console, path_a: str, path_b: str) -> None:
             + f": its host issued each call {fmt_ns(c['host_lead_a_ns'])} (A) and {fmt_ns(c['host_lead_b_ns'])} (B)"
             " before the device reached it. Where that lead is under a millisecond the device waited for the"
             " host, and the rank's compute spans measure the host's pace (Python and launches), not its kernels:"
-            " the compute difference is the host's, not the kernels' (docs/commands/compare.md).",
+            " the compute difference is the host's, not the kernels' (`prism docs compare`).",
             highlight=False,
         )

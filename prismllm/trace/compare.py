@@ -126,6 +126,7 @@ class CompareResult:
     iterations: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     compute_ns: dict[int, dict[str, Any]] = dataclasses.field(default_factory=dict)
     host_bound_differs: list[int] = dataclasses.field(default_factory=list)
+    node_times: dict[str, Any] | None = None  # nodes whose own times differ (_node_times)
     timing_checked: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -146,6 +147,7 @@ class CompareResult:
                 "iterations": self.iterations,
                 "compute_ns": {str(r): v for r, v in sorted(self.compute_ns.items())},
                 "host_bound_differs": self.host_bound_differs,
+                "node_times": self.node_times,
             }
         return {"structure": structure, "manifest": self.manifest, "timing": timing}
 
@@ -396,7 +398,17 @@ def _kind_differences(a: PrismTrace, b: PrismTrace) -> list[dict[str, Any]]:
     extra = np.flatnonzero(na != nb)
     n = len(bad) + int(np.abs(na - nb).sum())
     if not n:
-        return []
+        # the same spans: each in the same iteration (a communication event's is compared with its fields)
+        ita, itb = a.column("iteration")[oa][ia], b.column("iteration")[ob][ib]
+        moved = np.flatnonzero(~ka[ia] & (ita != itb))
+        if not len(moved):
+            return []
+        p0 = int(moved[0])
+        r, i = int(pair_rank[p0]), int(k[p0])
+        message = f"rank {r} node {i} (compute): A iteration {int(ita[p0])}, B {int(itb[p0])}"
+        line = f"nodes.iteration: {len(moved)} compute span(s) in another iteration; first: {message}"
+        first = {"rank": r, "index": i, "a": int(ita[p0]), "b": int(itb[p0]), "message": message}
+        return [_entry("nodes", "iteration", len(moved), line, first)]
     # the lowest (rank, index) of a differing kind or of the first node one rank has more of
     cand = [(int(pair_rank[p]), int(k[p])) for p in bad[:1]] + [(int(r), int(min(na[r], nb[r]))) for r in extra[:1]]
     r, i = min(cand)
@@ -643,3 +655,41 @@ def _compare_timing(a: PrismTrace, b: PrismTrace, res: CompareResult) -> None:
     # spans measure different things (host pace against kernel time), so their compute differs
     # by the host's launch time, whatever the kernels did
     res.host_bound_differs = sorted(r for r in set(la) & set(lb) if (la[r] < HOST_BOUND_NS) != (lb[r] < HOST_BOUND_NS))
+    res.node_times = _node_times(a, b)
+
+
+TIME_COLUMNS = ("issue_ns", "start_ns", "end_ns", "duration_ns")
+
+
+def _node_times(a: PrismTrace, b: PrismTrace) -> dict[str, Any] | None:
+    """Where the two graphs hold the same nodes (rank, index): how many differ in a time of their
+    own (issue, start, end, duration), and the first of the largest difference; None otherwise.
+    The summaries above can hide one node's change (a communication call's duration, an issue
+    time), which this does not."""
+    oa, ob = a.program_order(), b.program_order()
+    ka = np.stack([a.column("rank")[oa], a.column("index")[oa]]) if len(oa) else np.zeros((2, 0))
+    kb = np.stack([b.column("rank")[ob], b.column("index")[ob]]) if len(ob) else np.zeros((2, 0))
+    if ka.shape != kb.shape or not np.array_equal(ka, kb):
+        return None
+    differ = np.zeros(len(oa), dtype=bool)
+    worst: tuple[int, str, int] | None = None  # (|delta|, column, position)
+    for col in TIME_COLUMNS:
+        x, y = a.column(col)[oa].astype(np.int64), b.column(col)[ob].astype(np.int64)
+        d = x != y
+        differ |= d
+        if d.any():
+            delta = np.abs(x - y)
+            pos = int(np.argmax(np.where(d, delta, -1)))
+            if worst is None or int(delta[pos]) > worst[0]:
+                worst = (int(delta[pos]), col, pos)
+    out: dict[str, Any] = {"differ": int(differ.sum()), "of": len(oa)}
+    if worst is not None:
+        _, col, pos = worst
+        out["largest"] = {
+            "rank": int(ka[0, pos]),
+            "index": int(ka[1, pos]),
+            "column": col,
+            "a": int(a.column(col)[oa[pos]]),
+            "b": int(b.column(col)[ob[pos]]),
+        }
+    return out

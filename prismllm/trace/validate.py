@@ -207,6 +207,7 @@ def _check_structure(c: Ctx) -> None:
         raise TraceError(
             f"{c.node(wrong[0])} is a compute node with op {c.op(wrong[0])!r}; a compute node's op is 'compute'"
         )
+    _check_compute_fields(c)
 
     edges = c.trace.edges
     if edges.num_rows:
@@ -265,7 +266,50 @@ def _rows_of(c: Ctx, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ---------------------------------------------------------------------- 2. groups
+# what a compute span holds in each communication column: nothing (every writer leaves these)
+_COMPUTE_NEUTRAL = {"group": -1, "seq": -1, "peer": -1, "tag": 0, "coalesced": -1, "wait_index": -1,
+                    "in_bytes": 0, "out_bytes": 0, "async_op": False, "reduce_op": "", "dtype": ""}  # fmt: skip
+_COMPUTE_EMPTY = ("shape", "in_splits", "out_splits")
+
+
+def _check_compute_fields(c: Ctx) -> None:
+    """A compute span carries no communication: a value in one of those columns is a change no
+    writer makes (the replay would ignore it, and a comparison of two graphs would not)."""
+    comp = ~c.is_comm
+    if not comp.any():
+        return
+    nodes = c.trace.nodes
+    for col, neutral in _COMPUTE_NEUTRAL.items():
+        values = nodes.column(col)
+        if isinstance(neutral, str):
+            differs = ~pc.equal(pc.fill_null(values, neutral), neutral).to_numpy(zero_copy_only=False).astype(bool)
+        else:
+            differs = values.to_numpy(zero_copy_only=False) != neutral
+        bad = np.flatnonzero(comp & differs)
+        if len(bad):
+            i = bad[0]
+            raise TraceError(
+                f"{c.node(i)} is a compute span with {col} = {values[int(i)].as_py()!r}; a compute span carries no "
+                "communication fields: the graph was changed after it was written, re-record it"
+            )
+    for col in _COMPUTE_EMPTY:
+        lengths = pc.fill_null(pc.list_value_length(nodes.column(col)), 0).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(comp & (lengths > 0))
+        if len(bad):
+            i = bad[0]
+            raise TraceError(
+                f"{c.node(i)} is a compute span with {col} = {nodes.column(col)[int(i)].as_py()!r}; a compute span "
+                "carries no communication fields: the graph was changed after it was written, re-record it"
+            )
+
+
 def _check_groups(c: Ctx) -> None:
+    ids = c.trace.groups.column("group_id").to_numpy(zero_copy_only=False)
+    if len(ids) != len(np.unique(ids)):
+        dup = int(ids[np.flatnonzero(np.bincount(ids - ids.min()) > 1)[0] + ids.min()])
+        raise TraceError(
+            f"groups.parquet lists group {dup} more than once; each group is stored once: the graph is corrupt, re-record it"
+        )
     nogroup = np.flatnonzero(c.is_comm & (c.group < 0))
     if len(nogroup):
         raise TraceError(f"{c.node(nogroup[0])} has no group; every communication node belongs to a process group")
