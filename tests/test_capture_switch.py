@@ -122,3 +122,18 @@ def test_ranks_that_part_ways_are_found_deadlocked(tmp_path, parallel):
     assert time.monotonic() - t0 < 100  # found, not timed out
     assert "the ranks are deadlocked" in p.stderr, p.stderr
     assert "all_reduce #1 on group" in p.stderr and "in from rank(s) 0,2, waiting for 1" in p.stderr, p.stderr
+
+
+def test_host_memory_about_to_run_out_ends_the_capture_in_one_line(tmp_path, monkeypatch):
+    """The coordinator watches the host's available memory: under a twentieth of the host (or 1 GiB)
+    it ends the ranks and says so, before the kernel's OOM killer would pick one of them."""
+    from prismllm.capture import coordinator
+    from prismllm.capture.solo import CaptureOptions, capture
+    from prismllm.errors import PrismError
+
+    monkeypatch.setattr(coordinator, "_meminfo", lambda: (100 << 20, 24 << 30))
+    monkeypatch.setattr(coordinator, "MEMORY_EVERY", 1)
+    opts = CaptureOptions(world=2, out=tmp_path / "o", script=VALUE_PATH, mode="switch", devices="cpu",
+                          timeout=120, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    with pytest.raises(PrismError, match=r"switch-mode capture: host memory is about to run out \(0\.10 of 24\.0 GiB"):
+        capture(opts)

@@ -21,7 +21,8 @@ when it has a call in and its threads have run under 2 ms of CPU time between tw
 apart with none of them runnable: a Future waited on in torch's C++ (DDP's reducer) tells no one else.
 Where no rank can run and every stopped rank was stopped after the last progress, the ranks are
 deadlocked (a program whose ranks part ways): the coordinator says who waits for whom and ends
-them.
+them. Where the host's available memory falls under 1 GiB (or a twentieth of it), it ends them
+too, saying so, before the kernel's OOM killer picks one.
 """
 
 from __future__ import annotations
@@ -163,6 +164,17 @@ def _outputs(inst: _Instance, reduce_op: str, root: int) -> dict[int, torch.Tens
 
 
 IDLE_SHARE = 0.1  # of the time between two looks: a rank that ran less waits (Coordinator._watch)
+LOW_MEMORY_BYTES = 1 << 30  # below this available (or a twentieth of the host's), the capture ends
+MEMORY_EVERY = 10  # looks between two checks of the host's memory
+
+
+def _meminfo() -> tuple[int | None, int]:
+    """(MemAvailable, MemTotal) in bytes; None where /proc/meminfo cannot say."""
+    try:
+        fields = dict(ln.split(":", 1) for ln in open("/proc/meminfo").read().splitlines() if ":" in ln)
+        return int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None, 0
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -216,7 +228,10 @@ class Coordinator:
         self._ranks: dict[int, _Rank] = {}
         self._progress = 0  # calls in and calls answered: what a stopped rank may have waited for
         self.switches = 0  # ranks stopped for waiting
-        self.deadlock: list[str] = []  # who waited for whom, when the ranks deadlocked
+        # why the coordinator ended the ranks, the first line the reason, then what each waited on:
+        # a deadlock, or host memory about to run out
+        self.ended: list[str] = []
+        self._looks = 0
         threading.Thread(target=self._accept, daemon=True, name="prism-coordinator").start()
         threading.Thread(target=self._watch, daemon=True, name="prism-scheduler").start()
 
@@ -348,6 +363,9 @@ class Coordinator:
         with self._lock:
             r = self._ranks[conn.rank] = _Rank(conn.pid, state="ready")
             _signal(r.pid, signal.SIGSTOP)
+            if self.ended:  # a rank that starts after the capture was ended
+                _signal(r.pid, signal.SIGKILL)
+                _signal(r.pid, signal.SIGCONT)
             self._schedule()
 
     def _schedule(self) -> None:
@@ -377,14 +395,36 @@ class Coordinator:
         if stale:
             return True
         arrived = len(self._ranks) == self.world
-        if arrived and any(r.state == "waiting" for r in self._ranks.values()) and not self.deadlock:
-            self.deadlock = ["the ranks are deadlocked: every one waits for a call no other rank will make"]
-            self.deadlock += self._waiting_lines()
-            for r in self._ranks.values():
-                if r.state != "done":
-                    _signal(r.pid, signal.SIGCONT)
-                    _signal(r.pid, signal.SIGKILL)
+        if arrived and any(r.state == "waiting" for r in self._ranks.values()):
+            self._end("the ranks are deadlocked: every one waits for a call no other rank will make")
         return False
+
+    def _end(self, why: str) -> None:
+        """End every rank (under the lock), saying why once."""
+        if self.ended:
+            return
+        self.ended = [why, *self._waiting_lines()]
+        for r in self._ranks.values():
+            if r.state != "done":
+                _signal(r.pid, signal.SIGCONT)
+                _signal(r.pid, signal.SIGKILL)
+
+    def _memory_check(self) -> None:
+        """Host memory about to run out (the ranks' own and the inputs held here): the capture ends
+        with a line that says so, before the kernel's OOM killer picks a process."""
+        available, total = _meminfo()
+        if available is None or available >= min(LOW_MEMORY_BYTES, total // 20):
+            return
+        held = sum(len(d["data"]) for p in self._held() for d in p["in"])
+        self._end(
+            f"host memory is about to run out ({available / 2**30:.2f} of {total / 2**30:.1f} GiB available; the "
+            f"coordinator holds {held / 2**20:.1f} MiB of inputs): run fewer ranks at a time (--parallel), or a "
+            "smaller world, or on a machine with more memory"
+        )
+
+    def _held(self) -> list[dict[str, Any]]:
+        """The messages whose inputs the coordinator holds (parts of incomplete calls, sends not received)."""
+        return [p.msg for inst in self._instances.values() for p in inst.parts.values()] + list(self._sends.values())
 
     def _wanted(self) -> dict[int, int]:
         """Per rank: how many incomplete calls wait for it (its part not in)."""
@@ -416,6 +456,9 @@ class Coordinator:
                         r.state, r.stopped_at = "waiting", self._progress
                         self.switches += 1
                     r.cpu = cpu if cpu is not None else -1
+                self._looks += 1
+                if self._looks % MEMORY_EVERY == 0:
+                    self._memory_check()
                 self._schedule()
 
     # -- state --

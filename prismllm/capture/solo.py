@@ -337,11 +337,12 @@ def _check_switch(opts: CaptureOptions) -> None:
 
 
 def _held_calls(coordinator: Any, result: LaunchResult) -> None:
-    """A failed switch-mode run's message says what the coordinator held: the deadlock it found
-    (in place of the launcher's account of the ranks it ended), else the calls still waiting."""
-    if coordinator.deadlock:
-        head, lines = coordinator.deadlock[0], coordinator.deadlock[1:]
-        result.message = f"switch-mode capture: {head}; the calls each waits on:"
+    """A failed switch-mode run's message says what the coordinator held: why it ended the ranks (a
+    deadlock, host memory; in place of the launcher's account of the ranks it ended), else the
+    calls still waiting."""
+    if coordinator.ended:
+        head, lines = coordinator.ended[0], coordinator.ended[1:]
+        result.message = f"switch-mode capture: {head}" + ("; the calls held:" if lines else "")
     else:
         head, lines = "", coordinator.waiting()
         if lines:
@@ -501,7 +502,8 @@ def _capture(
             state["run_s"] = float(state.get("run_s", 0.0)) + (time.monotonic() - t_batch)
             if coordinator is not None:
                 coordinator.close()
-        if coordinator is not None and not result.ok:
+        if coordinator is not None and (coordinator.ended or not result.ok):
+            result.ok = False  # ended by the coordinator, whatever the ranks' exits
             _held_calls(coordinator, result)
         finished = [r for r in batch if result.returncodes.get(r) == 0 and ranklog_path(spool, r).exists()]
         done.update(finished)

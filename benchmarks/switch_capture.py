@@ -1,0 +1,139 @@
+"""Switch-mode capture against the real run: `prism capture --mode switch` with K ranks running at a
+time, and `prism record` of the same command, on this machine's CPU.
+
+    .venv/bin/python benchmarks/switch_capture.py [--cases gpt3d8,ddp16] [--parallel all,2,1] [--out DIR]
+
+Per case and K: wall time of each command, the stops of waiting ranks (`capture.switches`) per
+iteration, the peak host memory of the whole process tree (prism and every rank, sampled every
+0.2 s), and whether the captured graph equals the recording (`prism compare`'s structure). Writes
+benchmarks/results/switch_cpu.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+PRISM = str(Path(sys.executable).with_name("prism"))
+GPT3D = str(ROOT / "examples" / "gpt3d.py")
+DDP = str(ROOT / "tests" / "programs" / "ddp_train.py")
+TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128", "--micro-batch", "1",
+        "--global-batch", "8", "--iters", "3"]  # fmt: skip
+# name -> (world, program and arguments; {out} is a scratch directory the program may write)
+CASES = {
+    "gpt3d8": (8, [GPT3D, "--tp", "2", "--pp", "2", *TINY]),
+    "ddp16": (16, [DDP, "{out}", "3"]),
+}
+
+
+def _tree_rss(root: int) -> int:
+    """Resident bytes of ``root`` and every process below it."""
+    children: dict[int, list[int]] = {}
+    rss: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            fields = stat[stat.rindex(")") + 2 :].split()
+            children.setdefault(int(fields[1]), []).append(int(d.name))
+            rss[int(d.name)] = int(fields[21]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, ValueError, IndexError):
+            continue
+    total, todo, seen = 0, [root], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        total += rss.get(p, 0)
+        todo.extend(children.get(p, []))
+    return total
+
+
+def timed(cmd: list[str]) -> dict:
+    """Run ``cmd``; its wall time, exit status and the peak resident bytes of its process tree."""
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    peak = [0]
+
+    def watch() -> None:
+        while proc.poll() is None:
+            peak[0] = max(peak[0], _tree_rss(proc.pid))
+            time.sleep(0.2)
+
+    th = threading.Thread(target=watch, daemon=True)
+    th.start()
+    out, err = proc.communicate()
+    th.join()
+    return {"wall_s": round(time.monotonic() - t0, 2), "rc": proc.returncode, "peak_rss_bytes": peak[0],
+            "stderr_tail": err[-800:] if proc.returncode else ""}  # fmt: skip
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--parallel", default="all,2,1", help="K values: a number or 'all'")
+    ap.add_argument("--out", type=Path, default=RESULTS / "switch_cpu")
+    args = ap.parse_args()
+    from prismllm.trace import PrismTrace
+    from prismllm.trace.compare import compare_traces
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.cases.split(","):
+            world, prog = CASES[name]
+            scratch = Path(tmp) / name
+            scratch.mkdir()
+            program = [a.replace("{out}", str(scratch)) for a in prog]
+            rec = scratch / "rec"
+            r = timed([PRISM, "record", "--nproc", str(world), "--devices", "cpu", "--out", str(rec), "--", *program])
+            if r["rc"]:
+                raise SystemExit(f"{name}: prism record failed: {r['stderr_tail']}")
+            iterations = len(PrismTrace.load(rec).iterations.column("iteration").unique())
+            rows.append({"case": name, "world": world, "command": "record", "parallel": world, **r})
+            print(rows[-1], flush=True)
+            for k in args.parallel.split(","):
+                cap = scratch / f"switch-{k}"
+                flag = [] if k == "all" else ["--parallel", k]
+                c = timed([PRISM, "capture", "--mode", "switch", "--world", str(world), "--devices", "cpu", *flag,
+                           "--out", str(cap), "--", *program])  # fmt: skip
+                row = {"case": name, "world": world, "command": "capture --mode switch",
+                       "parallel": world if k == "all" else int(k), **c}  # fmt: skip
+                if not c["rc"]:
+                    g = PrismTrace.load(cap)
+                    row["switches"] = g.manifest["capture"]["switches"]
+                    row["switches_per_iteration"] = round(row["switches"] / max(iterations, 1), 1)
+                    row["structure_equal"] = bool(compare_traces(PrismTrace.load(rec), g, timing=False).structure_equal)
+                rows.append(row)
+                print(row, flush=True)
+                shutil.rmtree(cap, ignore_errors=True)
+    machine = f"{platform.node()} ({os.cpu_count()} CPUs)"
+    args.out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
+    lines = [f"machine: {machine}", "", "| case | N | command | K | wall s | peak host memory | stops / iteration | graph = recording |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for x in rows:
+        lines.append(
+            f"| {x['case']} | {x['world']} | {x['command']} | {x['parallel']} | {x['wall_s']} | "
+            f"{x['peak_rss_bytes'] / 2**30:.2f} GiB | {x.get('switches_per_iteration', '-')} | "
+            f"{'yes' if x.get('structure_equal') else ('-' if x['command'] == 'record' else 'NO')} |"
+        )
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
