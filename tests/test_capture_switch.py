@@ -137,3 +137,16 @@ def test_host_memory_about_to_run_out_ends_the_capture_in_one_line(tmp_path, mon
                           timeout=120, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
     with pytest.raises(PrismError, match=r"switch-mode capture: host memory is about to run out \(0\.10 of 24\.0 GiB"):
         capture(opts)
+
+
+def test_torch_pipelining_with_data_parallel_two_ranks_at_a_time(tmp_path):
+    """torch.distributed.pipelining (interleaved 1F1B, two pipelines side by side): its stages send
+    each other their shapes as objects and their activations into receive buffers that require
+    grad; switch mode, two of four ranks at a time, captures the real run's graph."""
+    from test_capture_solo import PIPELINE_TRAIN, assert_equals_the_real_runs_structure
+
+    program = [PIPELINE_TRAIN, "--stages-per-rank", "2", "--dp", "2"]
+    p = capture("switch", 4, tmp_path / "cap", *program, parallel=2)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "rank 3: iteration 3/3 | loss" in p.stdout + p.stderr
+    assert_equals_the_real_runs_structure(tmp_path / "cap", 4, ["--", *program])

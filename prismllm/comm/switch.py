@@ -180,13 +180,24 @@ class SwitchClient:
             if msg["t"] == "error":
                 fut.set_exception(SwitchError(msg["message"]))
                 continue
-            flat, at = decode(msg["out"]), 0
-            outs = c.targets
-            for t in outs:
-                n = t.numel()
-                t.copy_(flat[at : at + n].view(t.shape))
-                at += n
+            try:
+                outs = _fill(c, decode(msg["out"]))
+            except (RuntimeError, ValueError) as e:  # the program's call gets it, not this thread
+                fut.set_exception(SwitchError(f"rank {self.rank}: {c.op} #{c.index}: cannot write its outputs: {e}"))
+                continue
             fut.set_result(outs)
+
+
+def _fill(c: Call, flat: torch.Tensor) -> list[torch.Tensor]:
+    """Write ``flat`` into the call's output tensors, in order. Outside autograd, as a backend's
+    C++ writes them: a receive buffer may be a leaf that requires grad (torch.distributed.pipelining's)."""
+    outs, at = c.targets, 0
+    with torch.no_grad():
+        for t in outs:
+            n = t.numel()
+            t.copy_(flat[at : at + n].view(t.shape))
+            at += n
+    return outs
 
 
 _CLIENT: SwitchClient | None = None
