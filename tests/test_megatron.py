@@ -42,6 +42,13 @@ def test_tp2_pp2_record_solo_emulate(tmp_path):
     prism("capture", "--mode", "solo", "--world", "4", "--parallel", "2", "--devices", "cpu", "--cuda-on-cpu",
           "--out", str(solo), "--timeout", "500", "--", *PROGRAM)  # fmt: skip
     assert "structure: equal" in prism("compare", str(real), str(solo))
+    # switch mode, two ranks at a time: the real values, so the real run's losses too
+    switch = tmp_path / "switch"
+    prism("capture", "--mode", "switch", "--world", "4", "--parallel", "2", "--devices", "cpu", "--cuda-on-cpu",
+          "--out", str(switch), "--tee", "--timeout", "500", "--", *PROGRAM)  # fmt: skip
+    assert "structure: equal" in prism("compare", str(real), str(switch))
+    logged = "".join(f.read_text() for f in sorted((switch / "logs").glob("*.log")))
+    assert losses(logged) == losses(recorded)
     emulated = prism("emulate", "--graph", str(real), "--sandbox", "3", "--out", str(tmp_path / "emu"), "--check",
                      "--timeout", "500", "--", *PROGRAM)  # fmt: skip
     assert losses(emulated) == losses(recorded)
