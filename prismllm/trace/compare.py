@@ -398,17 +398,7 @@ def _kind_differences(a: PrismTrace, b: PrismTrace) -> list[dict[str, Any]]:
     extra = np.flatnonzero(na != nb)
     n = len(bad) + int(np.abs(na - nb).sum())
     if not n:
-        # the same spans: each in the same iteration (a communication event's is compared with its fields)
-        ita, itb = a.column("iteration")[oa][ia], b.column("iteration")[ob][ib]
-        moved = np.flatnonzero(~ka[ia] & (ita != itb))
-        if not len(moved):
-            return []
-        p0 = int(moved[0])
-        r, i = int(pair_rank[p0]), int(k[p0])
-        message = f"rank {r} node {i} (compute): A iteration {int(ita[p0])}, B {int(itb[p0])}"
-        line = f"nodes.iteration: {len(moved)} compute span(s) in another iteration; first: {message}"
-        first = {"rank": r, "index": i, "a": int(ita[p0]), "b": int(itb[p0]), "message": message}
-        return [_entry("nodes", "iteration", len(moved), line, first)]
+        return _compute_span_differences(a, b, oa[ia], ob[ib], ~ka[ia], pair_rank, k)
     # the lowest (rank, index) of a differing kind or of the first node one rank has more of
     cand = [(int(pair_rank[p]), int(k[p])) for p in bad[:1]] + [(int(r), int(min(na[r], nb[r]))) for r in extra[:1]]
     r, i = min(cand)
@@ -420,6 +410,41 @@ def _kind_differences(a: PrismTrace, b: PrismTrace) -> list[dict[str, Any]]:
     message = f"rank {r} node {i}: A {va or 'has no such node'}, B {vb or 'has no such node'}"
     line = f"nodes.kind: {n} node(s) differ in kind or exist in one graph only (compute spans); first: {message}"
     return [_entry("nodes", "kind", n, line, {"rank": r, "index": i, "a": va, "b": vb, "message": message})]
+
+
+def _compute_span_differences(
+    a: PrismTrace,
+    b: PrismTrace,
+    ra: np.ndarray,
+    rb: np.ndarray,
+    compute: np.ndarray,
+    rank: np.ndarray,
+    index: np.ndarray,
+) -> list[dict[str, Any]]:
+    """The same spans on both sides (rows ``ra``/``rb``, paired): each in the same iteration and
+    with the same label (a communication event's are compared with its fields)."""
+    out = []
+    for field in ("iteration", "label"):
+        if field == "iteration":
+            va, vb = a.column(field)[ra], b.column(field)[rb]
+            differs = va != vb
+        else:
+            va = a.nodes.column(field).take(pa.array(ra)).to_numpy(zero_copy_only=False)
+            vb = b.nodes.column(field).take(pa.array(rb)).to_numpy(zero_copy_only=False)
+            differs = va != vb
+        bad = np.flatnonzero(compute & differs)
+        if not len(bad):
+            continue
+        p0 = int(bad[0])
+        x, y = (
+            va[p0].item() if hasattr(va[p0], "item") else va[p0],
+            vb[p0].item() if hasattr(vb[p0], "item") else vb[p0],
+        )
+        message = f"rank {int(rank[p0])} node {int(index[p0])} (compute): A {field} {x!r}, B {y!r}"
+        line = f"nodes.{field}: {len(bad)} compute span(s) differ; first: {message}"
+        out.append(_entry("nodes", field, len(bad), line, {"rank": int(rank[p0]), "index": int(index[p0]), "a": x, "b": y,
+                                                             "message": message}))  # fmt: skip
+    return out
 
 
 # ---------------------------------------------------------------------- tables
