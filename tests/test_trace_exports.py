@@ -111,7 +111,7 @@ def read_events(path):
 
 
 def test_kineto_files(trace, tmp_path):
-    stats = export_kineto(trace, tmp_path / "k")
+    stats = export_kineto(trace, tmp_path / "k", keep_warmup=True)
     assert stats["files"] == [str(tmp_path / "k" / f"rank-{r}.json") for r in range(WORLD)]
     assert (stats["ranks"], stats["kernels"], stats["nodes_without_times"], stats["profiler_steps"]) == (4, 48, 0, 8)
     assert stats["base_time_ns"] == T0
@@ -144,44 +144,122 @@ def test_kineto_files(trace, tmp_path):
         assert (grad["ts"], grad["dur"]) == (120, 30)
         assert (grad["args"]["In msg nelems"], grad["args"]["Group size"]) == (1 << 19, 4)
         steps = [(e["name"], e["ts"], e["dur"]) for e in events if e["name"].startswith("ProfilerStep#")]
-        assert steps == [("ProfilerStep#0", 0, 200), ("ProfilerStep#1", 200, 200)]
+        # each step ends 1 ns before the next begins: HTA's step window includes its end
+        assert steps == [("ProfilerStep#0", 0, 199.999), ("ProfilerStep#1", 200, 199.999)]
 
 
 def test_kineto_ranks(trace, tmp_path):
-    stats = export_kineto(trace, tmp_path / "k", ranks=[2])
+    stats = export_kineto(trace, tmp_path / "k", ranks=[2], keep_warmup=True)
     assert stats["files"] == [str(tmp_path / "k" / "rank-2.json")] and stats["kernels"] == 12
     with pytest.raises(PrismError, match="rank 7 is outside the graph's world of 4 ranks"):
         export_kineto(trace, tmp_path / "k2", ranks=[7])
 
 
-@pytest.mark.filterwarnings("ignore::FutureWarning")  # HTA's own pandas calls
-def test_kineto_in_hta(trace, tmp_path):
+def hta_analysis(trace_dir, **kw):
     pytest.importorskip(
         "hta.trace_analysis", reason="Holistic Trace Analysis (pip install holistictraceanalysis) is not installed"
     )
     from hta.trace_analysis import TraceAnalysis
 
-    export_kineto(trace, tmp_path / "k")
-    # all profiler steps: 2 iterations of 185 µs of kernels and 15 µs idle between them
-    analysis = TraceAnalysis(trace_dir=str(tmp_path / "k"), include_last_profiler_step=True)
-    assert analysis.get_profiler_steps() == [0, 1]
+    return TraceAnalysis(trace_dir=str(trace_dir), **kw)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # HTA's own pandas calls
+def test_kineto_in_hta(trace, tmp_path):
+    # by default the warm-up (iteration 0) is left out, as a PyTorch profile with a warm-up step
+    stats = export_kineto(trace, tmp_path / "k")
+    assert (stats["kernels"], stats["warmup_nodes"], stats["profiler_steps"]) == (24, 24, 4)
+    analysis = hta_analysis(tmp_path / "k")
+    assert analysis.get_profiler_steps() == [1]
+    # one step of 185 µs of kernels: HTA keeps a trace's only step
     breakdown = analysis.get_temporal_breakdown(visualize=False).set_index("rank")
     assert sorted(breakdown.index) == [0, 1, 2, 3]
     for r in range(WORLD):
         row = breakdown.loc[r]
-        assert row["compute_time(us)"] == pytest.approx(2 * 160)
-        assert row["non_compute_time(us)"] == pytest.approx(2 * (20 + 5))  # communication not under compute
-        assert row["idle_time(us)"] == pytest.approx(15)
-        assert row["kernel_time(us)"] == pytest.approx(ITER_US + 185)
+        assert row["compute_time(us)"] == pytest.approx(160)
+        assert row["non_compute_time(us)"] == pytest.approx(20 + 5)  # communication not under compute
+        assert row["kernel_time(us)"] == pytest.approx(185) and row["idle_time(us)"] == 0
     overlap = analysis.get_comm_comp_overlap(visualize=False).set_index("rank")
     # 30 of every 55 µs of communication run under compute
     assert list(overlap["comp_comm_overlap_pctg"]) == [pytest.approx(round(100 * 30 / 55, 2))] * WORLD
 
-    # by default HTA leaves out the last profiler step, as a real profile's last step is cut short
-    analysis = TraceAnalysis(trace_dir=str(tmp_path / "k"))
+    # the warm-up kept: all profiler steps, 2 iterations of 185 µs of kernels and 15 µs idle between
+    export_kineto(trace, tmp_path / "all", keep_warmup=True)
+    analysis = hta_analysis(tmp_path / "all", include_last_profiler_step=True)
+    assert analysis.get_profiler_steps() == [0, 1]
     breakdown = analysis.get_temporal_breakdown(visualize=False).set_index("rank")
+    assert list(breakdown["compute_time(us)"]) == [pytest.approx(2 * 160)] * WORLD
+    assert list(breakdown["idle_time(us)"]) == [pytest.approx(15)] * WORLD
+    assert list(breakdown["kernel_time(us)"]) == [pytest.approx(ITER_US + 185)] * WORLD
+    # by default HTA leaves out the last profiler step, as a real profile's last step is cut short
+    breakdown = hta_analysis(tmp_path / "all").get_temporal_breakdown(visualize=False).set_index("rank")
     assert list(breakdown["compute_time(us)"]) == [pytest.approx(160)] * WORLD
-    assert list(breakdown["kernel_time(us)"]) == [pytest.approx(185)] * WORLD
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # HTA's own pandas calls
+@pytest.mark.parametrize("keep_warmup", [False, True])
+def test_kineto_hta_critical_path(trace, tmp_path, keep_warmup):
+    """HTA's critical path of the steady iteration runs through the kernels the graph makes
+    wait for each other across streams: forward, the rank's tp all_reduce (sync), backward,
+    optimizer, send/recv; not the async world all_reduce that backward overlaps."""
+    stats = export_kineto(trace, tmp_path / "k", keep_warmup=keep_warmup)
+    assert stats["stream_waits"] == (44 if keep_warmup else 20)
+    analysis = hta_analysis(tmp_path / "k", include_last_profiler_step=True)
+    gid = {g["name"]: i for i, g in trace.group_info().items()}
+    world = stats["streams"][f"comm:{gid['0']}"]
+    for r in range(WORLD):
+        tp = stats["streams"][f"comm:{gid[f'tp{r // 2}']}"]
+        # the steady iteration: the first step, or the second where the warm-up is kept
+        graph, ok = analysis.critical_path_analysis(rank=r, annotation="ProfilerStep", instance_id=int(keep_warmup))
+        assert ok
+        path = graph.get_critical_path_breakdown()
+        kernels = path[path["type"].eq("critical_path_operator") & path["stream"].ge(0)]
+        assert sorted(zip(kernels["s_name"], kernels["stream"], kernels["duration"])) == [
+            ("compute: backward", STREAM_COMPUTE, 50),
+            ("compute: forward", STREAM_COMPUTE, 100),
+            ("compute: optimizer", STREAM_COMPUTE, 10),
+            ("ncclKernel_AllReduce", tp, 20),
+            ("ncclKernel_Send" if r < 2 else "ncclKernel_Recv", world, 5),
+        ]
+        # from stream to stream through HTA's synchronisation edges (the Stream Wait Events)
+        assert path["type"].eq("critical_path_sync_dependency").sum() >= 3
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # HTA's own pandas calls
+def test_kineto_hta_groups(trace, tmp_path):
+    """Process groups carry the graph's names and descriptions, a group without one (torch's
+    "undefined") its ranks, in distributedInfo and in every communication kernel's args."""
+    import pyarrow as pa
+
+    from prismllm.trace.graph import PrismTrace
+
+    g = trace.groups
+    desc = ["undefined" if n.startswith("tp") else d for n, d in zip(g["name"].to_pylist(), g["desc"].to_pylist())]
+    groups = g.set_column(g.schema.get_field_index("desc"), "desc", pa.array(desc, pa.string()))
+    unnamed = PrismTrace(
+        manifest=trace.manifest, nodes=trace.nodes, edges=trace.edges, groups=groups, iterations=trace.iterations
+    )
+    export_kineto(unnamed, tmp_path / "k")
+    pytest.importorskip("hta.common.trace")
+    from hta.common.trace import Trace
+    from hta.configs.parser_config import ParserConfig
+
+    available = ParserConfig.get_all_available_args()
+    names = ("nccl::process_group_name", "nccl::process_group_desc", "nccl::process_group_ranks")
+    hta = Trace(
+        trace_dir=str(tmp_path / "k"),
+        parser_config=ParserConfig(ParserConfig.get_default_args() + [available[k] for k in names]),
+    )
+    hta.load_traces(include_last_profiler_step=True)
+    hta.decode_symbol_ids()
+    for r in range(WORLD):
+        tp = ("tp0", "ranks 0-1", [0, 1]) if r < 2 else ("tp1", "ranks 2-3", [2, 3])
+        pgs = hta.meta_data[r]["distributedInfo"]["pg_config"]
+        assert [(pg["pg_name"], pg["pg_desc"], pg["ranks"]) for pg in pgs] == [("0", "default_pg", [0, 1, 2, 3]), tp]
+        df = hta.get_trace(r)
+        comm = df[df["s_name"].str.startswith("ncclKernel_")]
+        seen = {(n, d, tuple(json.loads(k))) for n, d, k in comm[list(c.split("::")[1] for c in names)].values}
+        assert seen == {("0", "default_pg", (0, 1, 2, 3)), (tp[0], tp[1], tuple(tp[2]))}
 
 
 # ---------------------------------------------------------------------- Chakra
