@@ -59,6 +59,7 @@ import numpy as np
 import pyarrow as pa
 
 from prismllm.trace.graph import PrismTrace, TraceError
+from prismllm.trace.protowire import len_field, packed, varint, varint_field
 from prismllm.trace.schema import EDGE_WAIT, KIND_COMM
 from prismllm.trace.spans import measured_spans, rank_rows, write_atomically
 
@@ -96,36 +97,6 @@ _META_VERSION, _META_ATTR = 1, 2
 _NODE_ID, _NODE_NAME, _NODE_TYPE, _NODE_CTRL_DEPS, _NODE_DATA_DEPS = 1, 2, 3, 4, 5
 _NODE_START, _NODE_DURATION, _NODE_ATTR = 6, 7, 10
 _ATTR_NAME, _ATTR_INT32, _ATTR_INT64, _ATTR_BOOL, _ATTR_STRING = 1, 7, 9, 27, 29
-_VARINT, _LEN = 0, 2
-_U64 = (1 << 64) - 1
-
-
-# ---------------------------------------------------------------------- protobuf wire format
-def _varint(value: int) -> bytes:
-    """Base-128 varint; negative values as their 64-bit two's complement (int32/int64 rule)."""
-    value &= _U64
-    out = bytearray()
-    while value > 0x7F:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _key(field: int, wire: int) -> bytes:
-    return _varint((field << 3) | wire)
-
-
-def _len_field(field: int, payload: bytes) -> bytes:
-    return _key(field, _LEN) + _varint(len(payload)) + payload
-
-
-def _varint_field(field: int, value: int) -> bytes:
-    return _key(field, _VARINT) + _varint(value)
-
-
-def _packed(field: int, values: list[int]) -> bytes:
-    return _len_field(field, b"".join(_varint(v) for v in values)) if values else b""
 
 
 def _attr(
@@ -138,20 +109,20 @@ def _attr(
 ) -> bytes:
     """An AttributeProto as a Node/GlobalMetadata field body. The value is in a oneof, so it is
     written even when zero (its presence is what a reader checks)."""
-    body = _len_field(_ATTR_NAME, name.encode())
+    body = len_field(_ATTR_NAME, name.encode())
     if int32 is not None:
-        body += _varint_field(_ATTR_INT32, int32)
+        body += varint_field(_ATTR_INT32, int32)
     elif int64 is not None:
-        body += _varint_field(_ATTR_INT64, int64)
+        body += varint_field(_ATTR_INT64, int64)
     elif boolean is not None:
-        body += _varint_field(_ATTR_BOOL, int(boolean))
+        body += varint_field(_ATTR_BOOL, int(boolean))
     elif string is not None:
-        body += _len_field(_ATTR_STRING, string.encode())
+        body += len_field(_ATTR_STRING, string.encode())
     return body
 
 
 def _delimited(message: bytes) -> bytes:
-    return _varint(len(message)) + message
+    return varint(len(message)) + message
 
 
 # ---------------------------------------------------------------------- export
@@ -293,16 +264,16 @@ def _write_rank(
     info: dict[int, dict[str, Any]],
 ) -> dict[str, int]:
     meta = (
-        _len_field(_META_VERSION, CHAKRA_VERSION.encode())
-        + _len_field(_META_ATTR, _attr("source", string="prismllm"))
-        + _len_field(_META_ATTR, _attr("rank", int64=rank))
-        + _len_field(_META_ATTR, _attr("world_size", int64=trace.world_size))
+        len_field(_META_VERSION, CHAKRA_VERSION.encode())
+        + len_field(_META_ATTR, _attr("source", string="prismllm"))
+        + len_field(_META_ATTR, _attr("rank", int64=rank))
+        + len_field(_META_ATTR, _attr("world_size", int64=trace.world_size))
     )
     f.write(_delimited(meta))
 
     prev_blocking, prev_async = _execution_deps(rows, cols)
-    is_gpu_op = _len_field(_NODE_ATTR, _attr("is_cpu_op", boolean=False))
-    pg_attr = {gid: _len_field(_NODE_ATTR, _attr("pg_name", string=str(gid + 1))) for gid in info}
+    is_gpu_op = len_field(_NODE_ATTR, _attr("is_cpu_op", boolean=False))
+    pg_attr = {gid: len_field(_NODE_ATTR, _attr("pg_name", string=str(gid + 1))) for gid in info}
     labels = trace.nodes.column("label")
     counts = dict.fromkeys(NODE_TYPE_NAMES.values(), 0)
     index_of_row = cols["index"]
@@ -328,16 +299,16 @@ def _write_rank(
                     src = b["src"][j] if op == "recv" else rank
                     dst = b["peer"][j] if op == "send" else rank
                     attrs = (
-                        _len_field(_NODE_ATTR, _attr("comm_src", int32=src))
-                        + _len_field(_NODE_ATTR, _attr("comm_dst", int32=dst))
-                        + _len_field(_NODE_ATTR, _attr("comm_tag", int32=b["tag"][j]))
+                        len_field(_NODE_ATTR, _attr("comm_src", int32=src))
+                        + len_field(_NODE_ATTR, _attr("comm_dst", int32=dst))
+                        + len_field(_NODE_ATTR, _attr("comm_tag", int32=b["tag"][j]))
                     )
                 else:
                     ntype = COMM_COLL_NODE
                     if op not in COMM_TYPE:
                         raise TraceError(f"rank {rank} node {b['index'][j]}: Chakra has no collective type for {op!r}")
-                    attrs = _len_field(_NODE_ATTR, _attr("comm_type", int64=COMM_TYPE[op]))
-                attrs += _len_field(_NODE_ATTR, _attr("comm_size", int64=b["comm_size"][j]))
+                    attrs = len_field(_NODE_ATTR, _attr("comm_type", int64=COMM_TYPE[op]))
+                attrs += len_field(_NODE_ATTR, _attr("comm_size", int64=b["comm_size"][j]))
                 attrs += pg_attr.get(b["group"][j], b"")
                 name = op
             else:
@@ -345,16 +316,16 @@ def _write_rank(
                 attrs = b""
                 name = label[j] or "compute"
             body = (
-                _varint_field(_NODE_ID, b["index"][j])
-                + _len_field(_NODE_NAME, name.encode())
-                + _varint_field(_NODE_TYPE, ntype)
-                + _packed(_NODE_DATA_DEPS, sorted(deps))
+                varint_field(_NODE_ID, b["index"][j])
+                + len_field(_NODE_NAME, name.encode())
+                + varint_field(_NODE_TYPE, ntype)
+                + packed(_NODE_DATA_DEPS, sorted(deps))
             )
             # proto3 leaves zero scalars out
             if b["start_us"][j]:
-                body += _varint_field(_NODE_START, b["start_us"][j])
+                body += varint_field(_NODE_START, b["start_us"][j])
             if b["dur_us"][j]:
-                body += _varint_field(_NODE_DURATION, b["dur_us"][j])
+                body += varint_field(_NODE_DURATION, b["dur_us"][j])
             f.write(_delimited(body + is_gpu_op + attrs))
             counts[NODE_TYPE_NAMES[ntype]] += 1
     return counts
