@@ -1,7 +1,7 @@
 """Switch-mode capture against the real run: `prism capture --mode switch` with K ranks running at a
 time, and `prism record` of the same command, on this machine's CPU.
 
-    .venv/bin/python benchmarks/switch_capture.py [--cases gpt3d8,ddp16] [--parallel all,2,1] [--out DIR]
+    .venv/bin/python benchmarks/switch_capture.py [--cases gpt3d8,ddp16,moe8] [--parallel all,2,1] [--out DIR]
 
 Per case and K: wall time of each command, the stops of waiting ranks (`capture.switches`) per
 iteration, the peak host memory of the whole process tree (prism and every rank, sampled every
@@ -34,6 +34,8 @@ TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--voc
 CASES = {
     "gpt3d8": (8, [GPT3D, "--tp", "2", "--pp", "2", *TINY]),
     "ddp16": (16, [DDP, "{out}", "3"]),
+    # routing depends on the values: solo capture without a recording differs from the first all-to-all
+    "moe8": (8, [GPT3D, "--tp", "2", "--num-experts", "8", "--topk", "2", "--ep", "4", *TINY]),
 }
 
 
