@@ -303,24 +303,17 @@ def reseal(src: Path, case: Path, rng: random.Random) -> str:
 def reseal_outcome(case: Path, original: PrismTrace, timeout_s: float = 10.0) -> tuple[str, str]:
     """(outcome, detail) of a resealed case: refused on load or validation, the same graph, a
     difference `prism compare` reports (structure, manifest or timing), or one it misses."""
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.setitimer(signal.ITIMER_REAL, timeout_s)
-    try:
+
+    def judged() -> dict | None:
         trace = PrismTrace.load(case)
         validate(trace)
-        if trace.equals(original):
-            return "accepted-harmless", ""
-        res = compare_traces(original, trace).to_dict()
-    except _Hang:
-        return "hang", f"more than {timeout_s:g} s"
-    except PrismError as e:
-        text = str(e)
-        return ("refused", text) if "\n" not in text else ("traceback", f"a message of several lines: {text[:200]}")
-    except Exception as e:  # noqa: BLE001 - what the fuzzer looks for
-        return "traceback", f"{type(e).__name__}: {str(e)[:200]}"
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        return None if trace.equals(original) else compare_traces(original, trace).to_dict()
+
+    res, failed = _guarded(judged, timeout_s)
+    if failed is not None:
+        return failed
+    if res is None:
+        return "accepted-harmless", ""
     timing = res["timing"] or {}
     moved = (
         timing.get("iteration_time_a_ns") != timing.get("iteration_time_b_ns")
@@ -366,22 +359,31 @@ def _alarm(signum, frame):
     raise _Hang
 
 
-def load_outcome(case: Path, original: tuple[PrismTrace, dict], timeout_s: float = 10.0) -> tuple[str, str]:
-    """(outcome, detail) of loading ``case`` in-process, against the original's snapshot."""
+def _guarded(fn: Callable[[], Any], timeout_s: float) -> tuple[Any, tuple[str, str] | None]:
+    """(fn's value, None), or (None, (outcome, detail)) where it was refused in one line, raised
+    anything else or a message of several lines (traceback), or outlived ``timeout_s`` (hang)."""
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        trace, store = snapshot(case)
+        return fn(), None
     except _Hang:
-        return "hang", f"more than {timeout_s:g} s"
+        return None, ("hang", f"more than {timeout_s:g} s")
     except PrismError as e:
         text = str(e)
-        return ("refused", text) if "\n" not in text else ("traceback", f"a message of several lines: {text[:200]}")
+        return None, (("refused", text) if "\n" not in text else ("traceback", f"several lines: {text[:200]}"))
     except Exception as e:  # noqa: BLE001 - what the fuzzer looks for
-        return "traceback", f"{type(e).__name__}: {str(e)[:200]}"
+        return None, ("traceback", f"{type(e).__name__}: {str(e)[:200]}")
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+def load_outcome(case: Path, original: tuple[PrismTrace, dict], timeout_s: float = 10.0) -> tuple[str, str]:
+    """(outcome, detail) of loading ``case`` in-process, against the original's snapshot."""
+    loaded, failed = _guarded(lambda: snapshot(case), timeout_s)
+    if failed is not None:
+        return failed
+    trace, store = loaded
     same = trace.equals(original[0]) and store == original[1]
     return ("accepted-harmless" if same else "accepted-changed"), ""
 

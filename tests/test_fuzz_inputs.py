@@ -57,33 +57,33 @@ def test_record_seals_its_store(graph):
     verify_store(store, PrismTrace.load(graph), str(graph))
 
 
-def test_mutated_inputs_are_refused_in_one_line_or_harmless(graph, tmp_path):
+def fuzzed(graph: Path, case: Path, cases: int, mutate, judge) -> dict[str, int]:
+    """Tally of ``judge(case)`` over ``cases`` seeded ``mutate(graph, case, rng)``; fails on any failure outcome."""
     rng = random.Random(SEED)
-    original = fuzz_inputs.snapshot(graph)
     tally, failures = {}, []
-    for i in range(CASES):
-        what = fuzz_inputs.mutate(graph, tmp_path / "case", rng)
-        outcome, detail = fuzz_inputs.load_outcome(tmp_path / "case", original, timeout_s=20)
+    for i in range(cases):
+        what = mutate(graph, case, rng)
+        outcome, detail = judge(case)
         tally[outcome] = tally.get(outcome, 0) + 1
         if outcome in fuzz_inputs.FAILURES:
             failures.append(f"case {i} ({what}): {outcome} {detail}")
     assert not failures, "\n".join(failures)
+    return tally
+
+
+def test_mutated_inputs_are_refused_in_one_line_or_harmless(graph, tmp_path):
+    original = fuzz_inputs.snapshot(graph)
+    tally = fuzzed(graph, tmp_path / "case", CASES, fuzz_inputs.mutate,
+                   lambda case: fuzz_inputs.load_outcome(case, original, timeout_s=20))  # fmt: skip
     assert tally["refused"] >= CASES * 0.9, tally  # almost every mutation changes a byte that is checked
 
 
 def test_consistent_edits_are_refused_or_shown_by_compare(graph, tmp_path):
     """A graph changed and sealed again (its checksums hold): validation refuses it, or `prism
     compare` against the original reports the change (structure, manifest or timing)."""
-    rng = random.Random(SEED)
     original = PrismTrace.load(graph)
-    tally, failures = {}, []
-    for i in range(RESEALED):
-        what = fuzz_inputs.reseal(graph, tmp_path / "case", rng)
-        outcome, detail = fuzz_inputs.reseal_outcome(tmp_path / "case", original, timeout_s=20)
-        tally[outcome] = tally.get(outcome, 0) + 1
-        if outcome in fuzz_inputs.FAILURES:
-            failures.append(f"case {i} ({what}): {outcome} {detail}")
-    assert not failures, "\n".join(failures)
+    tally = fuzzed(graph, tmp_path / "case", RESEALED, fuzz_inputs.reseal,
+                   lambda case: fuzz_inputs.reseal_outcome(case, original, timeout_s=20))  # fmt: skip
     assert tally.get("refused", 0) and tally.get("noticed", 0), tally
 
 
