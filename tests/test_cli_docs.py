@@ -21,9 +21,6 @@ PAGES = sorted((ROOT / "docs").glob("**/*.md"))
 GPT3D = ROOT / "examples" / "gpt3d.py"
 
 COMMANDS = ["", *(m.replace("_", "-") for m in SUBCOMMANDS)]  # "": `prism --help` itself
-# compare's help is being reworked apart from this change, its examples with it (strict: the mark
-# goes once they are there)
-REWORKED = pytest.mark.xfail(strict=True, reason="compare's help is reworked apart (issue 40)")
 
 
 def help_text(command: str) -> str:
@@ -100,7 +97,7 @@ def example_lines(text: str) -> list[list[str]]:
     return [argv[: argv.index("|")] if "|" in argv else argv for argv in lines]
 
 
-@pytest.mark.parametrize("command", [pytest.param(c, marks=REWORKED) if c == "compare" else c for c in COMMANDS])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_help_ends_with_examples_that_parse(command, capsys):
     lines = example_lines(help_text(command))
     assert len(lines) >= 2 and (not command or any(argv[1] == command for argv in lines))

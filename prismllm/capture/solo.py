@@ -522,7 +522,7 @@ def _capture(
             on_progress(len(done), total, ran, time.monotonic() - t_run)
     run_wall = time.monotonic() - t_run
     if opts.save_tensors is not None:
-        from prismllm.generate.store import seal_store
+        from prismllm.generate.store import seal_store  # imports torch: only for a capture that saves
 
         seal_store(store)  # the ranks that wrote it have exited: it is complete
 

@@ -32,6 +32,12 @@ from prismllm.trace.compare import compare_traces
 from prismllm.trace.summary import fmt_ns
 
 SUMMARY = "compare two graphs (structure and timing)"
+EXAMPLES = r"""
+# does the solo capture do what the real run did? (exit 1 when it does not)
+prism compare out/real8 out/solo8 --structure-only
+# how far is a calibrated prediction from a recording of the same job?
+prism compare out/real8 out/cal8/graph --json
+"""
 WORST = 10
 
 
