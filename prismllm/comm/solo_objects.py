@@ -391,7 +391,8 @@ def _recv_object_list(object_list, src=None, group=None, device=None, group_src=
             f"{call.where()}: no rule answers recv_object_list and its sender, rank {call.peer}, has not "
             f"run before this rank in the capture (the objects this rank receives cannot be generated); "
             f"capture the sender first or beside it (--parallel), add a rule with op='recv_object_list', "
-            f"or replay a recorded run's tensors (--tensors)"
+            f"replay a recorded run's tensors (--tensors), or capture in switch mode (--mode switch; "
+            f"prism run --capture switch: every rank, the real values)"
         )
     _GEN.begin_payload(_check_list(call, val, len(object_list), "one per list entry"),
                        per_slot=False)  # fmt: skip
