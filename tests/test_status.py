@@ -116,3 +116,14 @@ def test_a_timeout_of_plain_scripts_asks_nothing(tmp_path, monkeypatch):
     assert time.monotonic() - t0 < 6
     assert res.message == "timed out after 1.5 s; ranks still running: 0-1 (ended by the launcher)"
     assert [p.name for p in tmp_path.iterdir()] == ["s.py"]
+
+
+def test_a_stopped_process_is_said_stopped_not_asked(tmp_path):
+    """A child stopped by a signal (switch mode's coordinator stops a rank that waits) cannot
+    answer: the report says it is stopped instead of waiting for an answer that cannot come."""
+    board = S.StatusBoard(tmp_path, {0: "rank-000000"})
+    (tmp_path / "rank-000000.progress").write_text("0")  # a prism process (it runs a reporter)
+    t0 = time.monotonic()
+    lines = board.report([0], lambda ids: f"rank {ids[0]}", wait_s=5.0, stopped={0})
+    assert time.monotonic() - t0 < 1.0
+    assert lines == ["  rank 0: stopped (SIGSTOP: switch mode's turn, or a debugger)"], lines

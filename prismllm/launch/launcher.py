@@ -178,6 +178,17 @@ class _Child:
     exit_t: float | None = None  # when the launcher saw it exit (monotonic)
 
 
+def _stopped(pid: int) -> bool:
+    """Whether the process is stopped (SIGSTOP: switch mode's coordinator stops a rank that waits;
+    or a debugger): it cannot answer a status request until it is continued."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return stat[stat.rindex(")") + 2] in "Tt"
+    except (OSError, ValueError, IndexError):
+        return False
+
+
 class _Launcher:
     def __init__(self, spec: LaunchSpec):
         self.spec = spec
@@ -456,8 +467,10 @@ class _Launcher:
         """``head`` and where each live child stands (``prismllm.launch.status``)."""
         if self.board is None:
             return []
-        alive = sorted((c.rank for c in self._alive()), key=lambda r: (r < 0, abs(r)))
-        where = self.board.report(alive, self._who)
+        live = self._alive()
+        alive = sorted((c.rank for c in live), key=lambda r: (r < 0, abs(r)))
+        stopped = {c.rank for c in live if _stopped(c.proc.pid)}
+        where = self.board.report(alive, self._who, stopped=stopped)
         if not where:  # plain scripts: nothing to ask
             return []
         self.status_kept = True

@@ -29,7 +29,7 @@ import re
 import sysconfig
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 
 from prismllm.childenv import ChildEnv
@@ -302,17 +302,24 @@ class StatusBoard:
             time.sleep(0.05)
 
     def report(
-        self, children: Sequence[int], who: Callable[[Sequence[int]], str], wait_s: float = 3.0, detail_up_to: int = 8
+        self,
+        children: Sequence[int],
+        who: Callable[[Sequence[int]], str],
+        wait_s: float = 3.0,
+        detail_up_to: int = 8,
+        stopped: Collection[int] = (),
     ) -> list[str]:
         """Where ``children`` stand: one line per distinct place (``who(ids)`` names the
         processes there), and what each process said about itself, for every process when at
-        most ``detail_up_to`` answered, else for the first of each place. Empty when none of
-        them runs a reporter."""
+        most ``detail_up_to`` answered, else for the first of each place. ``stopped``: children
+        stopped by a signal, not asked (they cannot answer). Empty when none of them runs a reporter."""
         # a child that never wrote its progress file runs no reporter (a plain script): not asked
         live = [c for c in children if (self.dir / f"{self.names[c]}.progress").exists()]
         if not live:
             return []
-        answers: dict[int, ProcessStatus | None | str] = dict(self.request(live, wait_s))
+        asked = [c for c in live if c not in stopped]
+        answers: dict[int, ProcessStatus | None | str] = dict(self.request(asked, wait_s) if asked else [])
+        answers.update({c: "stopped (SIGSTOP: switch mode's turn, or a debugger)" for c in live if c in stopped})
         answers.update({c: "no status (not a prism process)" for c in children if c not in answers})
         places: dict[str, list[int]] = {}
         for c, st in answers.items():
