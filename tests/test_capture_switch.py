@@ -150,3 +150,23 @@ def test_torch_pipelining_with_data_parallel_two_ranks_at_a_time(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert "rank 3: iteration 3/3 | loss" in p.stdout + p.stderr
     assert_equals_the_real_runs_structure(tmp_path / "cap", 4, ["--", *program])
+
+
+def test_a_rank_that_crashes_is_named_with_the_calls_left_waiting(tmp_path):
+    """A rank that raises between two collectives: the capture names it and its error (not a
+    deadlock: the others wait on it because it crashed), with the calls the coordinator held."""
+    prog = tmp_path / "dies.py"
+    prog.write_text(
+        "import torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.ones(2)\n"
+        "dist.all_reduce(t)\n"
+        "if dist.get_rank() == 1:\n"
+        "    raise RuntimeError('rank 1 gives up')\n"
+        "dist.all_reduce(t)\n"
+    )
+    p = prism("capture", "--mode", "switch", "--world", "3", "--parallel", "2", "--devices", "cpu",
+              "--out", str(tmp_path / "o"), "--timeout", "120", "--", str(prog))  # fmt: skip
+    assert p.returncode != 0
+    assert "prism capture: error: rank 1 exited with code 1: RuntimeError: rank 1 gives up" in p.stderr, p.stderr
+    assert "in from rank(s) 0,2, waiting for 1" in p.stderr and "deadlocked" not in p.stderr, p.stderr

@@ -166,6 +166,7 @@ def _outputs(inst: _Instance, reduce_op: str, root: int) -> dict[int, torch.Tens
 IDLE_SHARE = 0.1  # of the time between two looks: a rank that ran less waits (Coordinator._watch)
 LOW_MEMORY_BYTES = 1 << 30  # below this available (or a twentieth of the host's), the capture ends
 MEMORY_EVERY = 10  # looks between two checks of the host's memory
+DEADLOCK_GRACE_S = 2.0  # how long no rank can go on before the ranks are taken for deadlocked
 
 
 def _meminfo() -> tuple[int | None, int]:
@@ -232,6 +233,8 @@ class Coordinator:
         # a deadlock, or host memory about to run out
         self.ended: list[str] = []
         self._looks = 0
+        self._stuck_since: float | None = None  # when no rank could go on, at progress _stuck_at
+        self._stuck_at = -1
         threading.Thread(target=self._accept, daemon=True, name="prism-coordinator").start()
         threading.Thread(target=self._watch, daemon=True, name="prism-scheduler").start()
 
@@ -395,7 +398,15 @@ class Coordinator:
         if stale:
             return True
         arrived = len(self._ranks) == self.world
-        if arrived and any(r.state == "waiting" for r in self._ranks.values()):
+        if not (arrived and any(r.state == "waiting" for r in self._ranks.values())):
+            self._stuck_since = None
+            return False
+        # a rank that crashed leaves the others waiting too: the launcher ends the run for it, and
+        # names it, within this grace; a deadlock of the program outlasts it
+        now = time.monotonic()
+        if self._stuck_since is None or self._stuck_at != self._progress:
+            self._stuck_since, self._stuck_at = now, self._progress
+        elif now - self._stuck_since >= DEADLOCK_GRACE_S:
             self._end("the ranks are deadlocked: every one waits for a call no other rank will make")
         return False
 

@@ -340,11 +340,14 @@ def _held_calls(coordinator: Any, result: LaunchResult) -> None:
     """A failed switch-mode run's message says what the coordinator held: why it ended the ranks (a
     deadlock, host memory; in place of the launcher's account of the ranks it ended), else the
     calls still waiting."""
-    if coordinator.ended:
+    # a rank that failed by itself (an exit status of its own, not the coordinator's SIGKILL) is
+    # the cause: the others were left waiting for it, which the coordinator may have taken for a deadlock
+    failed_alone = any((rc or 0) > 0 for rc in result.returncodes.values())
+    if coordinator.ended and not failed_alone:
         head, lines = coordinator.ended[0], coordinator.ended[1:]
         result.message = f"switch-mode capture: {head}" + ("; the calls held:" if lines else "")
     else:
-        head, lines = "", coordinator.waiting()
+        lines = coordinator.ended[1:] if coordinator.ended else coordinator.waiting()
         if lines:
             result.message += "\n  calls the coordinator still held:"
     shown = lines[:8] + ([f"... and {len(lines) - 8} more"] if len(lines) > 8 else [])
