@@ -244,6 +244,17 @@ def test_sections_in_order(pages):
     ids = re.findall(r'<(?:header|section) id="([a-z-]+)"', page)
     assert ids == ["top", "where", "memory", "timeline", "emulation", "reference"]
     assert "reference" not in re.findall(r'<section id="([a-z-]+)"', pages["cpu-8ranks"][1])
+    for _, html in pages.values():  # numbered from 1, with no gap where a section is left out
+        nums = [int(n) for n in re.findall(r'<h2><span class="num">(\d+)</span>', html)]
+        assert nums == list(range(1, len(nums) + 1)), nums
+
+
+def test_the_critical_path_says_how_it_stands_to_the_iteration(pages):
+    d, html = pages["gpu-8ranks"]
+    cp = d["critical_path"]
+    assert f"The path adds up the work on it: {fmt_ns(cp['total_ns'])} of iteration {cp['iteration']}" in html
+    if cp["iteration_ns"] > cp["total_ns"]:
+        assert f"in the other {fmt_ns(cp['iteration_ns'] - cp['total_ns'])} the path holds no work" in html
 
 
 def test_header_figures(pages):

@@ -11,6 +11,7 @@ communicators' bar.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import html
 import json
@@ -282,14 +283,28 @@ def _secs(s: float | None) -> str:
     return f"{s:.1f} s" if s >= 1 else f"{s * 1000:.0f} ms"
 
 
-def _section(sid: str, num: int, title: str, caption: str, body: str) -> str:
-    return (
-        f'<section id="{sid}"><h2><span class="num">{num}</span> {escape(title)}</h2>'
-        f'<p class="caption">{caption}</p>{body}</section>'
-    )
+@dataclasses.dataclass
+class _Section:
+    """One numbered section of the page; numbered by its place (render_html), so a section added or
+    left out never leaves a gap."""
+
+    sid: str
+    title: str
+    caption: str
+    body: str
+
+    def html(self, num: int) -> str:
+        return (
+            f'<section id="{self.sid}"><h2><span class="num">{num}</span> {escape(self.title)}</h2>'
+            f'<p class="caption">{self.caption}</p>{self.body}</section>'
+        )
 
 
-def _where(d: dict[str, Any]) -> str:
+def _section(sid: str, title: str, caption: str, body: str) -> _Section:
+    return _Section(sid, title, caption, body)
+
+
+def _where(d: dict[str, Any]) -> _Section:
     cp = d.get("critical_path")
     br = d.get("breakdown")
     it = (cp or br or {}).get("iteration")
@@ -311,7 +326,9 @@ def _where(d: dict[str, Any]) -> str:
             f"<h3>Critical path: {escape(fmt_ns(cp.get('total_ns')))}"
             + (f", ending on rank {escape(cp['end_rank'])}" if cp.get("end_rank") is not None else "")
             + (f", through {len(cp['ranks_visited']):,} rank(s)" if cp.get("ranks_visited") else "")
-            + '</h3><div class="chart" id="cp-chart"></div>'
+            + "</h3>"
+            + _path_against_iteration(cp, (d.get("prediction") or {}).get("iteration_ns"))
+            + '<div class="chart" id="cp-chart"></div>'
         )
     else:
         body.append('<p class="note">No critical path in the calibration.</p>')
@@ -331,16 +348,37 @@ def _where(d: dict[str, Any]) -> str:
             )
             + '</p><div class="chart" id="breakdown-chart"></div>'
         )
-    return _section("where", 2, "Where the iteration goes", cap, "".join(body))
+    return _section("where", "Where the iteration goes", cap, "".join(body))
 
 
-def _memory(d: dict[str, Any]) -> str:
+def _path_against_iteration(cp: dict[str, Any], predicted: int | None) -> str:
+    """Why the path's total is not the predicted iteration: the path adds up the work on it, within
+    one iteration of the rank that ended last (calibrate.analyze walks back from its end to its
+    start: a moment with no work of this iteration on the path is not in the sum), and the
+    prediction is the median of the steady iterations."""
+    total, own = cp.get("total_ns"), cp.get("iteration_ns")
+    if total is None or own is None:
+        return ""
+    text = (
+        f"The path adds up the work on it: {escape(fmt_ns(total))} of iteration {escape(cp.get('iteration'))}'s "
+        f"{escape(fmt_ns(own))} on rank {escape(cp.get('end_rank'))}, the rank that ended it last"
+    )
+    if own > total:
+        text += (
+            f"; in the other {escape(fmt_ns(own - total))} the path holds no work of this iteration (before its "
+            "first piece, which waits on work begun earlier, or between pieces)"
+        )
+    if predicted is not None and predicted != own:
+        text += f". The predicted iteration, {escape(fmt_ns(predicted))}, is the median of the steady iterations"
+    return f'<p class="caption">{text}.</p>'
+
+
+def _memory(d: dict[str, Any]) -> _Section:
     mem = d.get("memory") or {}
     if not mem.get("known"):
         cpu = "cpu" in str(d.get("device") or "").lower()
         return _section(
             "memory",
-            3,
             "Peak memory over the layout",
             "The most device memory each rank held at once, laid out by pipeline stage and model-parallel rank.",
             '<p class="note">Peak memory was not measured: '
@@ -367,7 +405,7 @@ def _memory(d: dict[str, Any]) -> str:
         )
     else:
         cap += "Without a layout, one cell per rank."
-    return _section("memory", 3, "Peak memory over the layout", cap, '<div class="chart" id="memory-chart"></div>')
+    return _section("memory", "Peak memory over the layout", cap, '<div class="chart" id="memory-chart"></div>')
 
 
 # What each memory-grid column dimension is, for the caption.
@@ -384,12 +422,11 @@ def _grid_cols_text(cols: str) -> str:
     return f"the ({', '.join(names)}) ranks, {dims[-1]} fastest"
 
 
-def _timeline(d: dict[str, Any]) -> str:
+def _timeline(d: dict[str, Any]) -> _Section:
     tl = d.get("timeline")
     if not tl or not tl.get("ranks"):
         return _section(
             "timeline",
-            4,
             "Timeline of the median iteration",
             "What a few ranks do over the iteration.",
             '<p class="note">No timeline: the calibration holds no per-operation times.</p>',
@@ -410,14 +447,13 @@ def _timeline(d: dict[str, Any]) -> str:
     )
     return _section(
         "timeline",
-        4,
         "Timeline of the median iteration",
         cap,
         controls + '<div class="chart" id="timeline-chart"></div>',
     )
 
 
-def _emulation_section(d: dict[str, Any]) -> str:
+def _emulation_section(d: dict[str, Any]) -> _Section:
     comm = d.get("communicators")
     emu = d.get("emulation")
     world = d.get("world_size") or 0
@@ -476,7 +512,6 @@ def _emulation_section(d: dict[str, Any]) -> str:
         body.append('<p class="note">No emulation in this run.</p>')
     return _section(
         "emulation",
-        5,
         "Emulation",
         "How the job was emulated: which ranks ran the real program, "
         "what they measured, and the communicators built for them.",
@@ -484,10 +519,10 @@ def _emulation_section(d: dict[str, Any]) -> str:
     )
 
 
-def _reference_section(d: dict[str, Any]) -> str:
+def _reference_section(d: dict[str, Any]) -> _Section | None:
     ref = d.get("reference")
     if not ref:
-        return ""
+        return None
     world = d.get("world_size") or 0
     layout = d.get("layout")
     it = ref.get("iteration") or {}
@@ -543,21 +578,15 @@ def _reference_section(d: dict[str, Any]) -> str:
         "of its iterations after the first) and the peak memory. Errors are (predicted − real) / real; "
         "within ±5 % is green, beyond ±10 % red."
     )
-    return _section("reference", 6, "Prediction against a real run", cap, "".join(body))
+    return _section("reference", "Prediction against a real run", cap, "".join(body))
 
 
 # ---------------------------------------------------------------------- the page
 def render_html(data: dict[str, Any]) -> str:
     """The whole report page for ``data`` (``data.collect``'s dict) as one string."""
     css, js = asset("report.css"), asset("report.js")
-    parts = [
-        _header(data),
-        _where(data),
-        _memory(data),
-        _timeline(data),
-        _emulation_section(data),
-        _reference_section(data),
-    ]
+    sections = [_where(data), _memory(data), _timeline(data), _emulation_section(data), _reference_section(data)]
+    parts = [_header(data), *(s.html(i) for i, s in enumerate((s for s in sections if s is not None), 1))]
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
         '<meta name="viewport" content="width=device-width, initial-scale=1">'
