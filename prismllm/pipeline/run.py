@@ -228,7 +228,6 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
                     force=_STAGE_FORCE,
                     sink=sink,
                     mode=opts.capture,
-                    parallel=opts.parallel if opts.capture == "solo" else None,  # switch: every rank at once
                     # switch: the real values, for the slices' and the emulation's virtual ranks to replay
                     save_tensors="all,inputs" if opts.capture == "switch" else None,
                 ),
