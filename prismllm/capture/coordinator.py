@@ -223,8 +223,6 @@ class Coordinator:
         self._sends: dict[tuple[str, int, int, int], dict[str, Any]] = {}  # (group, src, dst, k) -> send msg
         self._recvs: dict[tuple[str, int, int, int], _Part] = {}
         self._conns: list[_Conn] = []
-        self.calls = 0  # answered
-        self.refused = 0  # connections without the token
         self._closed = False
         self._ranks: dict[int, _Rank] = {}
         self._progress = 0  # calls in and calls answered: what a stopped rank may have waited for
@@ -256,8 +254,7 @@ class Coordinator:
     def _serve(self, conn: _Conn) -> None:
         hello = recv_frame(conn.sock)
         if not hello or hello.get("t") != "hello" or not secrets.compare_digest(str(hello.get("token")), self.token):
-            self.refused += 1
-            conn.sock.close()
+            conn.sock.close()  # not one of this run's ranks: served nothing
             return
         conn.rank, conn.pid = int(hello["rank"]), int(hello.get("pid", -1))
         self._arrive(conn)
@@ -295,7 +292,7 @@ class Coordinator:
                 if recv is not None:
                     self._answer(recv, _flat_input(part))
             elif send is not None:
-                self._answer(part, _flat_input(_Part(src, conn, send)))
+                self._answer(part, _flat_input(_Part(src, part.conn, send)))  # the send's inputs
             return
         key = (group, int(msg["seq"]))
         granks = tuple(msg["granks"])
@@ -351,7 +348,6 @@ class Coordinator:
             )
             return
         p.conn.reply({"t": "done", "id": p.msg["id"], "out": encode(flat)})
-        self.calls += 1
         with self._lock:
             r = self._ranks[p.rank]
             r.calls.discard(p.msg["id"])
