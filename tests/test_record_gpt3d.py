@@ -247,7 +247,10 @@ def test_recorded_iteration_time_agrees_with_the_printed_time(graphs, name):
     of its optimizer step; the graph's iteration spans optimizer step to optimizer step, so it
     holds the printed interval plus the gap before it (the print, host work). On 2 shared cores a
     process descheduled in that gap makes the recorded span longer (CI saw 38.9 ms against
-    21.9 ms printed), never shorter: the check is one-sided. A graph iteration numbered one off
+    21.9 ms printed). It can also come out shorter: with the distributed optimizer the step the
+    hooks see ends before the parameters' all-gather the printed time includes, and under load one
+    iteration's tail differs from the next's (a fresh clone's suite, beside other runs on the 2-core
+    machine, saw 152.6 ms recorded against 177.8 ms printed). A graph iteration numbered one off
     would hold the set-up (seconds) or miss the step and fail either bound."""
     trace, printed, _ = graphs[name]
     it = trace.iterations.to_pydict()
@@ -258,7 +261,7 @@ def test_recorded_iteration_time_agrees_with_the_printed_time(graphs, name):
     for p in printed[1:]:  # iteration 0 of the graph also holds the set-up
         recorded = spans[p["iteration"] - 1]
         printed_ms = p["iter_time_ms"]
-        assert 0.95 * printed_ms <= recorded <= 2 * printed_ms + 25.0, (recorded, p)
+        assert 0.75 * printed_ms <= recorded <= 2 * printed_ms + 25.0, (recorded, p)
 
 
 def test_compare_a_graph_with_itself_and_with_another_layout(graphs):
