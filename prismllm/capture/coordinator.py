@@ -9,8 +9,9 @@ outputs and answers it; a send is kept and answered at once, a receive answered 
 group's ranks, the reduce op and the root; a disagreement (a program that deviates between its
 ranks) fails every member's call with one line naming the instance.
 
-Reductions run in the tensors' dtype, member by member in group order (sum, avg, product, min,
-max, the bitwise ops, premul_sum); an average of integers truncates, as NCCL's.
+Reductions are the emulation's (``prismllm.pruning.tensors``), member by member in group order
+(sum, avg, product, min, max, the bitwise ops, premul_sum); an average of integers truncates, as
+NCCL's.
 
 With ``slots`` K, at most K ranks run at a time (the paper's context switching, Appendix A, with
 SIGSTOP and SIGCONT standing for a GPU context's checkpoint and restore): a rank that waits on a
@@ -28,7 +29,6 @@ too, saying so, before the kernel's OOM killer picks one.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 import queue
 import secrets
@@ -42,7 +42,10 @@ import torch
 
 from prismllm.comm.switch import decode, encode, recv_frame, send_frame
 from prismllm.errors import PrismError
+from prismllm.launch.processes import proc_state
+from prismllm.pruning.tensors import post_reduce, reduce
 from prismllm.specs import format_ranks
+from prismllm.trace.schema import split_reduce_op
 
 
 @dataclasses.dataclass
@@ -96,36 +99,18 @@ class _Rank:
 
 
 def _reduce(flats: list[torch.Tensor], op: str) -> torch.Tensor:
-    if op.startswith("premul_sum:"):
-        factor = float(op.split(":", 1)[1])
-        return _reduce([x * factor for x in flats], "sum").to(flats[0].dtype)
-    if op in ("sum", "avg"):
-        acc = flats[0].clone()
-        for x in flats[1:]:
-            acc += x
-        if op == "avg":
-            n = len(flats)
-            acc = torch.div(acc, n, rounding_mode="trunc") if not acc.is_floating_point() else acc / n
-        return acc
-    if op == "product":
-        acc = flats[0].clone()
-        for x in flats[1:]:
-            acc *= x
-        return acc
-    ops = {
-        "min": torch.minimum,
-        "max": torch.maximum,
-        "band": torch.bitwise_and,
-        "bor": torch.bitwise_or,
-        "bxor": torch.bitwise_xor,
-    }
-    if op not in ops:
-        raise PrismError(f"switch mode cannot reduce with {op!r}")
-    return functools.reduce(ops[op], flats)
+    """The members' inputs reduced as the emulation's proxies reduce them (``pruning.tensors``:
+    a real backend's order, half precision summed in float32 and rounded once), then AVG's
+    divide by the group size (an integer AVG truncates, as NCCL's)."""
+    name, factor = split_reduce_op(op)
+    out = reduce(flats, name, factor)
+    post_reduce(out, name, len(flats))
+    return out
 
 
-def _flat_input(p: _Part) -> torch.Tensor:
-    ins = [decode(d) for d in p.msg["in"]]
+def _flat_input(msg: dict[str, Any]) -> torch.Tensor:
+    """A call's inputs (its message's), as one flat tensor."""
+    ins = [decode(d) for d in msg["in"]]
     if not ins:  # a scatter's or broadcast's non-root
         return torch.empty(0)
     return torch.cat(ins) if len(ins) > 1 else ins[0]
@@ -139,9 +124,9 @@ def _outputs(inst: _Instance, reduce_op: str, root: int) -> dict[int, torch.Tens
     if op == "barrier":
         return {i: torch.empty(0) for i in range(n)}
     if op == "broadcast":
-        src = _flat_input(parts[root])
+        src = _flat_input(parts[root].msg)
         return {i: (torch.empty(0) if i == root else src) for i in range(n)}
-    flats = [_flat_input(p) for p in parts]
+    flats = [_flat_input(p.msg) for p in parts]
     if op == "all_reduce":
         r = _reduce(flats, reduce_op)
         return {i: r for i in range(n)}
@@ -196,11 +181,9 @@ def _cpu(pid: int) -> tuple[int | None, bool]:
         try:
             with open(f"/proc/{pid}/task/{t}/schedstat") as f:
                 total += int(f.read().split()[0])
-            with open(f"/proc/{pid}/task/{t}/stat") as f:
-                stat = f.read()
-            runnable |= stat[stat.rindex(")") + 2] == "R"
         except (OSError, ValueError, IndexError):
             continue
+        runnable |= proc_state(f"/proc/{pid}/task/{t}/stat") == "R"
     return total, runnable
 
 
@@ -290,9 +273,9 @@ class Coordinator:
             if op == "send":
                 self._answer(part, torch.empty(0))
                 if recv is not None:
-                    self._answer(recv, _flat_input(part))
+                    self._answer(recv, _flat_input(msg))
             elif send is not None:
-                self._answer(part, _flat_input(_Part(src, part.conn, send)))  # the send's inputs
+                self._answer(part, _flat_input(send))
             return
         key = (group, int(msg["seq"]))
         granks = tuple(msg["granks"])
