@@ -34,7 +34,7 @@ import msgpack
 import torch
 
 from prismllm.childenv import ChildEnv
-from prismllm.comm.solo import GeneratedBackend
+from prismllm.comm.solo import GeneratedBackend, _flat
 from prismllm.errors import PrismError
 from prismllm.generate.generator import Call
 
@@ -90,11 +90,8 @@ class SwitchError(PrismError):
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
-    if x is None:
-        return []
-    if isinstance(x, torch.Tensor):
-        return [x]
-    return [t for y in x for t in _tensors(y)]
+    """A call's input or output (a tensor, a list or list of lists, None) as its tensors."""
+    return _flat([x])
 
 
 def _chunks(c: Call) -> list[int]:
