@@ -103,6 +103,16 @@ def prepare_out_dir(out: Path, force: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+def check_save_tensors(selector: str) -> None:
+    """A bad --save-tensors SELECTOR, refused in one line before anything runs."""
+    from prismllm.generate.store import Selector  # imports torch: only for a run that saves tensors
+
+    try:
+        Selector(selector, strict=True)
+    except ValueError as e:
+        raise PrismError(f"bad --save-tensors {selector!r}: {e}") from None
+
+
 def check_importable(module: str, what: str) -> None:
     try:
         found = importlib.util.find_spec(module) is not None

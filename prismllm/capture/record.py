@@ -23,6 +23,7 @@ from prismllm.capture.common import (
     build_manifest,
     check_importable,
     check_out_dir,
+    check_save_tensors,
     keep_messages,
     prepare_out_dir,
     program_of,
@@ -100,13 +101,10 @@ def _tensor_store(opts: RecordOptions, out: Path) -> Path | None:
         if opts.tensor_store is not None:
             raise PrismError("--tensor-store needs --save-tensors SELECTOR (what to save)")
         return None
+    check_save_tensors(opts.save_tensors)
     # the tensor store's module imports torch: only when tensors are saved
-    from prismllm.generate.store import MANIFEST_FILE as STORE_MANIFEST, RANK_FILE, Selector
+    from prismllm.generate.store import MANIFEST_FILE as STORE_MANIFEST, RANK_FILE
 
-    try:
-        Selector(opts.save_tensors, strict=True)
-    except ValueError as e:
-        raise PrismError(f"bad --save-tensors {opts.save_tensors!r}: {e}") from None
     store = Path(opts.tensor_store) if opts.tensor_store is not None else out / TENSORS_DIR
     if opts.tensor_store is not None and store.exists():
         files = list(store.iterdir())

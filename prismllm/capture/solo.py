@@ -33,6 +33,7 @@ from prismllm.capture.common import (
     SPOOL_DIR,
     build_manifest,
     check_importable,
+    check_save_tensors,
     keep_messages,
     program_of,
     resolve_devices,
@@ -328,12 +329,7 @@ def _check_switch(opts: CaptureOptions) -> None:
         if value is not None:
             raise PrismError(f"{flag} with --mode switch: switch mode answers every call with the real values")
     if opts.save_tensors is not None:
-        from prismllm.generate.store import Selector  # imports torch: only for a capture that saves
-
-        try:
-            Selector(opts.save_tensors, strict=True)
-        except ValueError as e:
-            raise PrismError(f"bad --save-tensors {opts.save_tensors!r}: {e}") from None
+        check_save_tensors(opts.save_tensors)
 
 
 def _held_calls(coordinator: Any, result: LaunchResult) -> None:
