@@ -86,7 +86,7 @@ from prismllm.launch.messages import (
     who_is,
 )
 from prismllm.launch.output import OutputPump, Stream, default_sink
-from prismllm.launch.processes import Watchdog, groups_alive, killpg, pdeathsig_preexec
+from prismllm.launch.processes import Watchdog, groups_alive, killpg, pdeathsig_preexec, proc_state
 from prismllm.launch.spec import (
     LAUNCHER_ID,
     STATUS_PREFIX,
@@ -181,12 +181,7 @@ class _Child:
 def _stopped(pid: int) -> bool:
     """Whether the process is stopped (SIGSTOP: switch mode's coordinator stops a rank that waits;
     or a debugger): it cannot answer a status request until it is continued."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
-        return stat[stat.rindex(")") + 2] in "Tt"
-    except (OSError, ValueError, IndexError):
-        return False
+    return proc_state(f"/proc/{pid}/stat") in ("T", "t")
 
 
 class _Launcher:

@@ -115,6 +115,17 @@ def killpg(pgid: int, sig: int) -> bool:
         return False
 
 
+def proc_state(stat_path: str) -> str | None:
+    """The state letter of a process or thread (``/proc/PID/stat``, ``/proc/PID/task/TID/stat``):
+    R running, S sleeping, T stopped, ...; None when it is gone."""
+    try:
+        with open(stat_path) as f:
+            stat = f.read()
+        return stat[stat.rindex(")") + 2]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def groups_alive(pgids: Sequence[int]) -> list[int]:
     """The process groups among ``pgids`` that still have a live (non-zombie) member. Orphaned
     zombies wait for init to reap them, which can take a while: they do not count."""
