@@ -22,6 +22,7 @@ import types
 from pathlib import Path
 
 import pytest
+from listeners import listening
 
 from prismllm import launch as L
 from prismllm.errors import ExitCode, PrismError
@@ -973,19 +974,8 @@ def test_extra_outliving_the_ranks_fails_the_run(tmp_path):
 
 
 def _listening(port: int) -> list[str]:
-    """The local addresses (hex, as /proc/net/tcp{,6} write them) listening on ``port``."""
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            local, state = line.split()[1], line.split()[3]
-            addr, hexport = local.rsplit(":", 1)
-            if state == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
-                found.append(addr)
-    return found
+    """The local addresses listening on ``port`` (tests/listeners.py reads /proc/net/tcp{,6})."""
+    return [addr for addr, p in listening().values() if p == port]
 
 
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="no /proc/net/tcp to read listeners from")
@@ -999,9 +989,9 @@ def test_the_rendezvous_store_listens_on_loopback_only():
     from prismllm.launch.launcher import host_store
 
     store = host_store("127.0.0.1", 0)
-    assert _listening(store.port) == ["0100007F"]  # 127.0.0.1, little-endian hex
+    assert _listening(store.port) == ["127.0.0.1"]
     client = dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10))
     client.set("k", "v")
     assert store.get("k") == b"v"
     plain = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # what torch alone does
-    assert "0100007F" not in _listening(plain.port)
+    assert "127.0.0.1" not in _listening(plain.port)
