@@ -425,21 +425,14 @@ def _compute_span_differences(
     with the same label (a communication event's are compared with its fields)."""
     out = []
     for field in ("iteration", "label"):
-        if field == "iteration":
-            va, vb = a.column(field)[ra], b.column(field)[rb]
-            differs = va != vb
-        else:
-            va = a.nodes.column(field).take(pa.array(ra)).to_numpy(zero_copy_only=False)
-            vb = b.nodes.column(field).take(pa.array(rb)).to_numpy(zero_copy_only=False)
-            differs = va != vb
-        bad = np.flatnonzero(compute & differs)
+        ca, cb = a.nodes.column(field), b.nodes.column(field)
+        va = ca.take(pa.array(ra)).to_numpy(zero_copy_only=False)
+        vb = cb.take(pa.array(rb)).to_numpy(zero_copy_only=False)
+        bad = np.flatnonzero(compute & (va != vb))
         if not len(bad):
             continue
         p0 = int(bad[0])
-        x, y = (
-            va[p0].item() if hasattr(va[p0], "item") else va[p0],
-            vb[p0].item() if hasattr(vb[p0], "item") else vb[p0],
-        )
+        x, y = ca[int(ra[p0])].as_py(), cb[int(rb[p0])].as_py()
         message = f"rank {int(rank[p0])} node {int(index[p0])} (compute): A {field} {x!r}, B {y!r}"
         line = f"nodes.{field}: {len(bad)} compute span(s) differ; first: {message}"
         out.append(_entry("nodes", field, len(bad), line, {"rank": int(rank[p0]), "index": int(index[p0]), "a": x, "b": y,
