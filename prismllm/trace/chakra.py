@@ -61,7 +61,7 @@ import pyarrow as pa
 from prismllm.trace.graph import PrismTrace, TraceError
 from prismllm.trace.protowire import len_field, packed, varint, varint_field
 from prismllm.trace.schema import EDGE_WAIT, KIND_COMM
-from prismllm.trace.spans import measured_spans, rank_rows, write_atomically
+from prismllm.trace.spans import measured_spans, prev_waited, rank_rows, write_atomically
 
 CHAKRA_VERSION = "1.0.0"  # the schema version Chakra's own generator writes
 COMM_GROUP_FILE = "comm_group.json"
@@ -237,10 +237,7 @@ def _execution_deps(rows: np.ndarray, cols: dict[str, np.ndarray]) -> tuple[np.n
     program waited for, and of the previous async call on the same stream if the node is a
     communication call (-1 where none)."""
     n = len(rows)
-    pos = np.arange(n)
-    blocking = ~cols["is_async"][rows]
-    last_blocking = np.maximum.accumulate(np.where(blocking, pos, -1)) if n else pos
-    prev_blocking = np.r_[-1, last_blocking[:-1]] if n else pos
+    prev_blocking = prev_waited(cols["is_async"][rows])
     prev_async_same_stream = np.full(n, -1, np.int64)
     comm = np.flatnonzero(cols["is_comm"][rows])
     if len(comm):

@@ -86,7 +86,7 @@ import pyarrow as pa
 
 from prismllm.trace.graph import PrismTrace, group_desc, ranks_text
 from prismllm.trace.schema import CALL_COLUMNS, KIND_COMM
-from prismllm.trace.spans import measured_spans, rank_rows, write_atomically
+from prismllm.trace.spans import measured_spans, prev_waited, rank_rows, write_atomically
 
 DEVICE = 0
 STREAM_COMPUTE = 7
@@ -285,8 +285,7 @@ def _stream_waits(rows: np.ndarray, exported: np.ndarray, cols: dict[str, np.nda
     edge), as the Chakra export reads the graph; on one stream, the stream's order holds these."""
     n = len(rows)
     pos = np.arange(n)
-    last_blocking = np.maximum.accumulate(np.where(~cols["async"][rows], pos, -1))
-    prev = np.r_[-1, last_blocking[:-1]]
+    prev = prev_waited(cols["async"][rows])
     dst, src = [pos[prev >= 0]], [prev[prev >= 0]]
     index, wait_index = cols["index"][rows], cols["wait_index"][rows]
     calls = np.flatnonzero(cols["async"][rows] & (wait_index >= 0))

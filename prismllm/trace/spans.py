@@ -27,6 +27,15 @@ def node_spans(trace: PrismTrace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return start, end, (start >= 0) & (end >= start)
 
 
+def prev_waited(is_async: np.ndarray) -> np.ndarray:
+    """Per node of one rank's program order: the position of the nearest earlier node the program
+    waited for (any node but an async call), -1 where none: what a node starts after, in the
+    exports that draw dependencies (Chakra's, Kineto's stream waits)."""
+    pos = np.arange(len(is_async))
+    last = np.maximum.accumulate(np.where(~is_async, pos, -1)) if len(pos) else pos
+    return np.r_[-1, last[:-1]] if len(pos) else pos
+
+
 def measured_spans(trace: PrismTrace, what: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`node_spans`; TraceError naming ``what`` for a graph without any times (an export
     of measured spans has nothing to show for it)."""
