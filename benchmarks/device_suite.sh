@@ -39,7 +39,8 @@
 #   headstart  the host's head start of GPU slices: a DDP job's slice with each head start (MODES), the real job,
 #              then the head start's GPU test; ~5 min
 #   hostcost   the host's cost of an async collective, real and emulated, N = 2 and 4 (issue_cost.py), the
-#              emulation's host under cProfile; ~4 min
+#              emulation's host under cProfile; then each call cold (--between-us 300: host work between calls, as
+#              DDP's backward between buckets), real and emulated with and without the issue thread; ~6 min
 #   issue-ab   the emulated sandbox with the issue thread and without (PRISM_ISSUE_THREAD=1 / 0), alternated
 #              ROUNDS (3) times on one calibrated graph, for the suite's DDP job at N = 2 and 4 (WORLDS) from two GPUs,
 #              with the real job twice each; the layer's host time by part and the host wait of each; first the
@@ -403,6 +404,16 @@ hostcost)
             --sandbox $r --devices cuda:0,1 --out "$W/n$n/emu-p" --force -- benchmarks/programs/profile_rank.py $P \
             >"$D/emu${n}p.log" 2>&1
         echo "N=$n real / emulated / emulated under cProfile:"; grep -h "^ISSUE" "$D/real$n.log" "$D/emu$n.log" "$D/emu${n}p.log"
+        # each call cold, as DDP's buckets come between backward launches (--between-us): real, then the emulation
+        # with the issue thread and without
+        timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" $P --between-us 300 \
+            >"$D/real${n}c.log" 2>&1
+        for v in 1 0; do
+            PRISM_ISSUE_THREAD=$v timeout 120 prism emulate --graph "$W/n$n/cal/graph" --sandbox $r --devices cuda:0,1 \
+                --out "$W/n$n/emu-c$v" --force -- $P --between-us 300 >"$D/emu${n}c$v.log" 2>&1
+        done
+        echo "N=$n cold calls: real / emulated (issue thread) / emulated (none):"
+        grep -h "^ISSUE" "$D/real${n}c.log" "$D/emu${n}c1.log" "$D/emu${n}c0.log"
     done
     tar czf "$OUT/hostcost.tgz" "$D" ;;  # (files back from $OUT: at most 8)
 issue-ab)

@@ -3,12 +3,15 @@ gradient buckets: a plain torch.distributed program (no prismllm import), run un
 torchrun and by `prism run`/`prism emulate`, so that the two costs can be set side by side.
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/programs/issue_cost.py \
-        [--calls 26] [--numel 8388608] [--iters 20] [--op all_reduce|reduce_scatter|all_gather]
+        [--calls 26] [--numel 8388608] [--iters 20] [--op all_reduce|reduce_scatter|all_gather] [--between-us 0]
 
 Each iteration: (GPU) the device first sleeps ~``--ahead-ms`` so that the host runs ahead of it,
 then the host issues ``--calls`` asynchronous calls of ``--numel`` float32 elements each
 (``async_op=True``, as DDP's reducer does), timing each issue on the host clock
-(``perf_counter``), then waits for all and synchronizes. The last rank prints one line per
+(``perf_counter``), then waits for all and synchronizes. ``--between-us``: between two calls the
+host launches small tensor operations for that long, as DDP's backward launches its kernels between
+two buckets: each call then finds the caches and the CPU as a bucket's hook does, not warm from the
+call before (a Python layer's cost a call grows several times that way). The last rank prints one line per
 iteration (the suite's format, so `prism` reads it) and, at the end::
 
     ISSUE {"op": ..., "world": .., "backend": .., "issue_us_median": .., "issue_us_p90": .., "calls": ..}
@@ -36,6 +39,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--ahead-ms", type=float, default=20.0)
     ap.add_argument("--op", default="all_reduce", choices=["all_reduce", "reduce_scatter", "all_gather"])
+    ap.add_argument("--between-us", type=float, default=0.0)
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -55,6 +59,13 @@ def main() -> None:
         e.record()
         e.synchronize()
         cycles = 10_000_000 / s.elapsed_time(e)  # per ms
+    scratch = torch.ones(4096, device=dev)
+
+    def host_work() -> None:  # small launches until --between-us passed
+        end = time.perf_counter() + a.between_us / 1e6
+        while time.perf_counter() < end:
+            scratch.mul_(1.0)
+
     per_iter: list[list[float]] = []
     for it in range(a.iters):
         if cuda:
@@ -63,6 +74,8 @@ def main() -> None:
         t_iter = time.perf_counter()
         works, times = [], []
         for i in range(a.calls):
+            if a.between_us:
+                host_work()
             t0 = time.perf_counter()
             if a.op == "all_reduce":
                 works.append(dist.all_reduce(bufs[i], async_op=True))
@@ -89,6 +102,7 @@ def main() -> None:
             "backend": "nccl" if cuda else "gloo",
             "numel": n,
             "calls": a.calls,
+            "between_us": a.between_us,
             "issue_us_median": round(statistics.median(steady), 2),
             "issue_us_p90": round(q[-1], 2),
         }
