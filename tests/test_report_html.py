@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from prismllm.layout import Layout
-from prismllm.report.data import _memory, memory_grid
+from prismllm.report.data import _memory, compare, memory_grid
 from prismllm.report.html import fmt_bytes, fmt_ns, json_for_script, render_html
 
 DATA = Path(__file__).resolve().parent / "data" / "report"
@@ -172,12 +172,31 @@ def make_unlaid(large: dict) -> dict:
     return d
 
 
+def before(sample: dict) -> dict:
+    """The sample as an earlier run of it might have been: 25 % slower, its stages longer."""
+    d = copy.deepcopy(sample)
+    d["prediction"]["iteration_ns"] = int(d["prediction"]["iteration_ns"] * 1.25)
+    d["critical_path"]["total_ns"] = int(d["critical_path"]["total_ns"] * 1.25)
+    for st in d["stages"]:
+        st["wall_s"] *= 2
+    return d
+
+
+def make_compared(a: dict, b: dict) -> dict:
+    """Run ``a``'s page with run ``b`` beside it (``prism report A --compare B``)."""
+    d = copy.deepcopy(a)
+    d["compare"] = compare(a, b, "/runs/before")
+    return d
+
+
 def samples() -> dict[str, dict]:
     cpu = load("cpu-8ranks")
     large = make_large(cpu)
+    gpu = load("gpu-8ranks")
     return {
         "cpu-8ranks": cpu,
-        "gpu-8ranks": load("gpu-8ranks"),
+        "gpu-8ranks": gpu,
+        "gpu-vs-cpu": make_compared(gpu, before(cpu)),
         "large-1024ranks": large,
         "large-no-layout": make_unlaid(large),
         "moe-skew": make_moe(cpu),
@@ -247,6 +266,41 @@ def test_sections_in_order(pages):
     for _, html in pages.values():  # numbered from 1, with no gap where a section is left out
         nums = [int(n) for n in re.findall(r'<h2><span class="num">(\d+)</span>', html)]
         assert nums == list(range(1, len(nums) + 1)), nums
+
+
+def test_two_runs_side_by_side(pages):
+    """`--compare`: every figure of both runs in one table with the change from the other run; a
+    figure only one run has is shown with a dash; texts say same or differs; where both measured
+    every rank's peak memory, how many differ and the most."""
+    a, b = pages["gpu-8ranks"][0], before(pages["cpu-8ranks"][0])
+    d, html = pages["gpu-vs-cpu"]
+    ids = re.findall(r'<(?:header|section) id="([a-z-]+)"', html)
+    assert ids[-1] == "compare" and "compare" not in pages["gpu-8ranks"][1]
+    rows = {r["what"]: r for r in d["compare"]["rows"]}
+    pa, pb = a["prediction"]["iteration_ns"], b["prediction"]["iteration_ns"]
+    assert (rows["Predicted iteration"]["a"], rows["Predicted iteration"]["b"]) == (pa, pb)
+    section = html[html.index('<section id="compare">') :]
+    cells = re.findall(r"<td[^>]*>([^<]*)</td>", section)
+    at = cells.index("Predicted iteration")
+    assert cells[at + 1 : at + 4] == [fmt_ns(pa), fmt_ns(pb), f"{100 * (pa - pb) / pb:+.1f} %"]
+    at = cells.index("Ranks")
+    assert cells[at + 3] == "same"
+    at = cells.index("Device")
+    assert cells[at + 1 : at + 4] == [a["device"], b["device"], "differs"]
+    # a figure only one run has: the GPU run's peak memory, against a CPU run that measured none
+    at = cells.index("Largest peak memory")
+    assert cells[at + 1 : at + 4] == [fmt_bytes(a["memory"]["max"]["bytes"]), "–", ""]
+    assert "Pipeline bubble" in cells or not (a["bubble"] or b["bubble"])
+    assert "/runs/before" in section
+    same = compare(a, a, "itself")
+    assert all(r["a"] == r["b"] for r in same["rows"])
+    mem = same.get("memory")
+    assert mem == {"ranks": a["world_size"], "differ": 0, "largest": None}, mem
+    other = copy.deepcopy(a)
+    other["memory"]["per_rank"][3] += 2**20
+    assert compare(a, other, "x")["memory"]["largest"] == {
+        "rank": 3, "a": a["memory"]["per_rank"][3], "b": a["memory"]["per_rank"][3] + 2**20,
+    }  # fmt: skip
 
 
 def test_the_critical_path_says_how_it_stands_to_the_iteration(pages):
@@ -350,7 +404,7 @@ def screenshot(o: Opened, name: str, tmp: Path, suffix: str = "") -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["cpu-8ranks", "gpu-8ranks", "large-1024ranks", "large-no-layout", "moe-skew", "sparse"]
+    "name", ["cpu-8ranks", "gpu-8ranks", "gpu-vs-cpu", "large-1024ranks", "large-no-layout", "moe-skew", "sparse"]
 )
 def test_page_draws(browser, files, pages, tmp_path, name):
     d = pages[name][0]
@@ -381,6 +435,8 @@ def test_page_draws(browser, files, pages, tmp_path, name):
             assert o.count("#timeline-chart .axis text") >= 3
         if d["communicators"]:
             assert o.count("#comm-chart svg rect") >= 2
+        if d.get("compare"):
+            assert o.count("#compare tbody tr") >= 10 and o.page.is_visible("#compare table")
         screenshot(o, name, tmp_path)
         if name == "gpu-8ranks":  # how it prints: no controls, the charts redrawn to the page's width
             o.page.set_viewport_size({"width": 794, "height": 1123})  # A4 at 96 dpi

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from test_report_html import Opened, browser  # noqa: F401  (browser: a fixture 
 
 from prismllm.cli.main import main
 from prismllm.launch.sandbox import ON_THE_CPU
+from prismllm.report.html import fmt_ns
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = [
@@ -129,8 +132,37 @@ def test_the_run_and_its_stages_print_one_json_document(ran, tmp_path, capsys):
         "run": str(out),
         "report": str(html),
         "reference": None,
+        "compare": None,
         "ranks": None,
     }
+
+
+def test_the_report_sets_a_run_beside_another(ran, tmp_path, browser):  # noqa: F811
+    """`prism report A --compare B`: B a copy of the run recalibrated with the slices' last transfer
+    times (a change to compare), the figures of both in one section with the change between them,
+    clean in Chromium; a directory with no calibration is named as the --compare one."""
+    out, _ = ran
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    assert main(["calibrate", str(other / "time" / "graph"), "--out", str(other / "cal"), "--transfer", "last",
+                 "--write-graph", "--force"]) == 0  # fmt: skip
+    html = tmp_path / "cmp.html"
+    assert main(["report", str(out), "--compare", str(other), "--html", str(html)]) == 0
+    page = html.read_text()
+    a = json.loads((out / "cal" / "summary.json").read_text())["predicted_iteration_ns"]
+    b = json.loads((other / "cal" / "summary.json").read_text())["predicted_iteration_ns"]
+    section = page[page.index('<section id="compare">') :]
+    cells = re.findall(r"<td[^>]*>([^<]*)</td>", section)
+    at = cells.index("Predicted iteration")
+    assert cells[at + 1 : at + 4] == [fmt_ns(a), fmt_ns(b), "same" if a == b else f"{100 * (a - b) / b:+.1f} %"]
+    assert str(other) in section
+    o = Opened(browser, html)
+    try:
+        o.check_clean()
+        assert o.count("#compare tbody tr") >= 10
+    finally:
+        o.close()
+    assert main(["report", str(out), "--compare", str(tmp_path / "nothing"), "--html", str(html)]) != 0
 
 
 def test_the_report_of_a_real_run_opens_clean_and_fast(ran, browser):  # noqa: F811

@@ -1,5 +1,5 @@
-"""`prism report DIR [--html FILE] [--reference REAL] [--ranks RANKS] [--json]`: the report of a `prism run`
-directory, a self-contained HTML page (prismllm.report)."""
+"""`prism report DIR [--html FILE] [--reference REAL] [--compare OTHER] [--ranks RANKS] [--json]`: the report of
+a `prism run` directory, a self-contained HTML page (prismllm.report)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ EXAMPLES = r"""
 prism report out/demo
 # a real 8-rank run beside the prediction, into a page of its own
 prism report out/run8 --reference out/real8 --html run8.html
+# two runs side by side (two sweep points, a job before and after a change)
+prism report out/tp4 --compare out/tp2 --html tp4-vs-tp2.html
 """
 RAW_DESCRIPTION = False  # a docstring in prose, wrapped to the terminal
 
@@ -29,6 +31,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="REAL",
         help="a real run of the same job (a `prism record` graph): shown beside the prediction, rank by rank",
     )
+    p.add_argument(
+        "--compare",
+        default=None,
+        metavar="OTHER",
+        help="another `prism run` directory: its figures beside this run's, with the change from it",
+    )
     options.add(p, "ranks", "json")
 
 
@@ -39,9 +47,17 @@ def run(args: argparse.Namespace) -> int:
             ranks = list(parse_ranks(args.ranks))
         except ValueError as e:
             raise PrismError(f"--ranks: {e}") from None
-    path = write_report(args.run_dir, args.html, reference=args.reference, ranks=ranks)
+    path = write_report(args.run_dir, args.html, reference=args.reference, ranks=ranks, against=args.compare)
     if args.json:
-        options.print_json({"run": args.run_dir, "report": path.resolve(), "reference": args.reference, "ranks": ranks})
+        options.print_json(
+            {
+                "run": args.run_dir,
+                "report": path.resolve(),
+                "reference": args.reference,
+                "compare": args.compare,
+                "ranks": ranks,
+            }
+        )
     else:
         print(f"prism report: wrote {path} (open it in a browser: file://{path.resolve()})")
     return 0

@@ -20,10 +20,12 @@ def write_report(
     *,
     reference: str | os.PathLike | None = None,
     ranks: list[int] | None = None,
+    against: str | os.PathLike | None = None,
 ) -> Path:
-    """Write RUN_DIR's report (default RUN_DIR/report.html); returns its path."""
+    """Write RUN_DIR's report (default RUN_DIR/report.html); returns its path. ``against``:
+    another run directory, its figures beside RUN_DIR's."""
     path = Path(out) if out is not None else Path(run_dir) / REPORT_FILE
-    write_file_atomically(path, render_html(collect(run_dir, reference=reference, ranks=ranks)))
+    write_file_atomically(path, render_html(collect(run_dir, reference=reference, ranks=ranks, against=against)))
     return path
 
 

@@ -20,7 +20,8 @@ wall times). It returns one JSON-able dict, the report's data model (``docs/comm
   group's last member) and ``comm`` (the transfer); times from the iteration's begin; critical
   1 on the critical path;
 - ``communicators`` and ``emulation`` from the emulation; ``reference``: predicted against a real
-  recorded run, per rank (``--reference``).
+  recorded run, per rank (``--reference``);
+- ``compare``: this run's figures beside another run's (``--compare``, :func:`compare`).
 """
 
 from __future__ import annotations
@@ -47,9 +48,15 @@ MAX_TIMELINE_RANKS = 8
 GRID_COLS = ("ep", "cp", "tp")
 
 
-def collect(run_dir: str | Path, reference: str | Path | None = None, ranks: list[int] | None = None) -> dict[str, Any]:
+def collect(
+    run_dir: str | Path,
+    reference: str | Path | None = None,
+    ranks: list[int] | None = None,
+    against: str | Path | None = None,
+) -> dict[str, Any]:
     """The report's data for a ``prism run`` directory (see the module docstring). ``ranks``:
-    the timeline's ranks (default one per pipeline stage)."""
+    the timeline's ranks (default one per pipeline stage); ``against``: another run directory
+    whose figures go beside this one's (``compare``)."""
     run_dir = Path(run_dir)
     cal = run_dir / CAL_DIR
     summary = read_json(cal / SUMMARY_FILE)
@@ -94,7 +101,78 @@ def collect(run_dir: str | Path, reference: str | Path | None = None, ranks: lis
         "emulation": _emulation(emu),
         "reference": _reference(Path(reference), summary, bare) if reference is not None else None,
     }
+    if against is not None:
+        try:
+            other = collect(against)
+        except PrismError as e:
+            raise type(e)(f"--compare: {e}") from None
+        data["compare"] = compare(data, other, str(against))
+    else:
+        data["compare"] = None
     return data
+
+
+def _mean(xs: list | None) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _figures(d: dict[str, Any]) -> list[tuple[str, Any, str]]:
+    """One run's figures that two runs are compared by: (what, value, kind); kinds "text",
+    "layout" (the layout's dict), "count", "ns", "bytes", "share", "s" (seconds)."""
+    out: list[tuple[str, Any, str]] = [
+        ("Job", d.get("title"), "text"),
+        ("Ranks", d.get("world_size"), "count"),
+        ("Layout", d.get("layout"), "layout"),
+        ("Device", d.get("device"), "text"),
+        ("Predicted iteration", (d.get("prediction") or {}).get("iteration_ns"), "ns"),
+    ]
+    cp = d.get("critical_path") or {}
+    out.append(("Critical path", cp.get("total_ns"), "ns"))
+    for kind, ns in sorted((cp.get("by_kind") or {}).items(), key=lambda kv: -kv[1]):
+        out.append((f"Critical path: {kind}", ns, "ns"))
+    b = d.get("breakdown") or {}
+    for key, what in (("compute_ns", "compute"), ("comm_exposed_ns", "exposed communication"),
+                      ("p2p_wait_ns", "point-to-point wait"), ("idle_ns", "idle")):  # fmt: skip
+        out.append((f"Mean over ranks: {what}", _mean(b.get(key)), "ns"))
+    out.append(("Pipeline bubble", (d.get("bubble") or {}).get("fraction"), "share"))
+    mx = (d.get("memory") or {}).get("max") or {}
+    out.append(("Largest peak memory", mx.get("bytes"), "bytes"))
+    out.append(("Largest peak memory: where", mx.get("where"), "text"))
+    emu = d.get("emulation") or {}
+    for r, m in sorted((emu.get("per_rank") or {}).items(), key=lambda kv: int(kv[0])):
+        out.append((f"Emulated iteration, rank {r}", m.get("median_steady_iteration_ns"), "ns"))
+    if emu:
+        out.append(("Virtual ranks' iteration", emu.get("virtual_ranks_iteration_ns"), "ns"))
+    stages = d.get("stages") or []
+    for st in stages:
+        out.append((f"Stage: {st.get('name')}", st.get("wall_s"), "s"))
+    if stages:
+        out.append(("All stages", sum(st.get("wall_s") or 0 for st in stages), "s"))
+    return out
+
+
+def compare(a: dict[str, Any], b: dict[str, Any], source: str) -> dict[str, Any]:
+    """Run ``a``'s figures beside run ``b``'s (``prism report A --compare B``: two sweep points, a
+    job before and after a change): ``rows`` [{what, kind, a, b}] in ``a``'s order, then what
+    only ``b`` has (None where a run lacks the figure), and where both measured every rank's peak
+    memory, ``memory``: how many ranks' peaks differ and the largest difference."""
+    fa, fb = _figures(a), _figures(b)
+    vb = {w: (v, k) for w, v, k in fb}
+    rows = [{"what": w, "kind": k, "a": v, "b": vb.get(w, (None, k))[0]} for w, v, k in fa]
+    seen = {w for w, _, _ in fa}
+    rows += [{"what": w, "kind": k, "a": None, "b": v} for w, v, k in fb if w not in seen]
+    out: dict[str, Any] = {"source": source, "title": b.get("title"), "command": b.get("command"), "rows": rows}
+    ma, mb = a.get("memory") or {}, b.get("memory") or {}
+    pa, pb = ma.get("per_rank") or [], mb.get("per_rank") or []
+    if ma.get("known") and mb.get("known") and len(pa) == len(pb):
+        diff = [(abs(x - y), r, x, y) for r, (x, y) in enumerate(zip(pa, pb)) if x >= 0 and y >= 0 and x != y]
+        big = max(diff) if diff else None
+        out["memory"] = {
+            "ranks": len(pa),
+            "differ": len(diff),
+            "largest": {"rank": big[1], "a": big[2], "b": big[3]} if big else None,
+        }
+    return out
 
 
 def _layout_text(layout: Layout) -> str:

@@ -581,11 +581,84 @@ def _reference_section(d: dict[str, Any]) -> _Section | None:
     return _section("reference", "Prediction against a real run", cap, "".join(body))
 
 
+def _compare_value(v: Any, kind: str) -> str:
+    if v is None:
+        return "–"
+    return {
+        "ns": fmt_ns,
+        "bytes": fmt_bytes,
+        "share": _pct,
+        "s": _secs,
+        "count": lambda x: f"{x:,}",
+        "layout": layout_text,
+    }.get(kind, str)(v)
+
+
+def _compare_change(a: Any, b: Any, kind: str) -> tuple[str, str]:
+    """The change from the other run to this one, and its cell's class: a relative change for a
+    figure, "same" or "differs" for a text."""
+    if a is None or b is None:
+        return "", ""
+    if a == b:
+        return "same", ""
+    if kind in ("text", "layout"):
+        return "differs", "warn"
+    if kind == "share":  # a share's change in points, not relative
+        d = a - b
+        return f"{d * 100:+.1f} pt", "" if abs(d) < 0.005 else "warn"
+    e = _rel(a, b)
+    if e is None:  # from nothing (0) to something
+        return "", "warn"
+    return _pct(e, True), "" if abs(e) < 0.01 else "warn"
+
+
+def _compare_section(d: dict[str, Any]) -> _Section | None:
+    cmp = d.get("compare")
+    if not cmp:
+        return None
+    trs = []
+    for row in cmp.get("rows") or []:
+        kind, a, b = row.get("kind", "text"), row.get("a"), row.get("b")
+        if a is None and b is None:  # neither run has it (a CPU run's peak memory)
+            continue
+        change, cls = _compare_change(a, b, kind)
+        trs.append(
+            f'<tr><td>{escape(row.get("what"))}</td><td class="num">{escape(_compare_value(a, kind))}</td>'
+            f'<td class="num">{escape(_compare_value(b, kind))}</td><td class="num {cls}">{escape(change)}</td></tr>'
+        )
+    note = ""
+    mem = cmp.get("memory")
+    if mem:
+        big = mem.get("largest")
+        note = f'<p class="note">Peak memory: {mem["differ"]:,} of {mem["ranks"]:,} ranks differ' + (
+            f"; the most on rank {big['rank']}: {fmt_bytes(big['a'])} here, {fmt_bytes(big['b'])} there "
+            f"({_pct(_rel(big['a'], big['b']), True)}).</p>"
+            if big
+            else ".</p>"
+        )
+    body = (
+        note + '<table class="tbl cmp"><thead><tr><th>figure</th><th class="num">this run</th>'
+        '<th class="num">the other</th><th class="num">change</th></tr></thead>'
+        f"<tbody>{''.join(trs)}</tbody></table>"
+    )
+    cap = (
+        "This run beside "
+        + escape(cmp.get("source") or "another run")
+        + (f" ({escape(cmp.get('title'))})" if cmp.get("title") else "")
+        + ": each figure of the two, and the change from that run to this one ((this − other) / other; "
+        "a share in points). Changes of 1 % or more, and texts that differ, are marked."
+    )
+    return _section("compare", "Against another run", cap, body)
+
+
 # ---------------------------------------------------------------------- the page
 def render_html(data: dict[str, Any]) -> str:
     """The whole report page for ``data`` (``data.collect``'s dict) as one string."""
     css, js = asset("report.css"), asset("report.js")
-    sections = [_where(data), _memory(data), _timeline(data), _emulation_section(data), _reference_section(data)]
+    sections = [
+        _where(data), _memory(data), _timeline(data), _emulation_section(data), _reference_section(data),
+        _compare_section(data),
+    ]  # fmt: skip
     parts = [_header(data), *(s.html(i) for i, s in enumerate((s for s in sections if s is not None), 1))]
     return (
         '<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
