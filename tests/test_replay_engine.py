@@ -365,3 +365,25 @@ def test_external_ranks_driven_from_outside_equal_the_full_replay(gpt3d, externa
     assert np.array_equal(res.end_ns, full.end_ns[fp])
     rows = np.searchsorted(full_g.ranks, g.ranks)
     assert np.array_equal(res.rank_iteration_ns, full.rank_iteration_ns[rows])
+
+
+def test_rows_of_a_table_are_its_take():
+    """ReplayGraph's row selection: slices where the rows run in a few ascending blocks (every rank
+    but a sandbox rank's), a take otherwise, the same table either way."""
+    import pyarrow as pa
+
+    from prismllm.replay.graph import _rows_of
+
+    t = pa.table({"a": np.arange(1000, dtype=np.int64), "b": [str(i) for i in range(1000)]})
+    cases = [
+        np.r_[0:300, 400:1000],  # every rank but one block
+        np.r_[0:10, 20:30, 990:1000],  # a few blocks
+        np.arange(0, 1000, 2),  # many runs: a take
+        np.array([5, 3, 9]),  # not ascending: a take
+        np.arange(1000),
+        np.zeros(0, dtype=np.int64),
+    ]
+    for rows in cases:
+        got = _rows_of(t, rows, max_runs=8)
+        assert got.equals(t.take(pa.array(rows, type=pa.int64()))), rows
+    assert _rows_of(t, np.r_[0:300, 400:1000]).column("a").num_chunks == 2  # slices, no copy

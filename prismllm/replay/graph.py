@@ -42,6 +42,19 @@ def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(shift, counts) + np.arange(total, dtype=_I64)
 
 
+def _rows_of(table: pa.Table, rows: np.ndarray, max_runs: int = 4096) -> pa.Table:
+    """``table.take(rows)``; where ``rows`` ascend in a few runs of consecutive rows (every rank's
+    nodes but a sandbox rank's, in program order), zero-copy slices of the table instead (the take
+    copied every column: 3.5 s of a 32,768-rank slice's assistant start on the 2-core dev VM)."""
+    step = np.diff(rows)
+    if len(rows) and np.all(step > 0):
+        breaks = np.flatnonzero(step != 1) + 1
+        if len(breaks) < max_runs:
+            first, last = np.r_[0, breaks], np.r_[breaks, len(rows)]
+            return pa.concat_tables([table.slice(int(rows[a]), int(b - a)) for a, b in zip(first, last)])
+    return table.take(pa.array(rows))
+
+
 def _csr(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """(ptr, order) such that order[ptr[k]:ptr[k+1]] are the positions with keys == k."""
     order = np.argsort(keys, kind="stable").astype(_I64)
@@ -121,7 +134,7 @@ class ReplayGraph:
             ]
         )
         if not (sorted_ok and len(rows) == trace.num_nodes):
-            sub = sub.take(pa.array(rows))
+            sub = _rows_of(sub, rows)
         n = self.num_nodes = sub.num_rows
         rank = sub.column("rank").to_numpy().astype(_I64)
         self.index: np.ndarray = sub.column("index").to_numpy().astype(_I64)
