@@ -53,10 +53,12 @@ def collect(
     reference: str | Path | None = None,
     ranks: list[int] | None = None,
     against: str | Path | None = None,
+    timeline: bool = True,
 ) -> dict[str, Any]:
     """The report's data for a ``prism run`` directory (see the module docstring). ``ranks``:
     the timeline's ranks (default one per pipeline stage); ``against``: another run directory
-    whose figures go beside this one's (``compare``)."""
+    whose figures go beside this one's (``compare``); ``timeline=False``: no timeline (which reads
+    the calibrated graph: the other run of a comparison shows none)."""
     run_dir = Path(run_dir)
     cal = run_dir / CAL_DIR
     summary = read_json(cal / SUMMARY_FILE)
@@ -96,14 +98,14 @@ def collect(
         "bubble": summary.get("pipeline_bubble"),
         "critical_path": _critical(summary),
         "memory": _memory(bare, world, layout),
-        "timeline": _timeline(cal, summary, layout, ranks),
+        "timeline": _timeline(cal, summary, layout, ranks) if timeline else None,
         "communicators": (emu or {}).get("communicators"),
         "emulation": _emulation(emu),
         "reference": _reference(Path(reference), summary, bare) if reference is not None else None,
     }
     if against is not None:
         try:
-            other = collect(against)
+            other = collect(against, timeline=False)
         except PrismError as e:
             raise type(e)(f"--compare: {e}") from None
         data["compare"] = compare(data, other, str(against))
@@ -157,10 +159,9 @@ def compare(a: dict[str, Any], b: dict[str, Any], source: str) -> dict[str, Any]
     only ``b`` has (None where a run lacks the figure), and where both measured every rank's peak
     memory, ``memory``: how many ranks' peaks differ and the largest difference."""
     fa, fb = _figures(a), _figures(b)
-    vb = {w: (v, k) for w, v, k in fb}
-    rows = [{"what": w, "kind": k, "a": v, "b": vb.get(w, (None, k))[0]} for w, v, k in fa]
-    seen = {w for w, _, _ in fa}
-    rows += [{"what": w, "kind": k, "a": None, "b": v} for w, v, k in fb if w not in seen]
+    va, vb = {w: v for w, v, _ in fa}, {w: v for w, v, _ in fb}
+    rows = [{"what": w, "kind": k, "a": v, "b": vb.get(w)} for w, v, k in fa]
+    rows += [{"what": w, "kind": k, "a": None, "b": v} for w, v, k in fb if w not in va]
     out: dict[str, Any] = {"source": source, "title": b.get("title"), "command": b.get("command"), "rows": rows}
     ma, mb = a.get("memory") or {}, b.get("memory") or {}
     pa, pb = ma.get("per_rank") or [], mb.get("per_rank") or []

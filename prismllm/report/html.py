@@ -300,10 +300,6 @@ class _Section:
         )
 
 
-def _section(sid: str, title: str, caption: str, body: str) -> _Section:
-    return _Section(sid, title, caption, body)
-
-
 def _where(d: dict[str, Any]) -> _Section:
     cp = d.get("critical_path")
     br = d.get("breakdown")
@@ -348,7 +344,7 @@ def _where(d: dict[str, Any]) -> _Section:
             )
             + '</p><div class="chart" id="breakdown-chart"></div>'
         )
-    return _section("where", "Where the iteration goes", cap, "".join(body))
+    return _Section("where", "Where the iteration goes", cap, "".join(body))
 
 
 def _path_against_iteration(cp: dict[str, Any], predicted: int | None) -> str:
@@ -377,7 +373,7 @@ def _memory(d: dict[str, Any]) -> _Section:
     mem = d.get("memory") or {}
     if not mem.get("known"):
         cpu = "cpu" in str(d.get("device") or "").lower()
-        return _section(
+        return _Section(
             "memory",
             "Peak memory over the layout",
             "The most device memory each rank held at once, laid out by pipeline stage and model-parallel rank.",
@@ -405,7 +401,7 @@ def _memory(d: dict[str, Any]) -> _Section:
         )
     else:
         cap += "Without a layout, one cell per rank."
-    return _section("memory", "Peak memory over the layout", cap, '<div class="chart" id="memory-chart"></div>')
+    return _Section("memory", "Peak memory over the layout", cap, '<div class="chart" id="memory-chart"></div>')
 
 
 # What each memory-grid column dimension is, for the caption.
@@ -425,7 +421,7 @@ def _grid_cols_text(cols: str) -> str:
 def _timeline(d: dict[str, Any]) -> _Section:
     tl = d.get("timeline")
     if not tl or not tl.get("ranks"):
-        return _section(
+        return _Section(
             "timeline",
             "Timeline of the median iteration",
             "What a few ranks do over the iteration.",
@@ -445,7 +441,7 @@ def _timeline(d: dict[str, Any]) -> _Section:
         '<button type="button" data-zoom="out">Zoom out</button>'
         '<button type="button" data-zoom="reset">Reset zoom</button><span class="view-text"></span></div>'
     )
-    return _section(
+    return _Section(
         "timeline",
         "Timeline of the median iteration",
         cap,
@@ -510,7 +506,7 @@ def _emulation_section(d: dict[str, Any]) -> _Section:
             )
     if not body:
         body.append('<p class="note">No emulation in this run.</p>')
-    return _section(
+    return _Section(
         "emulation",
         "Emulation",
         "How the job was emulated: which ranks ran the real program, "
@@ -578,7 +574,7 @@ def _reference_section(d: dict[str, Any]) -> _Section | None:
         "of its iterations after the first) and the peak memory. Errors are (predicted − real) / real; "
         "within ±5 % is green, beyond ±10 % red."
     )
-    return _section("reference", "Prediction against a real run", cap, "".join(body))
+    return _Section("reference", "Prediction against a real run", cap, "".join(body))
 
 
 def _compare_value(v: Any, kind: str) -> str:
@@ -648,7 +644,7 @@ def _compare_section(d: dict[str, Any]) -> _Section | None:
         + ": each figure of the two, and the change from that run to this one ((this − other) / other; "
         "a share in points). Changes of 1 % or more, and texts that differ, are marked."
     )
-    return _section("compare", "Against another run", cap, body)
+    return _Section("compare", "Against another run", cap, body)
 
 
 # ---------------------------------------------------------------------- the page
