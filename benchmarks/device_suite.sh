@@ -78,8 +78,9 @@ SMALL="--layers 2 --hidden 512 --heads 8 --seq 256 --vocab 4096 --micro-batch 2 
 # the GPU suite's DDP job (benchmarks/fidelity_gpu.py's ddp-2), which the diagnostic parts below run
 P=benchmarks/programs/torch_parallel.py
 A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
-# the median steady iteration a program's log prints ("iter time X ms", all but the first two)
-median() { grep -h 'iter time' "$1" | tail -n +3 | grep -o 'iter time [0-9.]*' | awk '{print $3}' | sort -n \
+# median LOG [FIELD]: the median over the steady iterations (all but the first two) of a program's
+# log of FIELD ("iter time X ms" by default; "host wait" for its host wait, in %)
+median() { grep -h 'iter time' "$1" | tail -n +3 | grep -o "${2:-iter time} [0-9.]*" | awk '{print $NF}' | sort -n \
     | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}'; }
 
 case "$PART" in
@@ -422,9 +423,6 @@ issue-ab)
     [ "${TESTS:-1}" = 1 ] && { timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pruned_nccl_gpu.py \
         tests/test_emulate_gpu.py -k "nccl or tp2 or dp2_distopt" >"$D/pytest.log" 2>&1
         echo "GPU tests: $(tail -1 "$D/pytest.log")"; grep -h "^E " "$D/pytest.log" | head -5; }
-    # hostwait LOG: the median host wait of the steady iterations the program printed
-    hostwait() { grep -h 'iter time' "$1" | tail -n +3 | grep -o 'host wait [0-9.]*' | awk '{print $3}' | sort -n \
-        | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}'; }
     for n in ${WORLDS:-2 4}; do
         r=$((n - 1)) W="$D/ddp$n"
         timeout 200 prism run --world "$n" --layout tp=1,pp=1 --devices cuda:0,1 --sandbox $r --out "$W" --force -- $P $A \
@@ -434,7 +432,7 @@ issue-ab)
                 e="$D/emu$n-t$v-$round"
                 PRISM_ISSUE_THREAD=$v timeout 120 prism emulate --graph "$W/cal/graph" --sandbox $r --devices cuda:0,1 \
                     --out "$e" --force -- $P $A >"$e.log" 2>&1
-                echo "N=$n issue thread $v round $round: emulated $(median "$e.log") ms, host wait $(hostwait "$e.log") %"
+                echo "N=$n issue thread $v round $round: emulated $(median "$e.log") ms, host wait $(median "$e.log" 'host wait') %"
                 python3 -c "import json, sys; res = json.load(open(sys.argv[1]))['sandbox_results'][sys.argv[2]]; \
 print('   ', ' | '.join(f'{k} {w / c / 1e3:.0f}/{u / c / 1e3:.0f} us' for k, (c, w, u) in sorted(res.get('emulation_host_parts', {}).items())))" \
                     "$e/emulate.json" "$r" 2>&1 | tail -1
@@ -442,7 +440,7 @@ print('   ', ' | '.join(f'{k} {w / c / 1e3:.0f}/{u / c / 1e3:.0f} us' for k, (c,
         done
         for i in 1 2; do
             timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node "$n" $P $A >"$D/real$n-$i.log" 2>&1
-            echo "N=$n real $i: $(median "$D/real$n-$i.log") ms, host wait $(hostwait "$D/real$n-$i.log") %"
+            echo "N=$n real $i: $(median "$D/real$n-$i.log") ms, host wait $(median "$D/real$n-$i.log" 'host wait') %"
         done
     done
     tar czf "$OUT/issue-ab.tgz" "$D"/*.log "$D"/emu*/emulate.json "$D"/ddp*/cal/summary.json "$D"/ddp*/logs 2>/dev/null ;;
