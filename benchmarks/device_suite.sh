@@ -45,6 +45,7 @@
 #              ROUNDS (3) times on one calibrated graph, for the suite's DDP job at N = 2 and 4 (WORLDS) from two GPUs,
 #              with the real job twice each; the layer's host time by part and the host wait of each; first the
 #              issue thread's GPU tests (a pruned NCCL call, the TP2 and DP2 emulations' values; TESTS=0: none); ~9 min
+#   lane-ab    as issue-ab with the native lane on and off (PRISM_NATIVE_LANE=1 / 0), its GPU tests with the lane on
 #   prune-all  pruned latency of every collective kind and send/recv against real 2- and 4-GPU runs (four GPUs),
 #              64 KB - 8 GB (issue 36); writes $OUT/pruning_latency_<gpu>x4.json; ~5 min
 #   fidelity-gpu [CASES]  the GPU fidelity suite (benchmarks/fidelity_gpu.py) for DEADLINE s (540); resumes
@@ -63,7 +64,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -417,10 +418,12 @@ hostcost)
         grep -h "^ISSUE" "$D/real${n}c.log" "$D/emu${n}c1.log" "$D/emu${n}c0.log"
     done
     tar czf "$OUT/hostcost.tgz" "$D" ;;  # (files back from $OUT: at most 8)
-issue-ab)
-    D=out/issue-ab
+issue-ab|lane-ab)
+    D=out/$PART
     mkdir -p "$D"
-    [ "${TESTS:-1}" = 1 ] && { timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pruned_nccl_gpu.py \
+    # the setting switched: the issue thread, or the native lane (whose GPU tests then run with it on)
+    V=PRISM_ISSUE_THREAD; [ "$PART" = lane-ab ] && V=PRISM_NATIVE_LANE
+    [ "${TESTS:-1}" = 1 ] && { env "$V=1" timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pruned_nccl_gpu.py \
         tests/test_emulate_gpu.py -k "nccl or tp2 or dp2_distopt" >"$D/pytest.log" 2>&1
         echo "GPU tests: $(tail -1 "$D/pytest.log")"; grep -h "^E " "$D/pytest.log" | head -5; }
     for n in ${WORLDS:-2 4}; do
@@ -430,12 +433,12 @@ issue-ab)
         for round in $(seq "${ROUNDS:-3}"); do
             for v in 1 0; do
                 e="$D/emu$n-t$v-$round"
-                PRISM_ISSUE_THREAD=$v timeout 120 prism emulate --graph "$W/cal/graph" --sandbox $r --devices cuda:0,1 \
+                env "$V=$v" timeout 120 prism emulate --graph "$W/cal/graph" --sandbox $r --devices cuda:0,1 \
                     --out "$e" --force -- $P $A >"$e.log" 2>&1
-                echo "N=$n issue thread $v round $round: emulated $(median "$e.log") ms, host wait $(median "$e.log" 'host wait') %"
+                echo "N=$n $V=$v round $round: emulated $(median "$e.log") ms, host wait $(median "$e.log" 'host wait') %"
                 python3 -c "import json, sys; res = json.load(open(sys.argv[1]))['sandbox_results'][sys.argv[2]]; \
-print('   ', ' | '.join(f'{k} {w / c / 1e3:.0f}/{u / c / 1e3:.0f} us' for k, (c, w, u) in sorted(res.get('emulation_host_parts', {}).items())))" \
-                    "$e/emulate.json" "$r" 2>&1 | tail -1
+print('   ', ' | '.join(f'{k} {w / c / 1e3:.0f}/{u / c / 1e3:.0f} us' for k, (c, w, u) in sorted(res.get('emulation_host_parts', {}).items())), \
+res.get('emulation_native_lane') or '')" "$e/emulate.json" "$r" 2>&1 | tail -1
             done
         done
         for i in 1 2; do
@@ -443,7 +446,7 @@ print('   ', ' | '.join(f'{k} {w / c / 1e3:.0f}/{u / c / 1e3:.0f} us' for k, (c,
             echo "N=$n real $i: $(median "$D/real$n-$i.log") ms, host wait $(median "$D/real$n-$i.log" 'host wait') %"
         done
     done
-    tar czf "$OUT/issue-ab.tgz" "$D"/*.log "$D"/emu*/emulate.json "$D"/ddp*/cal/summary.json "$D"/ddp*/logs 2>/dev/null ;;
+    tar czf "$OUT/$PART.tgz" "$D"/*.log "$D"/emu*/emulate.json "$D"/ddp*/cal/summary.json "$D"/ddp*/logs 2>/dev/null ;;
 prune-all)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'H' 'h')
     timeout "${PRUNE_TIMEOUT:-580}" python3 benchmarks/pruning_latency.py --devices cuda --worlds 2,4 --rounds "${ROUNDS:-1}" \

@@ -347,6 +347,8 @@ class Suite:
         print(f"[{c.name}] prism run ...", flush=True)
         t0 = time.monotonic()
         env = {**NVLS_OFF, **({"PRISM_ISSUE_THREAD": "0"} if self.a.no_issue_thread else {})}
+        if self.a.native_lane:
+            env["PRISM_NATIVE_LANE"] = "1"
         rc, text, _ = run_streamed(cmd, env, self.a.timeout * 3, self.work(c) / "prism.log")
         wall = time.monotonic() - t0
         self._observed("prism", wall + 10)
@@ -355,6 +357,7 @@ class Suite:
             "wall_s": round(wall, 1),
             "lease": LEASE,
             "issue_thread": not self.a.no_issue_thread,
+            "native_lane": self.a.native_lane,
             "head_start": self.a.head_start,
             "host": self.doc["machine"].get("host"),  # the machine itself: leases of one kind differ by it
         }
@@ -579,6 +582,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="prism runs with PRISM_ISSUE_THREAD=0 (the sandbox's async pruned calls issued on the program's thread, "
         "not the issue thread's); rows say so (prism.issue_thread)",
+    )
+    ap.add_argument(
+        "--native-lane",
+        action="store_true",
+        help="prism runs with PRISM_NATIVE_LANE=1 (the emulated sandbox's pruned calls through the native lane); "
+        "rows say so (prism.native_lane)",
     )
     ap.add_argument(
         "--head-start",

@@ -231,6 +231,9 @@ USER_SETTINGS: dict[str, str] = {
     "collective (default 120)",
     "PRISM_ISSUE_THREAD": "1 (the default): a GPU sandbox plans and issues its asynchronous pruned calls on a thread "
     "of its own, off the program's (docs/internals/pruning.md); 0: on the program's thread; all: a CPU sandbox's too",
+    "PRISM_NATIVE_LANE": "1: an emulated sandbox rank records natively and issues its pruned calls through the "
+    "native lane, with no Python on the way once a call's signature was seen (docs/internals/pruning.md); "
+    "0 (the default): the Python path",
     "PRISM_RDZV_TOKEN": "the token every host of a multi-host emulation shares (`prism emulate --rdzv-endpoint`), "
     "where no --rdzv-token-file is given",
     "PRISM_HOST_COMPLETION": "'wait' makes the Python recorder read a CPU call's completion at its "

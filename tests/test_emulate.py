@@ -300,6 +300,35 @@ def test_the_issue_thread_keeps_every_value_and_the_order(layout, tmp_path, gpt3
     assert info["sandbox_results"]["1"]["emulation_calls_off_thread"] > 0
 
 
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_distopt"])
+def test_the_native_lane_keeps_every_value(layout, tmp_path, gpt3d_recording, monkeypatch):
+    """PRISM_NATIVE_LANE=1: the sandbox records natively and its pruned groups run the native
+    lane (prismllm/comm/native/pruned_lane.h): the same losses as the real run, the calls after
+    the first of each signature issued from a template with no Python on the way, the others by
+    the Python backend; the emulated rank's graph has every call of the recorded one."""
+    graph, real = shared_record(gpt3d_recording, layout)
+    monkeypatch.setenv("PRISM_NATIVE_LANE", "1")
+    out = tmp_path / "emu"
+    log = out.with_suffix(".json")
+    res = emulate(
+        EmulateOptions(
+            graph=graph, sandbox="1", out=out, script=GPT3D,
+            args=[*LAYOUTS[layout], *SIZES, "--json-log", str(log)], timeout=120, sink=lambda *a: None,
+        )
+    )  # fmt: skip
+    assert_all_ended(res.launch.pids.values())
+    assert_same_losses(real, json.loads(log.read_text()))
+    lane = json.loads((out / "emulate.json").read_text())["sandbox_results"]["1"]["emulation_native_lane"]
+    assert lane["fast"] > 0 and lane["python"] > 0, lane
+    from prismllm.trace import PrismTrace
+    from prismllm.trace.ranklog import ranklog_path, read_ranklog
+
+    rows = PrismTrace.load(graph).nodes.select(["rank", "kind", "op", "in_bytes", "out_bytes"]).to_pylist()
+    recorded = [(r["op"], r["in_bytes"], r["out_bytes"]) for r in rows if r["rank"] == 1 and r["kind"] == "comm"]
+    emulated = read_ranklog(ranklog_path(out / "ranklogs", 1)).nodes
+    assert [(r["op"], r["in_bytes"], r["out_bytes"]) for r in emulated if r["kind"] == "comm"] == recorded
+
+
 @pytest.mark.slow
 def test_n4_two_sandbox_ranks(tmp_path, gpt3d_recording):
     """TP2 x DP2 at N = 4 with two sandbox processes: {2, 3} holds a whole TP group (a real

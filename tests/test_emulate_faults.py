@@ -312,6 +312,24 @@ def test_program_that_deviates_from_its_graph_is_one_clear_error(setup, tmp_path
     assert_all_ended(all_pids(out))
 
 
+def test_a_call_beyond_the_graph_on_the_native_lane_is_one_clear_error(setup, tmp_path):
+    """The native lane checks each call against the graph before issuing it from a template:
+    one iteration more than the graph has, whose calls all have templates by then, stops at the
+    first call past the graph's last with the graph check's line, not in a mismatched small call."""
+    graph, _ = setup
+    args = list(SIZES)
+    args[args.index("--iters") + 1] = str(int(args[args.index("--iters") + 1]) + 1)
+    out = tmp_path / "beyond"
+    cmd = [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", "120",
+           "--", GPT3D, *LAYOUTS["tp2"], *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRISM_PROGRAM_CHECK": "off", "PRISM_NATIVE_LANE": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert p.returncode != 0
+    line = verdict(p.stderr)
+    assert "rank 1 deviates from its graph at " in line and "has no more collectives" in line, line
+    assert_all_ended(all_pids(out))
+
+
 def test_a_stalled_run_says_where_each_process_stood(setup, tmp_path):
     """The sandbox rank stops after its first iteration (it sleeps in its optimizer step), so the
     assistant waits for it forever: the timeout ends the run, and the message says where each

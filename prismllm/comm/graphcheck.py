@@ -174,6 +174,25 @@ class GraphExpectation:
             graph_call += f" from root {g_peer}"
         raise self._deviation(f"{where}: the program issued {issued}, the graph has {graph_call} ({context})")
 
+    def collectives(self, group_name: str, ops: list[str]) -> list[tuple[int, int, int, int]]:
+        """The rank's collectives on ``group_name`` by seq, as the native lane checks them
+        (``prismllm/comm/native/pruned_lane.h``): (index of the op in ``ops``, bytes in, bytes
+        out, root or -1); a seq the graph does not have, or an op not in ``ops``, is (-1, 0, 0,
+        -1), which no call matches (the Python check then names the deviation)."""
+        grp = self._groups.get(group_name)
+        span = self._spans.get((grp[0], 0, -1)) if grp is not None else None
+        if span is None:
+            return []
+        s, e = span
+        code = {op: i for i, op in enumerate(ops)}
+        table = [(-1, 0, 0, -1)] * (int(self._seq[e - 1]) + 1 if e > s else 0)
+        for j in range(s, e):
+            i = int(self._order[j])
+            op = str(self._op[i])
+            root = int(self._peer[i]) if op in _ROOTED else -1
+            table[int(self._seq[j])] = (code.get(op, -1), int(self._in[i]), int(self._out[i]), root)
+        return table
+
     @staticmethod
     def _at(op: str, seq: int, code: int, peer: int) -> str:
         return f"{op} #{seq}" + (f" {'to' if op == 'send' else 'from'} rank {peer}" if code else "")

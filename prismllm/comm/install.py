@@ -61,7 +61,7 @@ _ORIG: dict[str, Any] = {}
 _PENDING: list[dict[str, Any]] = []  # creation context of the helper call in flight
 _REC: Recorder | None = None
 _MODE = ""
-_NATIVE: Any = None  # prismllm.comm.native's module when it records (record mode)
+_NATIVE: Any = None  # prismllm.comm.native's module when it records (record mode; emulate's native lane)
 _NATIVE_GROUPS: set[str] = set()  # names of the groups it records
 
 
@@ -69,6 +69,22 @@ def native_wanted(mode: str, child: ChildEnv) -> bool:
     """Whether this process records through the native backend: record mode when the parent
     said so (ChildEnv.native), unless tensors are saved (the Python path's hooks do that)."""
     return mode == "record" and bool(child.native) and not child.save_tensors
+
+
+def _record_natively() -> None:
+    """Every group this process makes records through the native backend."""
+    global _NATIVE
+    # imported here: it loads (and may first build) a C++ extension, which a run that records
+    # through the Python path never needs
+    from prismllm.comm import native
+    from prismllm.comm.native.replay import NativeSession
+
+    _NATIVE = native.load()
+    _REC.native = NativeSession(_NATIVE)
+    for name in ("send", "recv"):
+        _ORIG[name] = getattr(c10d, name)
+        setattr(c10d, name, _sync_p2p(_ORIG[name]))
+        setattr(dist, name, getattr(c10d, name))
 
 
 def installed() -> bool:
@@ -100,23 +116,14 @@ def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder 
         saving.setup(rank, child)
     elif mode == "emulate":
         sandbox.prepare(rank, child)
+        if sandbox.lane() is not None:
+            _record_natively()
     else:
         saving.setup(rank, child)
         if child.spool:
             solo_objects.keep_sent_messages(child.spool)
         if native_wanted(mode, child):
-            global _NATIVE
-            # imported here: it loads (and may first build) a C++ extension, which a run that
-            # records through the Python path never needs
-            from prismllm.comm import native
-            from prismllm.comm.native.replay import NativeSession
-
-            _NATIVE = native.load()
-            _REC.native = NativeSession(_NATIVE)
-            for name in ("send", "recv"):
-                _ORIG[name] = getattr(c10d, name)
-                setattr(c10d, name, _sync_p2p(_ORIG[name]))
-                setattr(dist, name, getattr(c10d, name))
+            _record_natively()
 
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _create_pg, extended_api=True, devices=["cpu", "cuda"])
@@ -286,10 +293,12 @@ def _create_pg(dist_opts, backend_options):
             pg._inner = saving.SavingInner(pg._inner, pg)
             pg._on_wait_hook = saving.on_wait
         return pg
+    lane = None  # the native lane's backend of a group with virtual members
     if _MODE == "emulate":  # a group with virtual members; all real: the real backend below
         pg = sandbox.create_pg(dist_opts, ctx, rec, _BTYPE)
-        if pg is not None:
+        if pg is not None and _NATIVE is None:
             return pg
+        lane = pg
     devmap: dict[str, str] = ctx["devmap"]
     prefix_store = dist_opts.store.underlying_store  # creator gets "<group>/cpu/"
     rank, size = dist_opts.group_rank, dist_opts.group_size
@@ -300,7 +309,10 @@ def _create_pg(dist_opts, backend_options):
 
     created: list[tuple[str, str, Any]] = []  # (device, backend name, backend object)
     names = list(devmap.values())
-    if len(set(names)) == 1:
+    if lane is not None:
+        created = [(d, name, lane) for d, name in devmap.items()]
+        group_name = lane.backend.group_name  # the graph's name of the group (sandbox.create_pg)
+    elif len(set(names)) == 1:
         dev0 = next(iter(devmap))
         st = _C.PrefixStore(f"{dev0}/", prefix_store)
         be = _make_backend(names[0], st, rank, size, timeout, group_name, granks, options, None)
@@ -543,6 +555,7 @@ def collect(rec: Recorder) -> RankLog:
         emulation_host_parts=rec.emulation_host_parts,
         transfer_durations=rec.transfer_durations() if rec.cuda else {},
         head_start=rec.head_start_counts() if rec.head_start else {},
+        native_lane=dict(sandbox.lane().lane_stats()) if sandbox.lane() is not None else {},
     )
 
 

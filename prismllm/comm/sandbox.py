@@ -64,6 +64,7 @@ from prismllm import pruning as C
 from prismllm.childenv import ChildEnv, user_setting, variable
 from prismllm.comm import scratch, solo, solo_objects
 from prismllm.comm.graphcheck import GraphExpectation
+from prismllm.comm.native.replay import red_name
 from prismllm.comm.recording import RecordingProcessGroup
 from prismllm.errors import PrismError
 from prismllm.generate.generator import Call
@@ -86,6 +87,7 @@ _LIKE_ME = False
 _ISSUE: IssueThread | None = None  # asynchronous pruned calls issued off the program's thread (PRISM_ISSUE_THREAD)
 # the issue thread serves CUDA calls; PRISM_ISSUE_THREAD=all gloo's too (the CPU tests of its order)
 _ISSUE_ON_CPU = False
+_LANE: Any = None  # the native module, when the pruned groups run through its lane (native_lane)
 
 
 def _close_small_groups() -> None:
@@ -135,12 +137,35 @@ def prepare(rank: int, child: ChildEnv) -> None:
         messages = solo_objects.CapturedMessages.of_graph(child.graph)
         if messages is not None:
             _receive_captured_objects(messages)
+    if native_lane(child):
+        from prismllm.comm import native  # builds the C++ extension the first time
+
+        global _LANE
+        _LANE = native.load()
+        return  # calls issue on the program's thread, with no Python on the way: no issue thread
     issue = user_setting("PRISM_ISSUE_THREAD", "1")
     if issue not in ("0", "1", "all"):
         raise PrismError(
             f"PRISM_ISSUE_THREAD={issue!r}: 1 (the default), 0 (calls issued on the program's thread) or all"
         )
     _ISSUE, _ISSUE_ON_CPU = (IssueThread(), issue == "all") if issue != "0" else (None, False)
+
+
+def native_lane(child: ChildEnv) -> bool:
+    """Whether this sandbox rank's groups record natively and its pruned groups run the native
+    lane (``PRISM_NATIVE_LANE=1``; ``prismllm/comm/native/pruned_lane.h``): a call whose small
+    call has a template goes from the program to the small communicator with no Python on the way.
+    Not with the output check (its comparisons are Python's) nor with a head start (``prism time``'s
+    slices: the Python recorder gives it)."""
+    setting = user_setting("PRISM_NATIVE_LANE", "0")
+    if setting not in ("0", "1"):
+        raise PrismError(f"PRISM_NATIVE_LANE={setting!r}: 0 (the default: the Python path) or 1 (the native lane)")
+    return setting == "1" and not child.check_tensors and not child.head_start
+
+
+def lane() -> Any:
+    """The native module when the native lane runs (:func:`native_lane`), else None."""
+    return _LANE
 
 
 def _receive_captured_objects(messages: solo_objects.CapturedMessages) -> None:
@@ -301,7 +326,8 @@ def _store() -> Any:
 # ---- group creation -------------------------------------------------------------------------
 def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
     """The "prism" creator's emulate branch. None: every member is real (the caller builds the
-    real backend as in record mode); else a RecordingProcessGroup over a PrunedBackend."""
+    real backend as in record mode); else a RecordingProcessGroup over a PrunedBackend, or with
+    the native lane the PrunedLane over it (the caller makes the native group around it)."""
     devmap: dict[str, str] = ctx["devmap"]
     kinds = set(devmap.values())
     if not kinds <= {"gloo", "nccl"}:
@@ -329,6 +355,9 @@ def create_pg(dist_opts, ctx: dict, rec, btypes: dict):
 
     inner = PrunedBackend(rank, size, granks, devmap, group_name, pruned, make_small, backend)
     _BACKENDS.append(inner)
+    if _LANE is not None:  # the caller registers it under a native recording backend
+        table = _EXPECT.collectives(group_name, list(_LANE.OPS)) if _EXPECT is not None else []
+        return _LANE.PrunedLane(rank, size, inner, backend, backend == "nccl", _EXPECT is not None, table)
     pg = RecordingProcessGroup(
         dist_opts.store.underlying_store, rank, size, inner, group_name, granks, ctx["backend"], rec, split=_no_split
     )
@@ -612,6 +641,9 @@ class PrunedBackend(solo.GeneratedBackend):
         # nccl: the open batch's calls, issued together by _end_coalescing
         self._nccl_batch: list[tuple[list, list, list]] | None = None
         self._expected: dict[int, collections.deque] = {}  # peer -> payloads its next receives take
+        # the native lane's call in progress (native_call): its rows, and the small calls planned
+        self._native_rows: list[tuple] | None = None
+        self._planned: list[C.SmallCall] | None = None
 
     def supports_coalescing(self, device) -> bool:
         # as the real backend: NCCL batches (one NCCL group), gloo posts ops one by one
@@ -622,12 +654,21 @@ class PrunedBackend(solo.GeneratedBackend):
         assistant serves what the graph says, so a program that deviates from it must stop
         here with one message, not hang in a mismatched small call."""
         t0 = stamp()
-        c = super()._call(op_rows, k, **kw)
-        if _EXPECT is not None:
+        if self._native_rows is not None:  # the native lane's call: its rows come from the native log
+            op, api, seq, red, factor, in_bytes, out_bytes = self._native_rows[k]
+            c = Call(
+                rank=self.global_ranks[self._rank], op=op, api=api, group_ranks=tuple(self.global_ranks),
+                group_desc="", group_name=self.group_name, group_rank=self._rank, index=seq,
+                reduce_op=red_name(red, factor), **kw,
+            )  # fmt: skip
+        else:
+            c = super()._call(op_rows, k, **kw)
             rec = self.owner._rec
             j = len(rec.m_op) - op_rows + k
+            in_bytes, out_bytes = rec.m_in[j], rec.m_out[j]
+        if _EXPECT is not None:
             _EXPECT.check(
-                c.group_name, c.op, c.index, rec.m_in[j], rec.m_out[j], c.peer if c.op in ("send", "recv") else c.root
+                c.group_name, c.op, c.index, in_bytes, out_bytes, c.peer if c.op in ("send", "recv") else c.root
             )
         self._leave_out(t0, "check")
         return c
@@ -641,6 +682,8 @@ class PrunedBackend(solo.GeneratedBackend):
         the device clock does not see host work while the host runs ahead, so nothing is left out;
         the time is still counted (``Recorder.emulation_host_ns``): a host-bound rank's device
         waits for it."""
+        if self.owner is None:  # the native lane: the native recorder, which counts the lane's time
+            return
         ns = time.perf_counter_ns() - t0[0]
         rec = self.owner._rec
         rec.count_layer_time(part, ns, time.thread_time_ns() - t0[1])
@@ -770,6 +813,7 @@ class PrunedBackend(solo.GeneratedBackend):
                 return self._run_later(calls, outs, tag, t0)
             _ISSUE.drain()
         smalls, checks = self._plans(calls, tag)
+        self._planned = smalls
         if self._nccl_batch is not None:
             self._nccl_batch.append((smalls, solo._flat(outs), checks))
             return None
@@ -819,6 +863,27 @@ class PrunedBackend(solo.GeneratedBackend):
         self._leave_out(t0, "hand-off")
         return w
 
+    def native_call(self, method: str, rows: list[tuple], *args: Any) -> tuple:
+        """A call the native lane hands over (``prismllm/comm/native/pruned_lane.h``): ``method``
+        of this backend with the program's arguments, ``rows`` the call's rows in the native log
+        (op, api, seq, reduce op code, factor, bytes in, bytes out). Returns the Work, and where
+        the call's one small call can be issued again from the program's tensors alone, its
+        template (``pruning.lane_template``) and the small group (a backend) that issues it."""
+        self._native_rows, self._planned = rows, None
+        try:
+            work = getattr(self, method)(*args)
+        finally:
+            self._native_rows = None
+        smalls, self._planned = self._planned, None
+        program = _LANE_TENSORS.get(method)
+        if program is None or not smalls or len(smalls) != 1 or self._nccl_batch is not None:
+            return work, None, None
+        tensors = program(args)
+        template = C.lane_template(smalls[0], tensors)
+        if template is None:
+            return work, None, None
+        return work, template, self.small()
+
     # -- calls GeneratedBackend answers without a Call, or without the tag --
     def barrier(self, opts=None):
         self._hold_barrier_tensor(opts)
@@ -853,7 +918,7 @@ class PrunedBackend(solo.GeneratedBackend):
 
     def recv_anysource(self, tensors, tag=0):
         raise _unsupported(
-            self.owner, "recv from any source (src=None)", "the sender of each receive must be known to replay it; "
+            self, "recv from any source (src=None)", "the sender of each receive must be known to replay it; "
             "name the source rank (dist.recv(tensor, src=...))"
         )  # fmt: skip
 
@@ -895,7 +960,7 @@ class PrunedBackend(solo.GeneratedBackend):
                 pass
 
     def split_group(self, *a, **k):  # the RecordingProcessGroup splits (_no_split), never its inner
-        raise _unsupported(self.owner, "split_group", _SPLIT_FIX)
+        raise _unsupported(self, "split_group", _SPLIT_FIX)
 
 
 def _overwrite_after(small: C.SmallCall, tensor: torch.Tensor, payload: torch.Tensor) -> None:
@@ -920,13 +985,23 @@ _SPLIT_FIX = "create the subgroup with dist.new_group(ranks) (DeviceMesh: withou
 
 def _no_split(parent, *a, **k):
     """``split_group`` of a group with virtual members."""
-    raise _unsupported(parent, "split_group", _SPLIT_FIX)
+    raise _unsupported(parent._inner, "split_group", _SPLIT_FIX)
 
 
-def _unsupported(pg, what: str, fix: str) -> EmulateError:
+def _unsupported(backend: PrunedBackend, what: str, fix: str) -> EmulateError:
     """One line naming the sandbox rank, the call and the group that emulation cannot run."""
-    where = f"rank {pg._rec.rank}: {what} on group {pg._prism_group_name} (ranks {format_ranks(pg._global_ranks)})"
+    ranks = backend.global_ranks
+    where = f"rank {ranks[backend._rank]}: {what} on group {backend.group_name} (ranks {format_ranks(ranks)})"
     return EmulateError(f"{where} is not supported in emulation: {fix}")
+
+
+# The program's tensors of a call the native lane can issue from a template, in the lane's order.
+_LANE_TENSORS: dict[str, Callable[[tuple], list[torch.Tensor]]] = {
+    "allreduce": lambda a: list(a[0]),
+    "broadcast": lambda a: list(a[0]),
+    "_allgather_base": lambda a: [a[0], a[1]],
+    "_reduce_scatter_base": lambda a: [a[0], a[1]],
+}
 
 
 __all__ = ["OutputCheck", "PrunedBackend", "PrunedWork", "EmulateError", "create_pg", "prepare"]

@@ -346,6 +346,7 @@ def measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
             "emulation_scratch_bytes": int(log.scratch_bytes),
             "emulation_calls_off_thread": int(log.calls_off_thread),
             "emulation_host_parts": log.emulation_host_parts,
+            "emulation_native_lane": log.native_lane,
             "transfer_durations": log.transfer_durations,
             "head_start": log.head_start,
         }

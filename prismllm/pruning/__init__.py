@@ -38,7 +38,7 @@ the two agree (to an element); see each plan for the rest.
 """
 
 from prismllm.pruning.calls import SmallCall, premul_factors, proxy_call, sandbox_call
-from prismllm.pruning.executor import issue, issue_batch, reference, run
+from prismllm.pruning.executor import issue, issue_batch, lane_template, reference, run
 from prismllm.pruning.generated import GeneratedBuffers, generated_proxy_call, identity
 from prismllm.pruning.groups import PRUNED_PREFIX, small_group
 from prismllm.pruning.plans import (
@@ -83,6 +83,7 @@ __all__ = [
     "identity",
     "issue",
     "issue_batch",
+    "lane_template",
     "plan",
     "plan_all_gather",
     "plan_all_reduce",

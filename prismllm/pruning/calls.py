@@ -349,10 +349,11 @@ def _sb_all_reduce(
         post = None
         if factors is None:  # else the factors do it inside the call
             pre_reduce(buf, p.reduce_op, p.factor)
+            if p.reduce_op == "avg" or scale != 1.0:  # else nothing to do after the call
 
-            def post() -> None:
-                post_reduce(t, p.reduce_op, p.group.n)
-                _scale(t, p, scale)
+                def post() -> None:
+                    post_reduce(t, p.reduce_op, p.group.n)
+                    _scale(t, p, scale)
 
         call = SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf, post=post)
         if p.pad:  # the padding apart, in the same batch: no copy of the program's tensor

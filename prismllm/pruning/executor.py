@@ -85,6 +85,54 @@ def issue(pg: Any, call: SmallCall) -> list:
     raise PruningError(f"cannot issue {op!r}")
 
 
+# the native lane's op codes (prismllm/comm/native/recording_backend.cpp, enum Op)
+_LANE_OPS = {"all_reduce": 0, "all_gather": 1, "reduce_scatter": 2, "broadcast": 4}
+
+
+def lane_template(call: SmallCall, program: Sequence[torch.Tensor]) -> tuple | None:
+    """What the native lane (``prismllm/comm/native/pruned_lane.h``) needs to issue ``call`` again
+    for another call of the same signature without Python, as :func:`issue` issues it: (op code,
+    reduce op code, pre-multiplied factor or NaN, small root, input role, output role, padding
+    tensor or None), a role being (index in ``program``, offset, numel) of a tensor that lies
+    inside one of the program's tensors (flattened). None when the call does more than that: a
+    step before or after it, scratch of its own, a tensor of neither kind."""
+    if call.op not in _LANE_OPS or call.post is not None or call.release is not None:
+        return None
+    parts = list(call.parts)
+    if parts and (call.op != "all_reduce" or len(parts) != 2):
+        return None
+    inp = parts[0] if parts else call.input
+    if inp is None or (call.op in ("all_reduce", "broadcast") and call.output is not None and call.output is not inp
+                       and call.output.data_ptr() != inp.data_ptr()):  # fmt: skip
+        return None
+    in_role = _role(inp, program)
+    out_role = _role(call.output, program) if call.op in ("all_gather", "reduce_scatter") else None
+    if in_role is None or (call.op in ("all_gather", "reduce_scatter") and out_role is None):
+        return None
+    red = -1
+    factor = float("nan")
+    if call.op in ("all_reduce", "reduce_scatter"):
+        if call.reduce_op == "premul_sum":
+            red, factor = int(dist.ReduceOp.RedOpType.PREMUL_SUM.value), float(call.factor)
+        else:
+            red = int(getattr(dist.ReduceOp.RedOpType, _TORCH_REDOP[call.reduce_op]).value)
+    return (_LANE_OPS[call.op], red, factor, int(call.root), in_role, out_role, parts[1] if parts else None)
+
+
+def _role(t: torch.Tensor | None, program: Sequence[torch.Tensor]) -> tuple[int, int, int] | None:
+    """Where ``t`` lies in the program's tensors: (index, offset, numel), or None."""
+    if t is None or not t.is_contiguous():
+        return None
+    size = t.element_size()
+    for i, p in enumerate(program):
+        if p.dtype != t.dtype or p.device != t.device or not p.is_contiguous():
+            continue
+        start = t.data_ptr() - p.data_ptr()
+        if 0 <= start and start % size == 0 and start + t.numel() * size <= p.numel() * size:
+            return i, start // size, t.numel()
+    return None
+
+
 def _nccl(pg: Any) -> bool:
     return type(pg).__name__ == "ProcessGroupNCCL"
 

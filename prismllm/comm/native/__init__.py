@@ -1,4 +1,4 @@
-"""The native recording backend (``recording_backend.cpp``), built on first use.
+"""The native backends (``recording_backend.cpp``, with the pruned groups' lane of ``pruned_lane.h``), built on first use.
 
 ``load()`` compiles the extension with ``torch.utils.cpp_extension`` (a C++ compiler is
 needed; ~20-40 s once per torch version and source, cached under ``$PRISM_NATIVE_CACHE`` or
@@ -35,6 +35,7 @@ from prismllm.childenv import user_setting
 
 _MOD: ModuleType | None = None
 _SRC = Path(__file__).with_name("recording_backend.cpp")
+_HEADERS = (Path(__file__).with_name("pruned_lane.h"),)  # included by _SRC
 
 
 def build_directory(tag: str) -> Path:
@@ -47,7 +48,7 @@ def build_directory(tag: str) -> Path:
 
 def _tag() -> str:
 
-    digest = hashlib.sha256(_SRC.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (_SRC, *_HEADERS))).hexdigest()[:12]
     return "prism_native_" + torch.__version__.replace(".", "_").replace("+", "_") + "_" + digest
 
 
@@ -142,8 +143,9 @@ def load() -> ModuleType:
             directory.mkdir(parents=True, exist_ok=True)
             with _build_lock(directory):
                 src = directory / _SRC.name  # the digest names the directory: same content, same path
-                if not src.exists():
-                    shutil.copyfile(_SRC, src)
+                for f in (*_HEADERS, _SRC):  # the source last: its presence says the copy is whole
+                    if not (directory / f.name).exists():
+                        shutil.copyfile(f, directory / f.name)
                 _MOD = build(
                     name=tag,
                     sources=[str(src)],

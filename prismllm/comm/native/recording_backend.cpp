@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <atomic>
+#include <map>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -634,6 +635,8 @@ class RecordedWork : public Work {
 };
 
 
+#include "pruned_lane.h"
+
 template <typename T, typename = void>
 struct has_async_op : std::false_type {};
 template <typename T>
@@ -912,6 +915,7 @@ class RecordingBackend : public Backend {
     intrusive_ptr<Work> w;
     int64_t t1 = steady_ns();
     try {
+      ScopedCallRows rows(row0, static_cast<int32_t>(specs.size()));  // what a PrunedLane reads
       w = fn();
     } catch (...) {  // a backend that raises leaves no trace of the call
       std::lock_guard<std::mutex> g(log.mu);
@@ -963,6 +967,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("inner", &RecordingBackend::inner)
       .def_readonly("gid", &RecordingBackend::gid_)
       .def_readonly("global_ranks", &RecordingBackend::granks_);
+  py::class_<PrunedLane, c10d::Backend, c10::intrusive_ptr<PrunedLane>>(m, "PrunedLane")
+      .def(py::init([](int rank, int size, py::object backend, std::string name, bool coalescing, bool check,
+                       const std::vector<std::tuple<int16_t, int64_t, int64_t, int32_t>>& expected) {
+        std::vector<PrunedLane::Expected> ex;
+        ex.reserve(expected.size());
+        for (auto& [op, inb, outb, root] : expected) ex.push_back({op, inb, outb, root});
+        return c10::make_intrusive<PrunedLane>(rank, size, std::move(backend), std::move(name), coalescing,
+                                               check, std::move(ex));
+      }))
+      .def_property_readonly("backend", &PrunedLane::backend);
+  m.def("lane_stats", [] {
+    auto& s = PrunedLane::stats();
+    py::dict d;
+    d["fast"] = s.fast; d["fast_ns"] = s.fast_ns; d["python"] = s.python; d["python_ns"] = s.python_ns;
+    return d;
+  });
   m.def("set_cuda", [](bool on) { the_log().cuda_ = on; });
   m.def("start", [] {
     auto& log = the_log();
