@@ -77,7 +77,7 @@ def record(out: Path, layout: str) -> tuple[Path, list[dict]]:
     return out, json.loads(log.read_text())
 
 
-def run_emulation(graph: Path, out: Path, layout: str, sandbox: str):
+def run_emulation(graph: Path, out: Path, layout: str, sandbox: str, check: bool = True):
     log = out.with_suffix(".json")
     res = emulate(
         EmulateOptions(
@@ -88,7 +88,7 @@ def run_emulation(graph: Path, out: Path, layout: str, sandbox: str):
             devices=EMU_DEVICES,
             args=[*LAYOUTS[layout], *SIZES, "--json-log", str(log)],
             timeout=200,
-            check=True,
+            check=check,
             sink=lambda *a: None,
         )
     )
@@ -112,6 +112,21 @@ def test_losses_and_pruned_outputs_equal_the_real_run(layout, tmp_path):
     res, _ = run_emulation(graph, tmp_path / "emu0", layout, "0")
     assert_check(res, 0, graph)
     assert_same_peak(res, 0, manifest)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "dp2_distopt"])
+def test_the_native_lane_keeps_losses_and_peak_memory(layout, tmp_path, monkeypatch):
+    """PRISM_NATIVE_LANE=1 on NCCL: the pruned calls after the first of each signature go through
+    the lane's templates (NCCL's pre-multiplied sum, the padding in the same batch), the losses
+    and the peak memory are the real run's (no output check: it runs the Python path)."""
+    graph, real = record(tmp_path / "real", layout)
+    manifest = json.loads((graph / "manifest.json").read_text())
+    monkeypatch.setenv("PRISM_NATIVE_LANE", "1")
+    res, emu = run_emulation(graph, tmp_path / "emu1", layout, "1", check=False)
+    assert_same_losses(real, emu)
+    assert_same_peak(res, 1, manifest)
+    lane = res.sandbox_results[1]["emulation_native_lane"]
+    assert lane["fast"] > 0, lane
 
 
 def assert_same_peak(res, rank: int, manifest: dict) -> None:

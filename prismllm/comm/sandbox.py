@@ -813,7 +813,8 @@ class PrunedBackend(solo.GeneratedBackend):
                 return self._run_later(calls, outs, tag, t0)
             _ISSUE.drain()
         smalls, checks = self._plans(calls, tag)
-        self._planned = smalls
+        if self._native_rows is not None:  # native_call reads them (and lets them go: they hold tensors)
+            self._planned = smalls
         if self._nccl_batch is not None:
             self._nccl_batch.append((smalls, solo._flat(outs), checks))
             return None
