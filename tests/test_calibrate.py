@@ -197,6 +197,10 @@ def test_hand_made_pipeline_bubble_and_critical_path():
         (0, 4, "transfer", "send", 10),
         (0, 3, "compute", "compute", 100),
     ]
+    # every iteration's path (the report offers each): iteration 0 runs the same chain from time 0
+    assert [x["iteration"] for x in s["critical_paths"]] == [0, 1] and s["critical_paths"][1] == cp
+    first = s["critical_paths"][0]
+    assert first["total_ns"] == 215 and [x["duration_ns"] for x in first["segments"]] == [5, 100, 10, 100]
 
 
 def test_synthetic_lockstep_graph_is_reproduced_exactly():

@@ -1,19 +1,25 @@
 """The report page (prismllm/report/html.py): (a) pure-Python checks of render_html -- nothing to
 fetch, the data blob round-trips, a hostile title cannot break out of its element; (b) the pages of
 the samples in tests/data/report/ opened in headless Chromium (Debian's /usr/bin/chromium driven
-by the ``playwright`` package): no script error, every chart drawn, hover and zoom work, the
-1024-rank page opens in under 2 s; a screenshot of each sample is saved (also to
-/tmp/report-screens/). The browser tests skip when Chromium or playwright is missing."""
+by the ``playwright`` package): no script error, every chart drawn, hover and zoom work, every
+download (SVG, PNG, CSV) gives a file of what is shown, the memory rank chooser and the iteration
+choice redraw, the 1024-rank page opens in under 2 s; a screenshot of each sample is saved (also
+to /tmp/report-screens/). The browser tests skip when Chromium or playwright is missing."""
 
 from __future__ import annotations
 
 import copy
+import csv
+import io
 import json
 import os
 import random
 import re
 import shutil
+import struct
 import time
+import xml.etree.ElementTree as ET
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -86,11 +92,11 @@ def make_large(sample: dict, tp: int = 8, pp: int = 8, dp: int = 16, spans_per_r
         "max": {"rank": m, "bytes": per[m], "where": f"pp {s} · tp {t} · dp {q}"},
         "grid": memory_grid(Layout(world=world, tp=tp, pp=pp), np.asarray(per, dtype=np.int64)),
     }
-    src = sample["timeline"]["ranks"]
-    end = sample["timeline"]["end_ns"]
+    src = sample["timeline"]["iterations"][0]["spans"]
+    end = sample["timeline"]["iterations"][0]["end_ns"]
     rows = []
     for s in range(pp):
-        base = src[s % len(src)]["spans"]
+        base = src[s % len(src)]
         reps = max(round(spans_per_rank / max(len(base), 1)), 1)
         spans = []
         for k in range(reps):
@@ -99,13 +105,19 @@ def make_large(sample: dict, tp: int = 8, pp: int = 8, dp: int = 16, spans_per_r
                 [ln, kind, (a + off) // reps, (e + off) // reps, name, crit if k == reps - 1 else 0]
                 for ln, kind, a, e, name, crit in base
             ]
-        rows.append({"rank": s * tp * dp, "label": f"pp {s} · tp 0 · dp 0", "spans": spans})
-    d["timeline"] = {"iteration": sample["timeline"]["iteration"], "begin_ns": 0, "end_ns": end, "ranks": rows}
+        rows.append(spans)
+    k = sample["timeline"]["iteration"]
+    d["timeline"] = {
+        "iteration": k,
+        "ranks": [{"rank": s * tp * dp, "label": f"pp {s} · tp 0 · dp 0"} for s in range(pp)],
+        "iterations": [{"iteration": k, "end_ns": end, "spans": rows}],
+    }
     d["critical_path"] = {
         **sample["critical_path"],
         "end_rank": world - 1,
         "ranks_visited": list(range(0, world, tp * dp // 2)),
     }
+    d["critical_paths"] = [d["critical_path"]]
     d["communicators"] = {
         "logical_groups": 1 + world // tp + world // dp + world // pp + 2 * tp * dp,
         "not_instantiated": 1100,
@@ -159,7 +171,7 @@ def make_sparse(sample: dict) -> dict:
     d = copy.deepcopy(sample)
     for k in ("breakdown", "bubble", "critical_path", "timeline", "communicators", "emulation", "reference", "layout"):
         d[k] = None
-    d["stages"] = []
+    d["stages"], d["critical_paths"] = [], []
     d["prediction"] = {"iteration_ns": None, "median_iteration": None, "steady_iterations": [], "iterations": []}
     return d
 
@@ -182,6 +194,40 @@ def before(sample: dict) -> dict:
     return d
 
 
+def with_iterations(sample: dict) -> dict:
+    """The sample with every iteration of its prediction to choose from, each made from the median
+    one's critical path and timeline scaled in time to that iteration's predicted time, and a
+    Perfetto trace beside it."""
+    d = copy.deepcopy(sample)
+    k = d["critical_path"]["iteration"]
+    times = {x["iteration"]: x["predicted_ns"] for x in d["prediction"]["iterations"]}
+    cp, tl = d["critical_path"], d["timeline"]["iterations"][0]
+    d["critical_paths"], d["timeline"]["iterations"] = [], []
+    for j in sorted(times):
+        f = times[j] / times[k]
+        d["critical_paths"].append(
+            {
+                **cp,
+                "iteration": j,
+                "total_ns": round(cp["total_ns"] * f),
+                "iteration_ns": round(cp["iteration_ns"] * f),
+                "by_kind": {what: round(ns * f) for what, ns in cp["by_kind"].items()},
+            }  # fmt: skip
+        )
+        d["timeline"]["iterations"].append(
+            {
+                "iteration": j,
+                "end_ns": round(tl["end_ns"] * f),
+                "spans": [
+                    [[ln, kind, round(a * f), round(b * f), name, c] for ln, kind, a, b, name, c in spans]
+                    for spans in tl["spans"]
+                ],
+            }  # fmt: skip
+        )
+    d["perfetto"] = [{"file": "cal/trace.pftrace", "href": "cal/trace.pftrace", "format": "protobuf", "bytes": 201728}]
+    return d
+
+
 def make_compared(a: dict, b: dict) -> dict:
     """Run ``a``'s page with run ``b`` beside it (``prism report A --compare B``)."""
     d = copy.deepcopy(a)
@@ -197,6 +243,7 @@ def samples() -> dict[str, dict]:
         "cpu-8ranks": cpu,
         "gpu-8ranks": gpu,
         "gpu-vs-cpu": make_compared(gpu, before(cpu)),
+        "gpu-iterations": with_iterations(gpu),
         "large-1024ranks": large,
         "large-no-layout": make_unlaid(large),
         "moe-skew": make_moe(cpu),
@@ -221,16 +268,22 @@ def test_large_sample_shape():
     assert d["world_size"] == 1024 and len(d["breakdown"]["span_ns"]) == 1024
     assert len(d["memory"]["per_rank"]) == 1024 and len(d["memory"]["grid"]["values"]) == 8
     assert all(len(row) == 8 for row in d["memory"]["grid"]["values"])
-    assert len(d["timeline"]["ranks"]) == 8
-    assert all(1900 <= len(r["spans"]) <= 2100 for r in d["timeline"]["ranks"])
+    assert len(d["timeline"]["ranks"]) == 8 and len(d["timeline"]["iterations"]) == 1
+    assert all(1900 <= len(spans) <= 2100 for spans in d["timeline"]["iterations"][0]["spans"])
 
 
 def test_nothing_to_fetch(pages):
-    for name, (_, page) in pages.items():
+    for name, (d, page) in pages.items():
         # the only address in the page is the SVG namespace (an identifier, never fetched)
         urls = set(re.findall(r"https?://[^\s\"'<>)]*", page, re.I))
         assert urls <= {"http://www.w3.org/2000/svg"}, (name, urls)
-        assert not re.search(r"\b(src|href)\s*=", page, re.I), name
+        # no element loads anything (the script makes its downloads from blob: and data: addresses, in the page)
+        markup = re.sub(r"<script\b.*?</script>", "", page, flags=re.S)
+        assert not re.search(r"\bsrc\s*=", markup, re.I), name
+        # a link only to a file of the run (the Perfetto trace), by a relative path, followed only when clicked
+        links = re.findall(r"\bhref\s*=\s*\"([^\"]*)\"", markup, re.I)
+        assert links == [t["href"] for t in d.get("perfetto") or []], (name, links)
+        assert all(":" not in h and not h.startswith("/") for h in links), links
         assert "@import" not in page, name
         for target in re.findall(r"url\(\s*['\"]?([^'\")]*)", page):
             assert target.startswith(("#", "data:")), (name, target)
@@ -247,10 +300,12 @@ def test_hostile_strings_stay_inside():
     d = load("cpu-8ranks")
     d["title"] = HOSTILE
     d["command"] = ["train.py", "--name", HOSTILE, "<!--", "&amp;"]
-    d["timeline"]["ranks"][0]["spans"][0][4] = HOSTILE
+    d["timeline"]["iterations"][0]["spans"][0][0][4] = HOSTILE
+    d["perfetto"] = [{"file": HOSTILE, "href": '"><script>', "format": "JSON", "bytes": 1}]
     page = render_html(d)
     assert "alert(1)</script>" not in page and "<script>alert" not in page
     assert page.count("<script") == 2 and page.count("</script>") == 2
+    assert 'href="&quot;&gt;&lt;script&gt;"' in page
     assert "<title>&lt;/script&gt;&lt;script&gt;alert(1)&lt;/script&gt;</title>" in page
     assert json.loads(blob(page)) == d
     assert "\u2028" not in json_for_script({"x": "a\u2028b"})
@@ -264,7 +319,7 @@ def test_sections_in_order(pages):
     assert ids == ["top", "where", "memory", "timeline", "emulation", "reference"]
     assert "reference" not in re.findall(r'<section id="([a-z-]+)"', pages["cpu-8ranks"][1])
     for _, html in pages.values():  # numbered from 1, with no gap where a section is left out
-        nums = [int(n) for n in re.findall(r'<h2><span class="num">(\d+)</span>', html)]
+        nums = [int(n) for n in re.findall(r"<h2[^>]*><span class=\"num\">(\d+)</span>", html)]
         assert nums == list(range(1, len(nums) + 1)), nums
 
 
@@ -374,7 +429,9 @@ class Opened:
         self.page.set_default_timeout(5000)
         self.page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
         self.page.on("console", lambda m: m.type == "error" and self.errors.append(f"console: {m.text}"))
-        self.page.on("request", lambda r: r.url.startswith(("file:", "data:", "about:")) or self.requests.append(r.url))
+        # blob: and data: are the page's own downloads and PNG drawing, made in it
+        local = ("file:", "data:", "about:", "blob:")
+        self.page.on("request", lambda r: r.url.startswith(local) or self.requests.append(r.url))
         t0 = time.perf_counter()
         self.page.goto(path.as_uri(), wait_until="load")
         # the first frame painted after the load event
@@ -404,7 +461,17 @@ def screenshot(o: Opened, name: str, tmp: Path, suffix: str = "") -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["cpu-8ranks", "gpu-8ranks", "gpu-vs-cpu", "large-1024ranks", "large-no-layout", "moe-skew", "sparse"]
+    "name",
+    [
+        "cpu-8ranks",
+        "gpu-8ranks",
+        "gpu-vs-cpu",
+        "gpu-iterations",
+        "large-1024ranks",
+        "large-no-layout",
+        "moe-skew",
+        "sparse",
+    ],
 )
 def test_page_draws(browser, files, pages, tmp_path, name):
     d = pages[name][0]
@@ -424,6 +491,7 @@ def test_page_draws(browser, files, pages, tmp_path, name):
             g = d["memory"]["grid"]["values"] if d["memory"]["grid"] else [d["memory"]["per_rank"]]
             assert o.count("#memory-chart rect.cell") == len(g) * len(g[0])
             assert o.count("#memory-chart .max-cell") == 1
+            assert o.count("#memory-ranks-chart path.mem-line") >= 1 and o.count("#memory-ranks-chart .mem-marker") == 1
         else:
             assert "not measured" in o.page.inner_text("#memory")
         if d["timeline"]:
@@ -437,6 +505,9 @@ def test_page_draws(browser, files, pages, tmp_path, name):
             assert o.count("#comm-chart svg rect") >= 2
         if d.get("compare"):
             assert o.count("#compare tbody tr") >= 10 and o.page.is_visible("#compare table")
+        # every heading of a chart drawn or a table has its downloads
+        heads = o.count("[data-dl]")
+        assert o.count("[data-dl] .dl") == heads and (heads > 2 or name == "sparse")
         screenshot(o, name, tmp_path)
         if name == "gpu-8ranks":  # how it prints: no controls, the charts redrawn to the page's width
             o.page.set_viewport_size({"width": 794, "height": 1123})  # A4 at 96 dpi
@@ -548,3 +619,172 @@ def test_large_page_opens_fast(browser, files):
         finally:
             o.close()
     assert max(times) < LOAD_LIMIT_S, times
+
+
+# ---------------------------------------------------------------------- downloads, choices
+def download(o: Opened, selector: str) -> tuple[str, bytes]:
+    """Click a download button: (the file's name, its bytes)."""
+    with o.page.expect_download() as dl:
+        o.page.click(selector)
+    return dl.value.suggested_filename, Path(dl.value.path()).read_bytes()
+
+
+def png_size_and_pixels(data: bytes) -> tuple[int, int, bytes]:
+    """A PNG's width, height and its image data, unpacked (filter bytes and pixels)."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:8]
+    width, height = struct.unpack(">II", data[16:24])
+    idat, at = b"", 8
+    while at < len(data):
+        n, kind = struct.unpack(">I4s", data[at : at + 8])
+        idat += data[at + 8 : at + 8 + n] if kind == b"IDAT" else b""
+        at += 12 + n
+    return width, height, zlib.decompress(idat)
+
+
+CHARTS = ("cp-chart", "breakdown-chart", "memory-chart", "memory-ranks-chart", "timeline-chart", "comm-chart")
+TABLES = ("stages-table", "emulation-table", "reference-table", "compare-table")
+
+
+def test_downloads_of_every_chart_and_table(browser, files, pages):
+    """Beside each heading of a chart, its picture as SVG (a file of its own: well-formed, every
+    element of the chart and its legend) and PNG (the SVG drawn on a canvas at twice its size, not
+    blank), and the data behind it as CSV; beside a table's, the table as CSV, cell for cell."""
+    d = pages["gpu-vs-cpu"][0]
+    world, emu = d["world_size"], d["emulation"]["per_rank"]["7"]["peak_memory_bytes"]
+    rows_of = {  # the data rows each chart's CSV has
+        "cp-chart": len(d["critical_path"]["by_kind"]),
+        "breakdown-chart": world,
+        "memory-chart": len(d["memory"]["grid"]["values"]),
+        "memory-ranks-chart": world,
+        "timeline-chart": sum(len(s) for s in d["timeline"]["iterations"][0]["spans"]),
+        "comm-chart": 3,
+    }
+    o = Opened(browser, files["gpu-vs-cpu"])
+    try:
+        heads = o.page.eval_on_selector_all(
+            "[data-dl]",
+            "hs => hs.map(h => [h.getAttribute('data-dl'), [...h.querySelectorAll('.dl button')].map(b => b.dataset.as)])",
+        )
+        assert dict(heads) == {**{c: ["svg", "png", "csv"] for c in CHARTS}, **{t: ["csv"] for t in TABLES}}
+        for target, _ in heads:
+            name, data = download(o, f'[data-dl="{target}"] .dl [data-as=csv]')
+            rows = list(csv.reader(io.StringIO(data.decode())))
+            assert name.startswith("gpt3d-py-8-ranks-tp-2-pp-2-dp-2-") and name.endswith(".csv"), name
+            if target in TABLES:
+                shown = o.page.eval_on_selector(
+                    f"#{target}", "t => [...t.rows].map(r => [...r.cells].map(c => c.textContent.trim()))"
+                )
+                assert rows == shown and len(rows) >= 2, target
+                continue
+            assert len(rows) == rows_of[target] + 1, (target, rows[:3])
+            name, data = download(o, f'[data-dl="{target}"] .dl [data-as=svg]')
+            svg = ET.fromstring(data)
+            assert name.endswith(".svg") and svg.tag == "{http://www.w3.org/2000/svg}svg", name
+            drawn = o.page.eval_on_selector(f"#{target}", "b => b.querySelectorAll('svg *').length")
+            legend = o.count(f"#{target} .legend > span")
+            assert len(list(svg.iter())) == 1 + 1 + drawn + 2 * legend, target  # root, background, chart, legend
+            assert "fill:" in (svg.get("style") or "") and "data-tip" not in data.decode()
+            name, data = download(o, f'[data-dl="{target}"] .dl [data-as=png]')
+            w, h, pixels = png_size_and_pixels(data)
+            assert name.endswith(".png") and (w, h) == (2 * int(svg.get("width")), 2 * int(svg.get("height"))), target
+            assert len(set(pixels)) > 20, target  # drawn, not a blank canvas
+        # the data behind the charts, as the page has it
+        _, data = download(o, '[data-dl="memory-ranks-chart"] .dl [data-as=csv]')
+        rows = list(csv.reader(io.StringIO(data.decode())))
+        assert rows[0] == [
+            "rank",
+            "where",
+            "solo capture (bytes)",
+            "emulation (run for real) (bytes)",
+            "real run (bytes)",
+        ]
+        real7 = d["reference"]["per_rank"][7]["real_bytes"]
+        assert rows[8] == ["7", "pp 1 · tp 1 · dp 1", str(d["memory"]["per_rank"][7]), str(emu), str(real7)]
+        assert rows[1][3] == ""  # rank 0 did not run for real
+        name, data = download(o, '[data-dl="cp-chart"] .dl [data-as=csv]')
+        rows = list(csv.reader(io.StringIO(data.decode())))
+        assert name.endswith("-cp-iteration-2.csv")
+        assert {r[1]: int(r[2]) for r in rows[1:]} == d["critical_path"]["by_kind"]
+        o.check_clean()
+    finally:
+        o.close()
+
+
+def test_memory_rank_chooser(browser, files, pages):
+    """Every rank's peak from each source in rank order; the rank chosen (at first the one with the
+    most) is marked, with its figures beside the chooser, and another choice moves both."""
+    d = pages["gpu-8ranks"][0]
+    per, emu = d["memory"]["per_rank"], d["emulation"]["per_rank"]["7"]["peak_memory_bytes"]
+    o = Opened(browser, files["gpu-8ranks"])
+    try:
+
+        def shown() -> tuple[str, str, int]:
+            return (
+                o.page.inner_text("#memory .memory-rank-text"),
+                o.page.eval_on_selector("#memory-ranks-chart .mem-marker", "l => l.getAttribute('x1')"),
+                o.count("#memory-ranks-chart .mem-at"),
+            )
+
+        # the capture and the real run as lines, the one rank run for real as a dot
+        assert o.count("#memory-ranks-chart path.mem-line") == 2
+        text, x, at = shown()
+        real = fmt_bytes(d["reference"]["per_rank"][3]["real_bytes"])
+        figures = f"solo capture {fmt_bytes(per[3])} · emulation (run for real) – · real run {real}"
+        assert text == f"rank 3 (pp 0 · tp 1 · dp 1): {figures}" and at == 2
+        o.page.fill("#memory-rank", "7")
+        text7, x7, at7 = shown()
+        assert text7.startswith("rank 7 (pp 1 · tp 1 · dp 1): ") and f"(run for real) {fmt_bytes(emu)}" in text7
+        assert float(x7) > float(x) and at7 == 3
+        o.page.fill("#memory-rank", "0")
+        assert shown()[0].startswith("rank 0 ") and float(shown()[1]) < float(x)
+        o.check_clean()
+    finally:
+        o.close()
+
+
+def test_iteration_choice(browser, files, pages):
+    """The timeline and the critical path show the median iteration first; choosing another in
+    either selector sets both, shows that iteration's text, redraws both charts with its data and
+    names the downloads after it; choosing the median again gives the first view back."""
+    d = pages["gpu-iterations"][0]
+    cps = {cp["iteration"]: cp for cp in d["critical_paths"]}
+    ends = {x["iteration"]: x["end_ns"] for x in d["timeline"]["iterations"]}
+    o = Opened(browser, files["gpu-iterations"])
+    try:
+
+        def chosen() -> list[str]:
+            return o.page.eval_on_selector_all("select.iteration", "ss => ss.map(s => s.value)")
+
+        def heading() -> str:
+            return o.page.inner_text('#where h3[data-dl="cp-chart"]')
+
+        def first_cp_row() -> str:
+            return o.page.inner_text("#cp-chart tbody tr >> nth=0")
+
+        assert chosen() == ["2", "2"]
+        assert o.page.eval_on_selector_all("#timeline select.iteration option", "os => os.map(x => x.textContent)") == [
+            f"0: {fmt_ns(3580810702)} (not steady)",
+            f"1: {fmt_ns(63034916)}",
+            f"2: {fmt_ns(61846500)} (median)",
+        ]
+        assert fmt_ns(cps[2]["total_ns"]) in heading()
+        ticks, view, row = tick_labels(o), o.page.inner_text("#timeline .view-text"), first_cp_row()
+        o.page.select_option("#timeline select.iteration", "0")
+        o.page.wait_for_timeout(100)
+        assert chosen() == ["0", "0"]
+        assert fmt_ns(cps[0]["total_ns"]) in heading() and fmt_ns(cps[2]["total_ns"]) not in heading()
+        assert "Iteration 0 as predicted" in o.page.inner_text("#timeline .caption")
+        assert "of iteration 0's" in o.page.inner_text("#where h3 + .caption")
+        assert tick_labels(o) != ticks and o.page.inner_text("#timeline .view-text").endswith(f"of {fmt_ns(ends[0])}")
+        assert first_cp_row() != row and fmt_ns(max(cps[0]["by_kind"].values())) in first_cp_row()
+        name, data = download(o, '[data-dl="timeline-chart"] .dl [data-as=csv]')
+        rows = list(csv.reader(io.StringIO(data.decode())))
+        assert name.endswith("-timeline-iteration-0.csv") and {r[0] for r in rows[1:]} == {"0"}
+        assert max(int(r[5]) for r in rows[1:]) > 10 * ends[2]  # iteration 0's times (set-up included)
+        o.page.select_option("#where select.iteration", "2")
+        o.page.wait_for_timeout(100)
+        assert chosen() == ["2", "2"] and tick_labels(o) == ticks and o.page.inner_text("#timeline .view-text") == view
+        assert first_cp_row() == row
+        o.check_clean()
+    finally:
+        o.close()

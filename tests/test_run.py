@@ -167,7 +167,8 @@ def test_the_report_sets_a_run_beside_another(ran, tmp_path, browser):  # noqa: 
 
 def test_the_report_of_a_real_run_opens_clean_and_fast(ran, browser):  # noqa: F811
     """The page a real pipeline wrote, in Chromium: no script error, nothing fetched, every
-    section drawn, painted within 2 s."""
+    section drawn, painted within 2 s; the run's three iterations to choose from, another one
+    redrawing the timeline and the critical path."""
     out, _ = ran
     o = Opened(browser, out / "report.html")
     try:
@@ -175,5 +176,15 @@ def test_the_report_of_a_real_run_opens_clean_and_fast(ran, browser):  # noqa: F
         assert o.load_s < 2.0, o.load_s
         assert o.count("#cp-chart svg rect") >= 3 and o.count("#breakdown-chart svg rect") >= 4
         assert o.count("#timeline-chart path.span") >= 3 and o.count("#emulation") == 1
+        median = json.loads((out / "cal" / "summary.json").read_text())["median_iteration"]
+        assert o.page.eval_on_selector_all("#timeline select.iteration option", "os => os.map(x => x.value)") == [
+            "0", "1", "2"
+        ]  # fmt: skip
+        assert o.page.input_value("#timeline select.iteration") == str(median)
+        view, path = o.page.inner_text("#timeline .view-text"), o.page.inner_text("#cp-chart tbody")
+        o.page.select_option("#timeline select.iteration", "0")  # the first: set-up included, far longer
+        assert o.page.inner_text("#timeline .view-text") != view and o.page.inner_text("#cp-chart tbody") != path
+        assert o.count("#timeline-chart path.span") >= 3
+        o.check_clean()
     finally:
         o.close()

@@ -198,6 +198,7 @@ def summarize(
         ),
         "median_iteration": med,
         "critical_path": None,
+        "critical_paths": [],
         "per_rank": None,
         "busy_fraction": None,
         "pipeline_bubble": None,
@@ -209,9 +210,12 @@ def summarize(
     if durations_path is not None:  # filled by the caller, who has OTHER
         out["durations_recorded_iteration_ns"] = None
         out["durations_rel_error"] = None
+    # every iteration's path, so that the report can show any of them; the median's is the one the
+    # figures below describe
+    out["critical_paths"] = [tl.critical_path(int(k)) for c, k in enumerate(its) if res.iteration_ns[c] >= 0]
     if med is None:
         return out
-    out["critical_path"] = tl.critical_path(med)
+    out["critical_path"] = next(cp for cp in out["critical_paths"] if cp["iteration"] == med)
     acc = tl.accounting()
     c = int(np.searchsorted(its, med))
     span = acc["span"][:, c]

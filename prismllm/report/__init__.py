@@ -1,7 +1,8 @@
 """``prism report``: a self-contained HTML page of a run -- the predicted iteration time and where
-it goes, peak memory over the layout, an iteration's timeline with the critical path, the
-communicators, and a real run beside the prediction when one is given (``data.py`` gathers it,
-``html.py`` draws it; nothing is fetched when the page opens)."""
+it goes, peak memory over the layout and rank by rank, any iteration's timeline with its critical
+path, a link to the run's Perfetto trace, the communicators, and a real run beside the prediction
+when one is given; each chart and table can be downloaded (``data.py`` gathers it, ``html.py``
+draws it; nothing is fetched when the page opens)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def write_report(
     """Write RUN_DIR's report (default RUN_DIR/report.html); returns its path. ``against``:
     another run directory, its figures beside RUN_DIR's."""
     path = Path(out) if out is not None else Path(run_dir) / REPORT_FILE
-    write_file_atomically(path, render_html(collect(run_dir, reference=reference, ranks=ranks, against=against)))
+    data = collect(run_dir, reference=reference, ranks=ranks, against=against, page=path)
+    write_file_atomically(path, render_html(data))
     return path
 
 

@@ -10,15 +10,18 @@ wall times). It returns one JSON-able dict, the report's data model (``docs/comm
 - ``prediction``: the predicted (steady median) iteration time and every iteration's;
 - ``breakdown``: per rank of the median iteration, compute / exposed communication / P2P wait /
   idle and the span (the calibration's per_rank);
-- ``bubble``, ``critical_path`` (total, shares by kind, end rank, ranks visited);
+- ``bubble``, ``critical_path`` (the median iteration's: total, shares by kind, end rank, ranks
+  visited) and ``critical_paths`` (every iteration's, the same keys; the median's alone from a
+  calibration that kept no other);
 - ``memory``: peak bytes per rank (-1 unknown), the largest and where, and a grid PP stage x
   model-parallel coordinate (ep, cp, tp, those of size > 1; ``cols``, ``col_labels``) with the
   data-parallel replicas folded (max over them);
-- ``timeline``: a few ranks' spans in the median iteration, ``[lane, kind, start_ns, end_ns,
-  name, critical]``: lane 0 the rank's program (compute, and the blocking calls it waits in),
-  lane 1 its asynchronous communication; kinds ``compute``, ``wait`` (arrived, waiting for the
-  group's last member) and ``comm`` (the transfer); times from the iteration's begin; critical
-  1 on the critical path;
+- ``timeline``: a few ranks' spans in each iteration of ``critical_paths`` (``iteration``: the
+  one shown first, the median), ``[lane, kind, start_ns, end_ns, name, critical]``: lane 0 the
+  rank's program (compute, and the blocking calls it waits in), lane 1 its asynchronous
+  communication; kinds ``compute``, ``wait`` (arrived, waiting for the group's last member) and
+  ``comm`` (the transfer); times from the iteration's begin; critical 1 on its critical path;
+- ``perfetto``: the Perfetto traces in the run directory (``prism export``), linked from the page;
 - ``communicators`` and ``emulation`` from the emulation; ``reference``: predicted against a real
   recorded run, per rank (``--reference``);
 - ``compare``: this run's figures beside another run's (``--compare``, :func:`compare`).
@@ -28,8 +31,10 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import os
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -38,7 +43,16 @@ from prismllm import __version__
 from prismllm.errors import InputError, PrismError
 from prismllm.fsutil import read_json
 from prismllm.layout import Layout
-from prismllm.outputs import BARE_DIR, CAL_DIR, EMULATE_DIR, EMULATE_FILE, GRAPH_DIR, RUN_FILE, SUMMARY_FILE
+from prismllm.outputs import (
+    BARE_DIR,
+    CAL_DIR,
+    EMULATE_DIR,
+    EMULATE_FILE,
+    GRAPH_DIR,
+    REPORT_FILE,
+    RUN_FILE,
+    SUMMARY_FILE,
+)
 from prismllm.trace.graph import PrismTrace, group_desc, ranks_text, read_manifest
 from prismllm.trace.summary import steady_iteration_time
 
@@ -46,6 +60,10 @@ FORMAT = "prism-report"
 MAX_TIMELINE_RANKS = 8
 # The memory grid's column dimensions, slowest first (tp fastest, as in the rank order).
 GRID_COLS = ("ep", "cp", "tp")
+# How a file of `prism export --perfetto` begins (prismllm.trace.perfetto writes it so); the
+# protobuf export is known by its suffix.
+PERFETTO_JSON_HEAD = b'{"traceEvents":'
+PERFETTO_PROTO_SUFFIX = ".pftrace"
 
 
 def collect(
@@ -54,11 +72,13 @@ def collect(
     ranks: list[int] | None = None,
     against: str | Path | None = None,
     timeline: bool = True,
+    page: str | Path | None = None,
 ) -> dict[str, Any]:
     """The report's data for a ``prism run`` directory (see the module docstring). ``ranks``:
     the timeline's ranks (default one per pipeline stage); ``against``: another run directory
     whose figures go beside this one's (``compare``); ``timeline=False``: no timeline (which reads
-    the calibrated graph: the other run of a comparison shows none)."""
+    the calibrated graph: the other run of a comparison shows none); ``page``: where the page
+    goes (default DIR/report.html), which the links to the run's files are relative to."""
     run_dir = Path(run_dir)
     cal = run_dir / CAL_DIR
     summary = read_json(cal / SUMMARY_FILE)
@@ -73,6 +93,8 @@ def collect(
     run = read_json(run_dir / RUN_FILE) or {}
     emu = read_json(run_dir / EMULATE_DIR / EMULATE_FILE)
     command = list(bare.get("command") or run.get("command") or [])
+    # every iteration's critical path; a calibration from before they were kept has the median's alone
+    paths = [cp for cp in summary.get("critical_paths") or [summary.get("critical_path")] if cp]
     data: dict[str, Any] = {
         "format": FORMAT,
         "version": 1,
@@ -96,9 +118,11 @@ def collect(
         },
         "breakdown": _breakdown(summary),
         "bubble": summary.get("pipeline_bubble"),
-        "critical_path": _critical(summary),
+        "critical_path": _critical(summary.get("critical_path")),
+        "critical_paths": [_critical(cp) for cp in paths],
         "memory": _memory(bare, world, layout),
-        "timeline": _timeline(cal, summary, layout, ranks) if timeline else None,
+        "timeline": _timeline(cal, summary, layout, ranks, paths) if timeline else None,
+        "perfetto": _perfetto(run_dir, Path(page) if page is not None else run_dir / REPORT_FILE),
         "communicators": (emu or {}).get("communicators"),
         "emulation": _emulation(emu),
         "reference": _reference(Path(reference), summary, bare) if reference is not None else None,
@@ -198,8 +222,8 @@ def _breakdown(s: dict[str, Any]) -> dict[str, Any] | None:
     return {"iteration": pr["iteration"], **{k if k != "rank" else "ranks": pr[k] for k in keys}}
 
 
-def _critical(s: dict[str, Any]) -> dict[str, Any] | None:
-    cp = s.get("critical_path")
+def _critical(cp: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A calibration's critical path without its segments (the timeline marks them)."""
     if not cp:
         return None
     return {k: cp[k] for k in ("iteration", "total_ns", "iteration_ns", "end_rank", "ranks_visited", "by_kind")}
@@ -278,7 +302,11 @@ def default_ranks(world: int, layout: Layout | None) -> list[int]:
     return sorted({int(x) for x in np.linspace(0, world - 1, n).round()})
 
 
-def _timeline(cal: Path, s: dict[str, Any], layout: Layout | None, ranks: list[int] | None) -> dict[str, Any] | None:
+def _timeline(
+    cal: Path, s: dict[str, Any], layout: Layout | None, ranks: list[int] | None, paths: list[dict[str, Any]]
+) -> dict[str, Any] | None:
+    """The chosen ranks' spans in each iteration that has a critical path (``paths``, with their
+    segments), each iteration's times from its own begin."""
     k = s.get("median_iteration")
     table_path = cal / "calibrated.parquet"
     if k is None or not table_path.is_file() or not (cal / GRAPH_DIR).is_dir():
@@ -288,13 +316,15 @@ def _timeline(cal: Path, s: dict[str, Any], layout: Layout | None, ranks: list[i
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
         raise PrismError(f"--ranks: rank {bad[0]} is not in the graph's world of {world}")
+    iterations = [int(cp["iteration"]) for cp in paths]
     times = pq.read_table(table_path)
     graph = PrismTrace.load(cal / GRAPH_DIR)
     rank = times.column("rank").to_numpy()
     it = times.column("iteration").to_numpy()
-    sel = np.flatnonzero(np.isin(rank, ranks) & (it == k))
+    sel = np.flatnonzero(np.isin(rank, ranks) & np.isin(it, iterations))
     if not len(sel):
         return None
+    rank, it = rank[sel], it[sel]
     node_id = times.column("node_id").to_numpy()[sel]
     start = times.column("start_ns").to_numpy()[sel]
     end = times.column("end_ns").to_numpy()[sel]
@@ -316,14 +346,10 @@ def _timeline(cal: Path, s: dict[str, Any], layout: Layout | None, ranks: list[i
         for g in set(group.tolist())
         if g in info
     }
-    critical = {(seg["rank"], seg["index"]) for seg in (s.get("critical_path") or {}).get("segments", [])}
-    begin = int(start.min())
-    finish = int(np.maximum(end, op_end).max())
-    out_ranks = []
-    for r in ranks:
-        m = rank[sel] == r
+
+    def spans_of(r: int, j: int, begin: int, critical: set[tuple[int, int]]) -> list[list]:
         spans = []
-        for i in np.flatnonzero(m):
+        for i in np.flatnonzero((rank == r) & (it == j)):
             crit = int((r, int(index[i])) in critical)
             a, b = int(start[i]) - begin, int(end[i]) - begin
             if kind[i] == "compute":
@@ -339,8 +365,53 @@ def _timeline(cal: Path, s: dict[str, Any], layout: Layout | None, ranks: list[i
                 spans.append([lane, "wait", a, s0, f"wait for peers: {name}", crit])
             if e0 > s0 >= 0:
                 spans.append([lane, "comm", s0, e0, name, crit])
-        out_ranks.append({"rank": int(r), "label": coords_text(layout, int(r)), "spans": spans})
-    return {"iteration": int(k), "begin_ns": 0, "end_ns": finish - begin, "ranks": out_ranks}
+        return spans
+
+    out_iterations = []
+    for cp in paths:
+        j = int(cp["iteration"])
+        m = it == j
+        # an entry for every iteration the page offers (empty where the chosen ranks have no node in it)
+        begin, finish = (int(start[m].min()), int(np.maximum(end[m], op_end[m]).max())) if m.any() else (0, 0)
+        critical = {(seg["rank"], seg["index"]) for seg in cp.get("segments", [])}
+        out_iterations.append(
+            {
+                "iteration": j,
+                "end_ns": finish - begin,
+                "spans": [spans_of(r, j, begin, critical) for r in ranks],
+            }
+        )
+    return {
+        "iteration": int(k),
+        "ranks": [{"rank": int(r), "label": coords_text(layout, int(r))} for r in ranks],
+        "iterations": out_iterations,
+    }
+
+
+def _perfetto(run_dir: Path, page: Path) -> list[dict[str, Any]]:
+    """The Perfetto traces in the run directory or a directory of it (no stage writes one: they
+    are what `prism export --perfetto` / `--perfetto-proto` wrote there), each with ``file``
+    (from the run directory), ``href`` (from the page's directory), ``format`` and ``bytes``."""
+    out = []
+    for f in sorted([*run_dir.glob("*"), *run_dir.glob("*/*")]):
+        if not f.is_file():
+            continue
+        if f.suffix == PERFETTO_PROTO_SUFFIX:
+            fmt = "protobuf"
+        elif f.suffix == ".json" and _begins(f, PERFETTO_JSON_HEAD):
+            fmt = "JSON"
+        else:
+            continue
+        href = Path(os.path.relpath(f.resolve(), page.resolve().parent)).as_posix()
+        out.append(
+            {"file": f.relative_to(run_dir).as_posix(), "href": quote(href), "format": fmt, "bytes": f.stat().st_size}
+        )
+    return out
+
+
+def _begins(path: Path, head: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(head)) == head
 
 
 def _emulation(emu: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -5,8 +5,11 @@ and the data travels as a JSON blob in ``<script type="application/json" id="rep
 (``<``, ``>`` and ``&`` written as ``\\u003c`` etc., so no string in it can close the element).
 The text of the page (header, figures, captions, tables) is written here, so it reads without
 the script too; ``assets/report.js`` draws the charts (SVG) from the blob: the critical path's
-shares, the per-rank breakdown, the memory heat map, the timeline (zoom, pan, hover) and the
-communicators' bar.
+shares, the per-rank breakdown, the memory heat map and every rank's peak (a rank chooser), the
+timeline (zoom, pan, hover) and the communicators' bar. It also adds the download buttons of
+each heading that names a chart or table (``data-dl``: SVG, PNG and the data as CSV for a chart,
+CSV for a table) and the iteration choice: the text of every iteration is written here, each in
+an element with ``data-iteration``, and the script shows the chosen one's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import datetime
 import html
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -265,9 +269,10 @@ def _header(d: dict[str, Any]) -> str:
             for s in stages
         )
         out.append(
-            '<div class="stages"><h3>Stages of this run</h3><p class="caption">What <code>prism run</code> '
-            "did to make this report, and how long each step took (wall-clock time on this machine).</p>"
-            '<table class="tbl"><thead><tr><th>stage</th><th class="num">wall time</th><th></th>'
+            '<div class="stages"><h3 data-dl="stages-table">Stages of this run</h3><p class="caption">What '
+            "<code>prism run</code> did to make this report, and how long each step took (wall-clock time on "
+            'this machine).</p><table class="tbl" id="stages-table"><thead><tr><th>stage</th>'
+            '<th class="num">wall time</th><th></th>'
             f"<th>what it did</th></tr></thead><tbody>{rows}</tbody><tfoot><tr><td>total</td>"
             f'<td class="num">{escape(_secs(total))}</td><td></td><td></td></tr></tfoot></table></div>'
         )
@@ -292,18 +297,54 @@ class _Section:
     title: str
     caption: str
     body: str
+    dl: str = ""  # the id of the chart or table whose downloads go beside the title, if any
 
     def html(self, num: int) -> str:
+        dl = f' data-dl="{self.dl}"' if self.dl else ""
         return (
-            f'<section id="{self.sid}"><h2><span class="num">{num}</span> {escape(self.title)}</h2>'
+            f'<section id="{self.sid}"><h2{dl}><span class="num">{num}</span> {escape(self.title)}</h2>'
             f'<p class="caption">{self.caption}</p>{self.body}</section>'
         )
 
 
+def _shown(d: dict[str, Any]) -> int | None:
+    """The iteration the page shows first (timeline, critical path): the median."""
+    return (d.get("critical_path") or {}).get("iteration")
+
+
+def _each_iteration(d: dict[str, Any], items: list[dict[str, Any]], render: Callable[[dict[str, Any]], str]) -> str:
+    """``render(item)`` for each iteration's item (a dict with ``iteration``), all but the shown
+    one's hidden: the script shows the chosen iteration's (``data-iteration``)."""
+    k = _shown(d)
+    return "".join(
+        f'<span data-iteration="{escape(x["iteration"])}"{"" if x["iteration"] == k else " hidden"}>{render(x)}</span>'
+        for x in items
+    )
+
+
+def _iteration_choice(d: dict[str, Any]) -> str:
+    """The selector of the iteration shown (every iteration with a critical path; the median
+    first); nothing where there is one. Each selector on the page sets all of them."""
+    paths = d.get("critical_paths") or []
+    if len(paths) < 2:
+        return ""
+    pred = d.get("prediction") or {}
+    times = {x["iteration"]: x.get("predicted_ns") for x in pred.get("iterations") or []}
+    steady = set(pred.get("steady_iterations") or [])
+    k = _shown(d)
+    options = "".join(
+        f'<option value="{escape(j)}"{" selected" if j == k else ""}>{escape(j)}: {escape(fmt_ns(times.get(j)))}'
+        + (" (median)" if j == k else "" if j in steady else " (not steady)")
+        + "</option>"
+        for j in (cp["iteration"] for cp in paths)
+    )
+    return f'<label class="iteration-choice">Iteration <select class="iteration">{options}</select></label>'
+
+
 def _where(d: dict[str, Any]) -> _Section:
-    cp = d.get("critical_path")
+    paths = d.get("critical_paths") or []
     br = d.get("breakdown")
-    it = (cp or br or {}).get("iteration")
+    it = _shown(d) if paths else (br or {}).get("iteration")
     cap = (
         "The <b>critical path</b> is the chain of work, each piece waiting on the one before it, that sets how "
         "long the iteration takes: speeding up anything off it does not shorten the iteration. The bar splits it "
@@ -311,28 +352,36 @@ def _where(d: dict[str, Any]) -> _Section:
         "(<i>issue</i>). "
     )
     cap += (
-        f"All figures are for iteration {escape(it)} (the median of the steady ones), from the calibrated "
-        "prediction: every operation's time measured on the capture device, then all ranks put together."
+        "All figures come from the calibrated prediction: every operation's time measured on the capture device, "
+        f"then all ranks put together. They are for iteration {escape(it)}, the median of the steady ones"
+        + ("; the critical path can show another, chosen below." if len(paths) > 1 else ".")
         if it is not None
         else ""
     )
     body = []
-    if cp:
+    if paths:
+        predicted = (d.get("prediction") or {}).get("iteration_ns")
         body.append(
-            f"<h3>Critical path: {escape(fmt_ns(cp.get('total_ns')))}"
-            + (f", ending on rank {escape(cp['end_rank'])}" if cp.get("end_rank") is not None else "")
-            + (f", through {len(cp['ranks_visited']):,} rank(s)" if cp.get("ranks_visited") else "")
-            + "</h3>"
-            + _path_against_iteration(cp, (d.get("prediction") or {}).get("iteration_ns"))
-            + '<div class="chart" id="cp-chart"></div>'
+            _iteration_choice(d)
+            + '<h3 data-dl="cp-chart">Critical path'
+            + _each_iteration(d, paths, _path_heading)
+            + '</h3><p class="caption">'
+            + _each_iteration(d, paths, lambda cp: _path_against_iteration(cp, predicted))
+            + '</p><div class="chart" id="cp-chart"></div>'
         )
     else:
         body.append('<p class="note">No critical path in the calibration.</p>')
     if br:
         n = len(br.get("ranks") or [])
         body.append(
-            '<h3>Per rank: what each rank spends the iteration on</h3><p class="caption">Each bar is one '
-            "rank's iteration, split into compute, communication that compute does not hide, waiting for "
+            '<h3 data-dl="breakdown-chart">Per rank: what each rank spends the iteration on</h3><p class="caption">'
+            "Each bar is one rank's iteration"
+            + (
+                f" (iteration {escape(br['iteration'])}, the median, whichever the critical path shows)"
+                if len(paths) > 1
+                else ""
+            )
+            + ", split into compute, communication that compute does not hide, waiting for "
             "a pipeline neighbour's send or receive (the pipeline bubble), and other waiting (for the "
             "slowest member of a collective)."
             + (
@@ -345,6 +394,15 @@ def _where(d: dict[str, Any]) -> _Section:
             + '</p><div class="chart" id="breakdown-chart"></div>'
         )
     return _Section("where", "Where the iteration goes", cap, "".join(body))
+
+
+def _path_heading(cp: dict[str, Any]) -> str:
+    """ ": 61.85 ms, ending on rank 5, through 4 rank(s)" of one iteration's critical path."""
+    return (
+        f": {escape(fmt_ns(cp.get('total_ns')))}"
+        + (f", ending on rank {escape(cp['end_rank'])}" if cp.get("end_rank") is not None else "")
+        + (f", through {len(cp['ranks_visited']):,} rank(s)" if cp.get("ranks_visited") else "")
+    )
 
 
 def _path_against_iteration(cp: dict[str, Any], predicted: int | None) -> str:
@@ -366,7 +424,7 @@ def _path_against_iteration(cp: dict[str, Any], predicted: int | None) -> str:
         )
     if predicted is not None and predicted != own:
         text += f". The predicted iteration, {escape(fmt_ns(predicted))}, is the median of the steady iterations"
-    return f'<p class="caption">{text}.</p>'
+    return f"{text}."
 
 
 def _memory(d: dict[str, Any]) -> _Section:
@@ -401,7 +459,43 @@ def _memory(d: dict[str, Any]) -> _Section:
         )
     else:
         cap += "Without a layout, one cell per rank."
-    return _Section("memory", "Peak memory over the layout", cap, '<div class="chart" id="memory-chart"></div>')
+    body = '<div class="chart" id="memory-chart"></div>' + _memory_by_rank(d)
+    return _Section("memory", "Peak memory over the layout", cap, body, dl="memory-chart")
+
+
+def _memory_by_rank(d: dict[str, Any]) -> str:
+    """Every rank's peak in rank order, from each source that has it, with a rank chooser. The
+    run keeps a peak per rank and source, not memory over time, and the caption says so."""
+    mem = d.get("memory") or {}
+    world = d.get("world_size") or len(mem.get("per_rank") or [])
+    emulated = any(
+        _known(m.get("peak_memory_bytes")) for m in ((d.get("emulation") or {}).get("per_rank") or {}).values()
+    )
+    real = any(_known(x.get("real_bytes")) for x in (d.get("reference") or {}).get("per_rank") or [])
+    sources = ["the solo capture (every rank run alone)"]
+    sources += ["the emulation (the ranks run for real, inside the whole job)"] if emulated else []
+    sources += ["the real run"] if real else []
+    cap = (
+        f"Every rank's peak, the data-parallel replicas not folded, from {_and(sources)}. The run keeps one "
+        "peak per rank, not the memory over time (no stage records the allocator's history): choose a rank to "
+        "read its figures."
+    )
+    start = (mem.get("max") or {}).get("rank", 0)
+    return (
+        f'<h3 data-dl="memory-ranks-chart">Peak memory rank by rank</h3><p class="caption">{cap}</p>'
+        f'<div class="controls"><label>Rank <input type="number" id="memory-rank" min="0" max="{max(world - 1, 0)}" '
+        f'step="1" value="{escape(start)}"></label><span class="memory-rank-text"></span></div>'
+        '<div class="chart" id="memory-ranks-chart"></div>'
+    )
+
+
+def _known(b: int | None) -> bool:
+    return b is not None and b >= 0
+
+
+def _and(items: list[str]) -> str:
+    """ "a", "a and b", "a, b and c"."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 # What each memory-grid column dimension is, for the caption.
@@ -420,32 +514,54 @@ def _grid_cols_text(cols: str) -> str:
 
 def _timeline(d: dict[str, Any]) -> _Section:
     tl = d.get("timeline")
+    title = "Timeline of an iteration"
     if not tl or not tl.get("ranks"):
         return _Section(
             "timeline",
-            "Timeline of the median iteration",
+            title,
             "What a few ranks do over the iteration.",
-            '<p class="note">No timeline: the calibration holds no per-operation times.</p>',
+            '<p class="note">No timeline: the calibration holds no per-operation times.</p>' + _perfetto(d),
         )
     n = len(tl["ranks"])
-    spans = sum(len(r.get("spans") or []) for r in tl["ranks"])
+
+    def which(x: dict[str, Any]) -> str:
+        k = x["iteration"]
+        spans = sum(len(s) for s in x["spans"])
+        median = " (the median of the steady ones)" if k == tl["iteration"] else ""
+        return f"Iteration {escape(k)}{median} as predicted, for {n} rank(s) ({spans:,} operations)."
+
     cap = (
-        f"Iteration {escape(tl.get('iteration'))} as predicted, for {n} rank(s) ({spans:,} operations). Each rank has "
-        "two lanes: the upper one is its program (compute, and the blocking calls it sits in), the lower one the "
-        "communication it runs in the background. <i>Waiting</i> is time spent at a call until the group's last "
-        "member arrives. The black tick under a span marks the critical path. Scroll to zoom, drag to pan, hover "
-        "for details."
+        _each_iteration(d, tl.get("iterations") or [], which)
+        + " Each rank has two lanes: the upper one is its program (compute, and the blocking calls it sits in), "
+        "the lower one the communication it runs in the background. <i>Waiting</i> is time spent at a call until "
+        "the group's last member arrives. The black tick under a span marks the critical path. Scroll to zoom, "
+        "drag to pan, hover for details."
     )
     controls = (
-        '<div class="controls"><button type="button" data-zoom="in">Zoom in</button>'
+        f'<div class="controls">{_iteration_choice(d)}<button type="button" data-zoom="in">Zoom in</button>'
         '<button type="button" data-zoom="out">Zoom out</button>'
         '<button type="button" data-zoom="reset">Reset zoom</button><span class="view-text"></span></div>'
     )
-    return _Section(
-        "timeline",
-        "Timeline of the median iteration",
-        cap,
-        controls + '<div class="chart" id="timeline-chart"></div>',
+    body = controls + '<div class="chart" id="timeline-chart"></div>' + _perfetto(d)
+    return _Section("timeline", title, cap, body, dl="timeline-chart")
+
+
+def _perfetto(d: dict[str, Any]) -> str:
+    """Links to the run's Perfetto traces (relative, so the page and the run move together), and
+    how to open one; where there is none, how to write one."""
+    traces = d.get("perfetto") or []
+    if not traces:
+        return (
+            '<p class="note">Every rank and every operation in Perfetto: <code>prism export DIR/cal/graph '
+            "--perfetto-proto DIR/trace.pftrace</code>, then <code>prism report DIR</code> links the trace here.</p>"
+        )
+    links = ", ".join(
+        f'<a href="{escape(t["href"])}">{escape(t["file"])}</a> ({escape(t["format"])}, {escape(fmt_bytes(t["bytes"]))})'
+        for t in traces
+    )
+    return (
+        f'<p class="perfetto">Perfetto trace of this run: {links}. To open it, go to ui.perfetto.dev, choose '
+        "<i>Open trace file</i> and pick the file (Perfetto reads it in the browser; it stays on this machine).</p>"
     )
 
 
@@ -457,7 +573,8 @@ def _emulation_section(d: dict[str, Any]) -> _Section:
     body = []
     if comm:
         body.append(
-            f"<h3>Communicators: {comm.get('communicators', 0):,} created for {comm.get('logical_groups', 0):,} "
+            f'<h3 data-dl="comm-chart">Communicators: {comm.get("communicators", 0):,} created for '
+            f"{comm.get('logical_groups', 0):,} "
             f'process groups of the program</h3><p class="caption">The program at {world:,} ranks asks for '
             f"{comm.get('logical_groups', 0):,} process groups. The emulation builds a real communicator only where "
             f"a group holds a rank that runs for real: {comm.get('all_real', 0):,} with only such ranks, "
@@ -474,7 +591,7 @@ def _emulation_section(d: dict[str, Any]) -> _Section:
             "fast": "the emulated ranks answer at once: a check of correctness and memory, not of time",
         }
         body.append(
-            f'<h3>Ranks run for real</h3><p class="caption">Sandbox rank(s) '
+            f'<h3 data-dl="emulation-table">Ranks run for real</h3><p class="caption">Sandbox rank(s) '
             f"{escape(', '.join(str(r) for r in emu.get('sandbox') or []))} ran the real program on "
             f"{escape(emu.get('devices') or '?')}"
             + (" (one shared GPU)" if emu.get("shared_gpu") else "")
@@ -495,8 +612,8 @@ def _emulation_section(d: dict[str, Any]) -> _Section:
             )
         if rows:
             body.append(
-                '<table class="tbl"><thead><tr><th>rank</th><th>where</th><th class="num">median steady '
-                'iteration</th><th class="num">vs predicted</th><th class="num">peak memory</th>'
+                '<table class="tbl" id="emulation-table"><thead><tr><th>rank</th><th>where</th>'
+                '<th class="num">median steady iteration</th><th class="num">vs predicted</th><th class="num">peak memory</th>'
                 f"<th>every iteration</th></tr></thead><tbody>{''.join(rows)}</tbody></table>"
             )
         if emu.get("virtual_ranks_iteration_ns") is not None:
@@ -562,8 +679,8 @@ def _reference_section(d: dict[str, Any]) -> _Section | None:
         for r, x, et, em in shown
     )
     body.append(
-        note + '<table class="tbl ref"><thead><tr><th>rank</th><th>where</th><th class="num">predicted '
-        'iteration</th><th class="num">real</th><th class="num">error</th><th class="num">predicted peak '
+        note + '<table class="tbl ref" id="reference-table"><thead><tr><th>rank</th><th>where</th>'
+        '<th class="num">predicted iteration</th><th class="num">real</th><th class="num">error</th><th class="num">predicted peak '
         'memory</th><th class="num">real</th><th class="num">error</th></tr></thead>'
         f"<tbody>{trs}</tbody></table>"
     )
@@ -574,7 +691,7 @@ def _reference_section(d: dict[str, Any]) -> _Section | None:
         "of its iterations after the first) and the peak memory. Errors are (predicted − real) / real; "
         "within ±5 % is green, beyond ±10 % red."
     )
-    return _Section("reference", "Prediction against a real run", cap, "".join(body))
+    return _Section("reference", "Prediction against a real run", cap, "".join(body), dl="reference-table")
 
 
 def _compare_value(v: Any, kind: str) -> str:
@@ -633,7 +750,7 @@ def _compare_section(d: dict[str, Any]) -> _Section | None:
             else ".</p>"
         )
     body = (
-        note + '<table class="tbl cmp"><thead><tr><th>figure</th><th class="num">this run</th>'
+        note + '<table class="tbl cmp" id="compare-table"><thead><tr><th>figure</th><th class="num">this run</th>'
         '<th class="num">the other</th><th class="num">change</th></tr></thead>'
         f"<tbody>{''.join(trs)}</tbody></table>"
     )
@@ -644,7 +761,7 @@ def _compare_section(d: dict[str, Any]) -> _Section | None:
         + ": each figure of the two, and the change from that run to this one ((this − other) / other; "
         "a share in points). Changes of 1 % or more, and texts that differ, are marked."
     )
-    return _Section("compare", "Against another run", cap, body)
+    return _Section("compare", "Against another run", cap, body, dl="compare-table")
 
 
 # ---------------------------------------------------------------------- the page

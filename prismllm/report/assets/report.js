@@ -1,7 +1,8 @@
 // prism report: draws the page's charts as SVG from the JSON blob in #report-data.
 // Plain JavaScript, no library. Each draw* function fills one container and can be called again
-// (on a resize) to redraw it at the container's new width. The text of the page is written by
-// prismllm/report/html.py; this script only adds the charts and their interaction.
+// (on a resize, or another iteration chosen) to redraw it. The text of the page is written by
+// prismllm/report/html.py; this script only adds the charts, their interaction, the iteration
+// choice and the downloads (SVG, PNG and CSV, made in the page: nothing is fetched or sent).
 (function () {
   'use strict';
 
@@ -38,6 +39,7 @@
   }
   const pct = (x) => (100 * x).toFixed(1) + ' %';
   const num = (x) => x.toLocaleString('en-US');
+  const measured = (b) => b != null && b >= 0; // bytes: -1 or null where not measured
 
   // ------------------------------------------------------------------ DOM helpers
   function svgEl(tag, attrs, parent) {
@@ -117,9 +119,23 @@
     return s || 'rank ' + rank;
   }
 
-  // ------------------------------------------------------------------ 2a. critical path
+  // ------------------------------------------------------------------ the iteration shown
+  // The timeline and the critical path show one iteration, the median at first; html.py writes
+  // the text of each iteration in an element with data-iteration, and the chosen one's is shown.
+  let shown = D.critical_path ? D.critical_path.iteration : null;
+  const pathShown = () => D.critical_paths.find((cp) => cp.iteration === shown);
+  function setIteration(k) {
+    shown = k;
+    document.querySelectorAll('[data-iteration]').forEach((e) => { e.hidden = Number(e.getAttribute('data-iteration')) !== k; });
+    document.querySelectorAll('select.iteration').forEach((s) => { s.value = String(k); });
+    tl = null; // the timeline starts again from the whole of the new iteration
+    drawAll();
+  }
+  document.querySelectorAll('select.iteration').forEach((s) => s.addEventListener('change', () => setIteration(Number(s.value))));
+
+  // ------------------------------------------------------------------ critical path
   function drawCritical(box) {
-    const cp = D.critical_path;
+    const cp = pathShown();
     const kinds = Object.entries(cp.by_kind || {}).sort((a, b) => b[1] - a[1]);
     const total = cp.total_ns || kinds.reduce((s, k) => s + k[1], 0) || 1;
     // compute keeps its timeline colour; the others take the palette in order, the rest "other"
@@ -167,7 +183,7 @@
     box.appendChild(table);
   }
 
-  // ------------------------------------------------------------------ 2b. per-rank breakdown
+  // ------------------------------------------------------------------ per-rank breakdown
   function breakdownRows() {
     const b = D.breakdown;
     return b.ranks.map((r, i) => {
@@ -282,18 +298,20 @@
     return 0.299 * r + 0.587 * g + 0.114 * b > 140;
   }
 
-  // ------------------------------------------------------------------ 3. memory heat map
+  // ------------------------------------------------------------------ memory heat map
+  // a grid column's name; data without col_labels (older reports) has tp columns
+  const gridColumn = (j) => (D.memory.grid.col_labels ? D.memory.grid.col_labels[j] : `tp ${j}`);
   function drawMemory(box) {
     const m = D.memory;
     // the grid (pp x the model-parallel coordinates ep, cp, tp), or without a layout the ranks in
-    // rows of 32; data without col_labels (older reports) has tp columns
+    // rows of 32
     const per = 32;
     const values = m.grid ? m.grid.values : Array.from({ length: Math.ceil(m.per_rank.length / per) },
       (_, i) => m.per_rank.slice(i * per, (i + 1) * per));
-    const colName = (j) => (m.grid ? (m.grid.col_labels ? m.grid.col_labels[j] : `tp ${j}`) : `+${j}`);
+    const colName = (j) => (m.grid ? gridColumn(j) : `+${j}`);
     const cellName = (i, j) => (m.grid ? `pp ${i} · ${colName(j)}` : `rank ${i * per + j}`);
     const nr = values.length, nc = Math.max(...values.map((r) => r.length));
-    const known = values.flat().filter((v) => v != null && v >= 0);
+    const known = values.flat().filter(measured);
     const lo = Math.min(...known), hi = Math.max(...known);
     const left = 56, top = 24, legendW = 150;
     const avail = Math.max(box.clientWidth || 0, 600) - left - legendW - 40;
@@ -306,7 +324,7 @@
       text(svg, left - 8, top + i * ch + ch / 2 + 4, m.grid ? `pp ${i}` : `${i * per}+`, { class: 'tick', 'text-anchor': 'end' });
       row.forEach((v, j) => {
         const x = left + j * cw, yy = top + i * ch;
-        const ok = v != null && v >= 0;
+        const ok = measured(v);
         const fill = ok ? seqColor(hi > lo ? (v - lo) / (hi - lo) : 1, YLORBR) : '#eeeeee';
         const label = cellName(i, j);
         svgEl('rect', { x: x, y: yy, width: cw - 1, height: ch - 1, fill: fill, class: 'cell',
@@ -354,6 +372,71 @@
     }
   }
 
+  // ------------------------------------------------------------------ peak memory rank by rank
+  // The run keeps one peak per rank and source, not memory over time: a line per source in rank
+  // order (the emulation's few ranks as dots: a line would make up the ranks between), the rank
+  // chosen marked and its figures written beside the chooser.
+  function memorySources() {
+    const n = D.memory.per_rank.length;
+    const out = [{ label: 'solo capture', color: OI[0], v: D.memory.per_rank }];
+    const emu = new Array(n).fill(-1), real = new Array(n).fill(-1);
+    for (const [r, m] of Object.entries((D.emulation && D.emulation.per_rank) || {})) {
+      if (measured(m.peak_memory_bytes) && Number(r) < n) emu[Number(r)] = m.peak_memory_bytes;
+    }
+    for (const x of (D.reference && D.reference.per_rank) || []) if (measured(x.real_bytes) && x.rank < n) real[x.rank] = x.real_bytes;
+    if (emu.some(measured)) out.push({ label: 'emulation (run for real)', color: OI[4], v: emu, dots: true });
+    if (real.some(measured)) out.push({ label: 'real run', color: OI[3], v: real });
+    return out;
+  }
+  const memInput = document.getElementById('memory-rank');
+  function chosenRank(n) {
+    const r = Math.round(Number(memInput.value));
+    return Math.min(Math.max(isFinite(r) ? r : 0, 0), n - 1);
+  }
+  function drawMemoryRanks(box) {
+    const src = memorySources(), n = D.memory.per_rank.length;
+    const H = 220, top = 12, bottom = 34, left = 72;
+    const { svg, w } = newSvg(box, H);
+    const plotW = w - left - 16, plotH = H - top - bottom;
+    // the axis spans the figures (ranks differ by a few per cent), in the unit of the largest
+    const all = src.flatMap((s) => s.v.filter(measured));
+    const lo = all.reduce((m, b) => Math.min(m, b), Infinity), hi = all.reduce((m, b) => Math.max(m, b), 1);
+    const pad = (hi - lo) * 0.15 || hi * 0.05;
+    const [unit, uname] = hi >= 2 ** 30 ? [2 ** 30, 'GiB'] : hi >= 2 ** 20 ? [2 ** 20, 'MiB'] : [2 ** 10, 'KiB'];
+    const y0 = Math.max(lo - pad, 0) / unit, y1 = (hi + pad) / unit;
+    const X = (r) => left + (n > 1 ? (r / (n - 1)) * plotW : plotW / 2);
+    const Y = (b) => top + plotH - ((b / unit - y0) / (y1 - y0)) * plotH;
+    const yt = ticks(y0, y1, 4);
+    const digits = Math.max(0, -Math.floor(Math.log10(yt.length > 1 ? yt[1] - yt[0] : 1) + 1e-9));
+    for (const t of yt) {
+      svgEl('line', { x1: left, x2: left + plotW, y1: Y(t * unit), y2: Y(t * unit), class: 'grid' }, svg);
+      text(svg, left - 6, Y(t * unit) + 4, `${t.toFixed(digits)} ${uname}`, { class: 'tick', 'text-anchor': 'end' });
+    }
+    for (const t of ticks(0, n - 1, Math.min(8, Math.max(n - 1, 1)))) {
+      if (Number.isInteger(t)) text(svg, X(t), top + plotH + 16, String(t), { class: 'tick', 'text-anchor': 'middle' });
+    }
+    text(svg, left + plotW / 2, H - 4, 'rank', { class: 'axis-label', 'text-anchor': 'middle' });
+    for (const s of src) {
+      if (s.dots) {
+        s.v.forEach((b, r) => measured(b) && svgEl('circle', { cx: X(r), cy: Y(b), r: 3.5, fill: s.color }, svg));
+        continue;
+      }
+      let d = '', pen = false; // a rank without a figure breaks the line
+      s.v.forEach((b, r) => {
+        if (measured(b)) d += (pen ? 'L' : 'M') + X(r).toFixed(1) + ' ' + Y(b).toFixed(1);
+        pen = measured(b);
+      });
+      svgEl('path', { d: d, stroke: s.color, class: 'mem-line' }, svg);
+    }
+    const r = chosenRank(n);
+    svgEl('line', { x1: X(r), x2: X(r), y1: top, y2: top + plotH, class: 'mem-marker' }, svg);
+    for (const s of src) if (measured(s.v[r])) svgEl('circle', { cx: X(r), cy: Y(s.v[r]), r: 5, fill: s.color, class: 'mem-at' }, svg);
+    legend(box, src);
+    document.querySelector('#memory .memory-rank-text').textContent =
+      `rank ${r} (${where(r)}): ` + src.map((s) => `${s.label} ${fmtBytes(s.v[r])}`).join(' · ');
+  }
+  if (memInput) memInput.addEventListener('input', () => drawMemoryRanks(document.getElementById('memory-ranks-chart')));
+
   // ------------------------------------------------------------------ axis helpers
   function niceStep(range, n) {
     const raw = range / Math.max(n, 1), p = 10 ** Math.floor(Math.log10(raw)), f = raw / p;
@@ -369,24 +452,26 @@
     return (ns / 1e6).toFixed(d);
   }
 
-  // ------------------------------------------------------------------ 4. timeline
+  // ------------------------------------------------------------------ timeline
   // Spans are drawn as one <path> per (lane, kind): a few elements whatever the span count.
   // Spans closer than half a pixel merge into one rectangle, so the zoomed-out view stays light.
   const TL = { rowH: 44, laneY: [0, 20], laneH: [17, 10], critY: 32, critH: 4, left: 150, top: 28 };
   let tl = null; // the timeline's state: spans per row and lane, the view, the svg parts
+  let tlBound = false; // the timeline's listeners, bound once (its state is made again for each iteration)
+  const timelineShown = () => D.timeline.iterations.find((x) => x.iteration === shown);
   function prepTimeline() {
-    const T = D.timeline;
+    const T = timelineShown();
     const kinds = Object.keys(KIND);
-    const rows = T.ranks.map((r) => {
+    const rows = D.timeline.ranks.map((r, i) => {
       const lanes = [0, 1].map((l) => {
-        const sp = r.spans.filter((s) => s[0] === l).sort((a, b) => a[2] - b[2]);
+        const sp = T.spans[i].filter((s) => s[0] === l).sort((a, b) => a[2] - b[2]);
         return { a: Float64Array.from(sp, (s) => s[2]), b: Float64Array.from(sp, (s) => s[3]),
           k: Uint8Array.from(sp, (s) => Math.max(kinds.indexOf(s[1]), 0)), c: Uint8Array.from(sp, (s) => s[5] ? 1 : 0),
           s: sp };
       });
       return { rank: r.rank, label: r.label, lanes: lanes };
     });
-    const end = T.ranks.reduce((m, r) => r.spans.reduce((mm, sp) => Math.max(mm, sp[3]), m), Math.max(T.end_ns || 0, 1));
+    const end = T.spans.reduce((m, spans) => spans.reduce((mm, sp) => Math.max(mm, sp[3]), m), Math.max(T.end_ns || 0, 1));
     return { rows: rows, kinds: kinds, end: end, t0: 0, t1: end };
   }
   function drawTimeline(box) {
@@ -416,7 +501,7 @@
     tl.hover = svgEl('rect', { class: 'hover', visibility: 'hidden' }, g);
     legend(box, [...Object.values(KIND), { color: '#111', label: 'on the critical path (the tick under the lanes)', cls: 'flat' }]);
     renderTimeline();
-    if (!tl.bound) bindTimeline(box);
+    if (!tlBound) bindTimeline(box);
   }
   // Redraw the spans and the axis for the view [t0, t1]. Each lane is binned into pixel columns:
   // a column takes the kind that covers most of it, and runs of one kind become one rectangle, so
@@ -514,7 +599,7 @@
     return best < 0 ? null : { row: i, lane: lane, span: ln.s[best] };
   }
   function bindTimeline(box) {
-    tl.bound = true;
+    tlBound = true;
     let drag = null;
     box.addEventListener('wheel', (ev) => {
       if (!tl.svg.contains(ev.target)) return;
@@ -556,14 +641,17 @@
     }));
   }
 
-  // ------------------------------------------------------------------ 5. communicators
-  function drawCommunicators(box) {
+  // ------------------------------------------------------------------ communicators
+  function commParts() {
     const c = D.communicators;
-    const parts = [
+    return [
       { v: c.all_real, color: '#0072B2', label: 'real communicator of sandbox ranks only' },
       { v: c.pruned, color: '#E69F00', label: 'sandbox ranks plus one stand-in' },
       { v: c.not_instantiated, color: '#DDDDDD', label: 'never created (no sandbox rank in it)' },
     ];
+  }
+  function drawCommunicators(box) {
+    const c = D.communicators, parts = commParts();
     const total = c.logical_groups || parts.reduce((s, p) => s + p.v, 0) || 1;
     const { svg, w } = newSvg(box, 34);
     let x = 0;
@@ -578,16 +666,147 @@
     legend(box, parts.map((p) => ({ color: p.color, label: `${p.label}: ${num(p.v)}` })));
   }
 
+  // ------------------------------------------------------------------ downloads
+  // Each heading with data-dl gets small buttons: a chart's picture as SVG or PNG and the data
+  // behind it as CSV, a table as CSV. The files are made here and handed to the browser.
+  const criticalCsv = () => {
+    const cp = pathShown();
+    return [['iteration', 'what', 'ns', 'share of the path'],
+      ...Object.entries(cp.by_kind).map(([k, v]) => [cp.iteration, k, v, v / (cp.total_ns || 1)])];
+  };
+  const breakdownCsv = () => {
+    const b = D.breakdown, keys = ['span_ns', 'compute_ns', 'comm_exposed_ns', 'p2p_wait_ns', 'idle_ns'];
+    return [['rank', 'where', ...keys], ...b.ranks.map((r, i) => [r, where(r), ...keys.map((k) => b[k][i])])];
+  };
+  const memoryCsv = () => {
+    const m = D.memory, cell = (v) => (measured(v) ? v : '');
+    if (!m.grid) return [['rank', 'peak bytes'], ...m.per_rank.map((v, r) => [r, cell(v)])];
+    return [['pp', ...m.grid.values[0].map((_, j) => gridColumn(j))], ...m.grid.values.map((row, i) => [i, ...row.map(cell)])];
+  };
+  const memoryRanksCsv = () => {
+    const src = memorySources();
+    return [['rank', 'where', ...src.map((s) => s.label + ' (bytes)')],
+      ...D.memory.per_rank.map((_, r) => [r, where(r), ...src.map((s) => (measured(s.v[r]) ? s.v[r] : ''))])];
+  };
+  const timelineCsv = () => {
+    const T = timelineShown(), out = [['iteration', 'rank', 'lane', 'kind', 'start_ns', 'end_ns', 'name', 'critical']];
+    D.timeline.ranks.forEach((r, i) => T.spans[i].forEach((sp) => out.push([T.iteration, r.rank, ...sp])));
+    return out;
+  };
+  const commCsv = () => [['communicators', 'process groups'], ...commParts().map((p) => [p.label, p.v])];
+
+  function save(name, blob) {
+    const a = document.createElement('a');
+    a.href = URL.createObjectURL(blob);
+    a.download = name;
+    document.body.appendChild(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(a.href), 60000); // the browser may still be reading it
+  }
+  function fileName(id, ext) {
+    const chart = charts.find((c) => c.id === id);
+    const stem = String(D.title || 'prism report').toLowerCase().replace(/[^a-z0-9]+/g, '-').replace(/^-|-$/g, '');
+    return `${stem}-${id.replace(/-(chart|table)$/, '')}${chart && chart.iter ? '-iteration-' + shown : ''}.${ext}`;
+  }
+  function csvText(rows) { // RFC 4180: a field with a comma, a quote or a line break is quoted
+    const field = (v) => { const s = v == null ? '' : String(v); return /[",\r\n]/.test(s) ? '"' + s.replace(/"/g, '""') + '"' : s; };
+    return rows.map((r) => r.map(field).join(',')).join('\r\n') + '\r\n';
+  }
+  const tableRows = (table) => [...table.rows].map((tr) => [...tr.cells].map((c) => c.textContent.trim()));
+  // The chart's <svg> as a file of its own: the page's stylesheet does not go with it, so the
+  // computed look is written on the elements (on the root in full, below it where it differs from
+  // the parent's: the rest is inherited); a white background, and the legend drawn below.
+  const STYLED = ['fill', 'fill-opacity', 'stroke', 'stroke-width', 'stroke-opacity', 'opacity', 'visibility',
+    'font-family', 'font-size', 'font-weight', 'font-style'];
+  function svgFile(box) {
+    const svg = box.querySelector('svg'), vb = svg.viewBox.baseVal, w = vb.width;
+    const copy = svg.cloneNode(true);
+    const look = (e) => { const cs = getComputedStyle(e); return STYLED.map((p) => cs.getPropertyValue(p)); };
+    const looks = new Map([[svg, look(svg)]]);
+    const css = (values, keep) => STYLED.map((p, k) => (keep(k) ? `${p}:${values[k]};` : '')).join('');
+    copy.setAttribute('style', css(looks.get(svg), () => true));
+    const from = svg.querySelectorAll('*'), to = copy.querySelectorAll('*'); // parents before children
+    from.forEach((e, i) => {
+      const mine = look(e), parent = looks.get(e.parentNode);
+      looks.set(e, mine);
+      // opacity is not inherited: any but 1 is the element's own
+      const own = css(mine, (k) => (STYLED[k] === 'opacity' ? mine[k] !== '1' : mine[k] !== parent[k]));
+      if (own) to[i].setAttribute('style', own);
+      to[i].removeAttribute('data-tip');
+    });
+    copy.insertBefore(svgEl('rect', { x: 0, y: 0, width: w, height: '100%', fill: '#fff' }), copy.firstChild);
+    let h = vb.height, x = 8;
+    const items = box.querySelectorAll('.legend > span');
+    if (items.length) h += 8;
+    items.forEach((it) => {
+      const label = it.textContent, sw = it.querySelector('.sw'), iw = 30 + label.length * 6.5;
+      if (x > 8 && x + iw > w) { x = 8; h += 18; }
+      const flat = sw.classList.contains('flat');
+      svgEl('rect', { x: x, y: h + (flat ? 4 : 0), width: 11, height: flat ? 4 : 11, fill: getComputedStyle(sw).backgroundColor }, copy);
+      text(copy, x + 16, h + 10, label, { style: 'font: 12px sans-serif; fill: #5b6475' });
+      x += iw;
+    });
+    if (items.length) h += 18;
+    copy.setAttribute('viewBox', `0 0 ${w} ${h}`);
+    copy.setAttribute('width', w);
+    copy.setAttribute('height', h);
+    return { text: '<?xml version="1.0" encoding="UTF-8"?>\n' + new XMLSerializer().serializeToString(copy), w: w, h: h };
+  }
+  const PNG_SCALE = 2; // pixels per SVG unit: sharp on a high-density screen
+  function savePng(box, name) { // the SVG drawn onto a canvas (an image from a data: address, which the page allows)
+    const f = svgFile(box), img = new Image();
+    img.onload = () => {
+      const c = document.createElement('canvas');
+      c.width = Math.round(f.w * PNG_SCALE);
+      c.height = Math.round(f.h * PNG_SCALE);
+      c.getContext('2d').drawImage(img, 0, 0, c.width, c.height);
+      c.toBlob((b) => save(name, b), 'image/png');
+    };
+    img.onerror = () => console.error('the chart could not be drawn as a PNG');
+    img.src = 'data:image/svg+xml;charset=utf-8,' + encodeURIComponent(f.text);
+  }
+  function addDownloads() {
+    document.querySelectorAll('[data-dl]').forEach((h) => {
+      const id = h.getAttribute('data-dl'), target = document.getElementById(id);
+      const chart = charts.find((c) => c.id === id);
+      if (!target || (chart && !target.querySelector('svg'))) return; // a chart not drawn
+      const span = document.createElement('span');
+      span.className = 'dl';
+      const button = (label, title, make) => {
+        const b = document.createElement('button');
+        b.type = 'button';
+        b.textContent = label;
+        b.title = title;
+        b.setAttribute('data-as', label.toLowerCase());
+        b.addEventListener('click', make);
+        span.appendChild(b);
+      };
+      const csv = (rows) => save(fileName(id, 'csv'), new Blob([csvText(rows)], { type: 'text/csv' }));
+      if (chart) {
+        button('SVG', 'Download this chart as SVG', () => save(fileName(id, 'svg'), new Blob([svgFile(target).text], { type: 'image/svg+xml' })));
+        button('PNG', 'Download this chart as PNG', () => savePng(target, fileName(id, 'png')));
+        button('CSV', 'Download the data behind this chart as CSV', () => csv(chart.csv()));
+      } else {
+        button('CSV', 'Download this table as CSV', () => csv(tableRows(target)));
+      }
+      h.appendChild(span);
+    });
+  }
+
   // ------------------------------------------------------------------ start
   const charts = [
-    ['cp-chart', () => D.critical_path, drawCritical],
-    ['breakdown-chart', () => D.breakdown && D.breakdown.ranks && D.breakdown.ranks.length, drawBreakdown],
-    ['memory-chart', () => D.memory && D.memory.known, drawMemory],
-    ['timeline-chart', () => D.timeline && D.timeline.ranks && D.timeline.ranks.length, drawTimeline],
-    ['comm-chart', () => D.communicators, drawCommunicators],
+    { id: 'cp-chart', has: () => D.critical_path, draw: drawCritical, csv: criticalCsv, iter: true },
+    { id: 'breakdown-chart', has: () => D.breakdown && D.breakdown.ranks && D.breakdown.ranks.length, draw: drawBreakdown,
+      csv: breakdownCsv },
+    { id: 'memory-chart', has: () => D.memory && D.memory.known, draw: drawMemory, csv: memoryCsv },
+    { id: 'memory-ranks-chart', has: () => D.memory && D.memory.known, draw: drawMemoryRanks, csv: memoryRanksCsv },
+    { id: 'timeline-chart', has: () => D.timeline && D.timeline.ranks && D.timeline.ranks.length, draw: drawTimeline,
+      csv: timelineCsv, iter: true },
+    { id: 'comm-chart', has: () => D.communicators, draw: drawCommunicators, csv: commCsv },
   ];
   function drawAll() {
-    for (const [id, has, draw] of charts) {
+    for (const { id, has, draw } of charts) {
       const box = document.getElementById(id);
       if (!box || !has()) continue;
       try {
@@ -599,6 +818,7 @@
     }
   }
   drawAll();
+  addDownloads();
   // printing lays the page out anew (narrower): draw the charts at that width, and back after
   window.matchMedia('print').addEventListener('change', drawAll);
   let lastW = window.innerWidth, timer = 0;
