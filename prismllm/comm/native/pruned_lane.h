@@ -42,6 +42,10 @@ class HeldWork : public Work {
   explicit HeldWork(py::object obj)
       : Work(-1, c10d::OpType::UNKNOWN), work_(obj.cast<intrusive_ptr<Work>>()), obj_(std::move(obj)) {}
   ~HeldWork() override {
+    if (!Py_IsInitialized()) {  // freed after the interpreter: the object goes with it
+      obj_.release();
+      return;
+    }
     py::gil_scoped_acquire gil;
     work_.reset();
     obj_ = py::object();
@@ -99,6 +103,10 @@ class PrunedLane : public Backend {
       : Backend(rank, size), py_(std::move(py)), name_(std::move(name)), coalescing_ok_(coalescing),
         check_(check), expected_(std::move(expected)) {}
   ~PrunedLane() override {
+    if (!Py_IsInitialized()) {  // freed after the interpreter: the object goes with it
+      py_.release();
+      return;
+    }
     py::gil_scoped_acquire gil;
     templates_.clear();
     small_.reset();

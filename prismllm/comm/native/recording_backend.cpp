@@ -343,24 +343,30 @@ class Log {
       chain[p.dev] = p.ev;
       chain_ns[p.dev] = ns;
     }
+    // Every completed Work, not only those ahead of the first incomplete one: a Work holds its
+    // tensors (NCCL's outputs), and one queued behind a call of another stream that completes
+    // late (a prefetch the program waits on much later) would keep them from the allocator.
     std::vector<std::pair<int32_t, int64_t>> dur_ns;  // (work id, duration)
+    std::vector<std::pair<int32_t, intrusive_ptr<Work>>> left;
     bool timing_off = false;
-    size_t k = 0;
-    for (; k < durs.size(); ++k) {
-      auto& [wid, w] = durs[k];
-      if (!w->isCompleted()) break;
-      try {
-        dur_ns.emplace_back(wid, duration_ns(*w));
-      } catch (...) {
-        timing_off = true;
-        break;
+    for (auto& [wid, w] : durs) {
+      if (timing_off) {
+        dur_ns.emplace_back(wid, -3);
+      } else if (!w->isCompleted()) {
+        left.emplace_back(wid, std::move(w));
+      } else {
+        try {
+          dur_ns.emplace_back(wid, duration_ns(*w));
+        } catch (...) {
+          timing_off = true;
+          dur_ns.emplace_back(wid, -3);
+        }
       }
     }
     if (timing_off) {
-      for (; k < durs.size(); ++k) dur_ns.emplace_back(durs[k].first, -3);
+      for (auto& [wid, w] : left) dur_ns.emplace_back(wid, -3);
+      left.clear();
     }
-    std::vector<std::pair<int32_t, intrusive_ptr<Work>>> left(
-        std::make_move_iterator(durs.begin() + k), std::make_move_iterator(durs.end()));
     durs.clear();  // the completed Works go here, outside the lock
 
     lk.lock();
