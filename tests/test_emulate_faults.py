@@ -330,6 +330,23 @@ def test_a_call_beyond_the_graph_on_the_native_lane_is_one_clear_error(setup, tm
     assert_all_ended(all_pids(out))
 
 
+def test_a_native_lane_that_cannot_be_built_says_how_to_do_without(setup, tmp_path):
+    """PRISM_NATIVE_LANE=1 where the native backend cannot be built (here: a cache directory that
+    cannot be made): the sandbox rank stops with one line naming the way out, nothing left behind."""
+    graph, _ = setup
+    out = tmp_path / "nolane"
+    cmd = [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", "120",
+           "--", GPT3D, *LAYOUTS["tp2"], *SIZES]  # fmt: skip
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRISM_NATIVE_LANE": "1", "PRISM_NATIVE_CACHE": str(blocker / "x")}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
+    assert p.returncode != 0
+    line = verdict(p.stderr)
+    assert "could not be built" in line and "PRISM_NATIVE_LANE=0 emulates through the Python path" in line, line
+    assert_all_ended(all_pids(out))
+
+
 def test_a_stalled_run_says_where_each_process_stood(setup, tmp_path):
     """The sandbox rank stops after its first iteration (it sleeps in its optimizer step), so the
     assistant waits for it forever: the timeout ends the run, and the message says where each

@@ -141,7 +141,7 @@ def prepare(rank: int, child: ChildEnv) -> None:
         from prismllm.comm import native  # builds the C++ extension the first time
 
         global _LANE
-        _LANE = native.load()
+        _LANE = native.load(without="PRISM_NATIVE_LANE=0 emulates through the Python path")
         return  # calls issue on the program's thread, with no Python on the way: no issue thread
     issue = user_setting("PRISM_ISSUE_THREAD", "1")
     if issue not in ("0", "1", "all"):

@@ -32,6 +32,7 @@ import torch
 import torch.distributed  # noqa: F401  (the Backend and Work types the module uses)
 
 from prismllm.childenv import user_setting
+from prismllm.errors import RequirementError
 
 _MOD: ModuleType | None = None
 _SRC = Path(__file__).with_name("recording_backend.cpp")
@@ -50,6 +51,10 @@ def _tag() -> str:
 
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in (_SRC, *_HEADERS))).hexdigest()[:12]
     return "prism_native_" + torch.__version__.replace(".", "_").replace("+", "_") + "_" + digest
+
+
+class NativeBuildError(RequirementError, RuntimeError):
+    """The extension could not be built; the message says how to do without it."""
 
 
 class BuildLockTimeout(RuntimeError):
@@ -131,7 +136,8 @@ def _build_lock(directory: Path):
         lock.unlink(missing_ok=True)
 
 
-def load() -> ModuleType:
+def load(without: str = "`prism record --recorder python` records through the Python path") -> ModuleType:
+    """The built module. ``without``: how to do without it, said where the build fails."""
     global _MOD
     if _MOD is None:
         # torch's extension builder (setuptools, ninja): only when the module is loaded
@@ -156,10 +162,8 @@ def load() -> ModuleType:
         except BuildLockTimeout:
             raise
         except Exception as e:  # no compiler, headers that do not match, an unwritable cache
-            raise RuntimeError(
-                f"prism: the native recording backend could not be built in {directory} "
-                f"({_first_line(e)}); `prism record --recorder python` records through the "
-                "Python path"
+            raise NativeBuildError(
+                f"prism: the native recording backend could not be built in {directory} ({_first_line(e)}); {without}"
             ) from None
     return _MOD
 
