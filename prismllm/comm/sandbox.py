@@ -12,7 +12,7 @@ records its graph as in ``prism record``), with solo's metadata backends registe
 * every member a sandbox rank: the real backend over the program's own store, exactly as in
   record mode (``install._create_pg`` builds it; :func:`create_pg` returns None for these);
 * some members virtual: a :class:`PrunedBackend`. It owns a *small* ``ProcessGroupGloo`` of
-  the real members (logical group order) plus the assistant's proxy (last), made over the
+  the real members (logical group order) plus the assistant's proxy (``pruning.Pruned``), made over the
   launcher's TCPStore under ``prism/pruned/<group name>/``; the assistant makes its side
   under the same prefix. Every call is rewritten by the pruning plan of
   ``prismllm/pruning``: ``plan`` -> ``sandbox_call`` -> issue on the small group

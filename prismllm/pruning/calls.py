@@ -217,8 +217,8 @@ def proxy_call(
             for j, r in enumerate(G.real):
                 acc[j].add(ch[r])
         buf = torch.zeros(G.size, p.slot, dtype=dt, device=device)
-        for j in range(len(G.real)):
-            buf[j, : p.numel] = acc[j].result()
+        for j, r in enumerate(G.real):
+            buf[G.small(r), : p.numel] = acc[j].result()
         call = SmallCall(
             "reduce_scatter",
             i,
@@ -390,14 +390,14 @@ def _sb_reduce_scatter(
     ref = ch[0]
     flat_in = contig_flat(input) if isinstance(input, torch.Tensor) else None
     pre = factors is None and p.reduce_op == "premul_sum"  # a pass over the member's own input first
-    if flat_in is not None and not pre and p.slot == c and G.real == tuple(range(G.k)) and G.size == G.n:
-        # the program's input is the small call's layout (the real members' chunks first, the one
-        # virtual member's last, no padding): issued as it is, no copy
+    if flat_in is not None and not pre and p.slot == c and G.in_logical_order:
+        # the program's input is the small call's layout (one virtual member, whose chunk the
+        # proxy's slot takes; no padding): issued as it is, no copy
         buf = flat_in
     else:
         slots = bufs.new(G.size * p.slot, ref.dtype).view(G.size, p.slot)
-        for j, r in enumerate(G.real):
-            slots[j, :c].copy_(ch[r])
+        for r in G.real:
+            slots[G.small(r), :c].copy_(ch[r])
         if factors is None:
             pre_reduce(slots, p.reduce_op, p.factor)
         buf = slots.view(-1)
@@ -429,10 +429,10 @@ def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buf
             ibuf = bufs.new(c, input.dtype)
             ibuf.copy_(flat(input))
     out_flat = contig_flat(output) if isinstance(output, torch.Tensor) else None
-    if out_flat is not None and p.pad == 0 and slot == c and G.real == tuple(range(G.k)) and G.size == G.n:
-        # the small call's output is the program's (the real members' slots first, the one virtual
-        # member's last): gathered in place, no copy; like_me gives the virtual slot this input
-        virtual_slot = out_flat[G.k * c :]
+    if out_flat is not None and p.pad == 0 and slot == c and G.in_logical_order:
+        # the small call's output is the program's (one virtual member, whose slot the proxy's
+        # takes): gathered in place, no copy; like_me gives the virtual slot this input
+        virtual_slot = out_flat[G.proxy * c : (G.proxy + 1) * c]
 
         def fill() -> None:
             virtual_slot.copy_(out_flat[i * c : (i + 1) * c])
@@ -444,9 +444,9 @@ def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buf
     def post() -> None:
         dst = outs if outs is not None else [None] * G.n
         src = {}
-        for j, r in enumerate(G.real):
-            src[r] = obuf[j * slot : j * slot + c]
-        base = G.k * slot
+        for r in G.real:
+            src[r] = obuf[G.small(r) * slot : G.small(r) * slot + c]
+        base = G.proxy * slot
         for x, v in enumerate(G.virtual):
             src[v] = obuf[i * slot : i * slot + c] if like_me else obuf[base + x * c : base + (x + 1) * c]
         if outs is not None:
@@ -518,8 +518,8 @@ def a2a_in_chunks(p: Plan, g: int, x: Any) -> list:
 
 def _sb_all_to_all(p: Plan, g: int, i: int, output: Any, input: Any, bufs: _Buffers) -> SmallCall:
     G = p.group
-    identity = G.real == tuple(range(G.k))
-    order = list(G.real) + list(G.virtual)
+    order = list(G.slots)
+    identity = order == list(range(G.n))
     isp, osp = list(p.small_send[i]), list(p.small_recv[i])
     in_t = input if isinstance(input, torch.Tensor) else None
     out_t = output if isinstance(output, torch.Tensor) else None

@@ -1,5 +1,5 @@
 """The small communicator of a pruned group: its real members (small ranks 0 .. k-1, in logical
-group-rank order) and the proxy (small rank k), made by both sides -- the sandbox rank's backend
+group-rank order) and the proxy (``Pruned``: in the virtual member's place when there is one, else last), made by both sides -- the sandbox rank's backend
 (``prismllm.comm.sandbox``) and the assistant (``prismllm.assistant``) -- under one store prefix."""
 
 from __future__ import annotations

@@ -34,8 +34,11 @@ class PruningError(PrismError):
 class Pruned:
     """A logical group of ``n`` members with real members ``real`` (logical group ranks).
 
-    Small communicator: small rank ``i`` is ``real[i]`` (logical order), the proxy is small
-    rank ``k`` (last). Every virtual member is represented by the proxy."""
+    Small communicator: with one virtual member (n = k + 1) the small ranks are the logical
+    ranks, the proxy standing in the virtual member's place, so that a gather or a scatter of
+    slots lays them out in logical order and runs on the program's tensors as they are, wherever
+    the virtual member sits; otherwise small rank ``i`` is ``real[i]`` (logical order) and the
+    proxy is small rank ``k`` (last). Every virtual member is represented by the proxy."""
 
     n: int
     real: tuple
@@ -55,9 +58,22 @@ class Pruned:
         return len(self.real)
 
     @property
+    def in_logical_order(self) -> bool:
+        """Whether small rank ``s`` is logical rank ``s`` (one virtual member)."""
+        return self.n == len(self.real) + 1
+
+    @property
     def proxy(self) -> int:
         """Small rank of the proxy."""
-        return len(self.real)
+        return self.virtual[0] if self.in_logical_order else len(self.real)
+
+    @property
+    def slots(self) -> tuple:
+        """The logical members in small-rank order, the proxy's place holding every virtual
+        member (logical order): how a small collective lays out the members' slots."""
+        if self.in_logical_order:
+            return tuple(range(self.n))
+        return self.real + self.virtual
 
     @property
     def size(self) -> int:
@@ -73,12 +89,14 @@ class Pruned:
         return g in self.real
 
     def small(self, g: int) -> int:
-        """Small rank standing for logical group rank ``g``: itself if real, else the proxy."""
+        """Small rank standing for logical group rank ``g``: its own if real, else the proxy's."""
+        if not 0 <= g < self.n:
+            raise PruningError(f"rank {g} is not in a group of {self.n}")
+        if self.in_logical_order:
+            return g
         try:
             return self.real.index(g)
         except ValueError:
-            if not 0 <= g < self.n:
-                raise PruningError(f"rank {g} is not in a group of {self.n}") from None
             return self.proxy
 
 
@@ -145,7 +163,7 @@ class Plan:
     small_send: tuple = ()  # all_to_all: per small rank, elements it sends to each small rank
     small_recv: tuple = ()  # all_to_all: per small rank, elements it receives from each small rank
     messages: tuple = ()  # p2p / gather / scatter: logical Messages
-    p2p: tuple = ()  # per small rank (proxy last): tuple of P2POp, in posting order
+    p2p: tuple = ()  # per small rank: tuple of P2POp, in posting order
     sandbox: str = ""  # the sandbox side's local steps, one line
     proxy: str = ""  # the proxy's contribution, one line
     bytes: Mapping[int, LinkBytes] = dataclasses.field(default_factory=dict)  # per real member g
@@ -281,10 +299,11 @@ def plan_reduce_scatter(
     """reduce_scatter: logical member r gets reduce_j input_j[chunk r] (c elements a chunk).
 
     Small call: reduce_scatter over k+1 slots of ``slot`` elements. Sandbox: scratch input
-    whose slot j holds its own chunk real[j] (then zero padding), slot k (the proxy's) zeros;
-    output slot -> its chunk. Proxy: slot j = reduce over virtual members of their chunk
-    real[j]. The naive layout (slot j = chunk j) would give small rank j the chunk j, not
-    real[j]. avg: SUM then /n; premul_sum: x factor before.
+    whose slot small(r) holds its own chunk r for each real member r (then zero padding), the
+    proxy's slot zeros; output slot -> its chunk. Proxy: slot small(r) = reduce over virtual
+    members of their chunk r. With one virtual member the slots are the logical chunks (the
+    small ranks are the logical ranks): the program's input and output as they are, no scratch.
+    avg: SUM then /n; premul_sum: x factor before.
 
     Bytes per real member, ring: small k*slot vs logical (n-1)*c. ``match_bytes`` (default)
     pads each slot to ceil((n-1)c/k) so the small ring carries the logical ring's bytes (and
@@ -301,6 +320,7 @@ def plan_reduce_scatter(
         slot = max(c, -(-(n_ - 1) * c // k))
     pad = slot - c
     lb = LinkBytes(k * slot * it, k * slot * it, (n_ - 1) * c * it, (n_ - 1) * c * it)
+    as_is = g.in_logical_order and not pad and red != "premul_sum"
     return Plan(
         op="reduce_scatter",
         group=g,
@@ -313,17 +333,19 @@ def plan_reduce_scatter(
         slot=slot,
         pad=pad,
         sandbox=(
-            f"scratch [{k + 1} x {slot}]: slot j <- own chunk real[j]"
+            "input and output as they are" + ("; /= n" if red == "avg" else "")
+            if as_is
+            else f"scratch [{k + 1} x {slot}]: slot small(r) <- own chunk r"
             + (" (x factor)" if red == "premul_sum" else "")
-            + f", slot {k} zeros; "
+            + f", slot {g.proxy} zeros; "
             + "output <- small output[:c]"
             + ("; /= n" if red == "avg" else "")
         ),
-        proxy=f"slot j <- {_SMALL_REDOP.get(red, red)} over virtual members of chunk real[j]"
+        proxy=f"slot small(r) <- {_SMALL_REDOP.get(red, red)} over virtual members of chunk r"
         + (" (x factor)" if red == "premul_sum" else "")
         + "; own slot zeros",
         bytes={r: lb for r in g.real},
-        scratch={r: ((k + 1) * slot + (slot if pad else 0)) * it for r in g.real},
+        scratch={r: 0 if as_is else ((k + 1) * slot + (slot if pad else 0)) * it for r in g.real},
     )
 
 
@@ -334,8 +356,9 @@ def plan_all_gather(
 
     Small call: all_gather of k+1 slots of (n-k)*c elements. Proxy: its slot = the virtual
     members' inputs concatenated in logical order. Sandbox: own input in a zero-padded slot;
-    post: output[real[j]] <- small slot j[:c], output[virtual[i]] <- proxy slot[i*c:(i+1)*c]
-    (logical order, not small-rank order).
+    post: output[r] <- small slot small(r)[:c], output[virtual[i]] <- proxy slot[i*c:(i+1)*c]
+    (logical order, not small-rank order). With one virtual member the slots are in logical
+    order (the small ranks are the logical ranks): gathered into the program's output as it is.
 
     Bytes per real member, ring: small k(n-k)c vs logical (n-1)c: equal for k=1 and k=n-1,
     up to ~n/4 x more in between (all_gather needs equal slots on gloo and NCCL, and the
@@ -356,11 +379,13 @@ def plan_all_gather(
         numel=c,
         slot=slot,
         pad=pad,
-        sandbox=(f"input -> slot of {slot} (+{pad} zeros); " if pad else "input as is; ")
-        + "output[real[j]] <- small slot j, output[virtual[i]] <- proxy slot part i",
+        sandbox="input and output as they are"
+        if g.in_logical_order
+        else (f"input -> slot of {slot} (+{pad} zeros); " if pad else "input as is; ")
+        + "output[r] <- small slot small(r), output[virtual[i]] <- proxy slot part i",
         proxy=f"slot <- virtual members' inputs concatenated in logical order ({n_ - k} x {c})",
         bytes={r: lb for r in g.real},
-        scratch={r: ((k + 1) * slot + (slot if pad else 0)) * it for r in g.real},
+        scratch={r: 0 if g.in_logical_order else ((k + 1) * slot + (slot if pad else 0)) * it for r in g.real},
     )
 
 
@@ -586,13 +611,14 @@ def plan_all_to_all(
     real member to it, and its chunks for all virtual members, concatenated in logical
     order, to the proxy; receives each real member's chunk for it, and from the proxy the
     virtual members' chunks for it concatenated in logical source order. Pre/post: permute
-    chunks between logical order and [real..., virtual...] order (a no-op, no scratch, when
-    the real members are the first k). Proxy: receives (discards) the real->virtual chunks.
+    chunks between logical order and small order (``Pruned.slots``; a no-op, no scratch, when
+    that is the logical order: one virtual member, or the real members the first k). Proxy:
+    receives (discards) the real->virtual chunks.
 
     Bytes per real member: exact -- it sends sum_{d != g} splits[g][d] and receives
     sum_{s != g} splits[s][g] rows, as in the logical exchange (k peers instead of n-1)."""
     g = _group(n, real)
-    n_, k = g.n, g.k
+    n_ = g.n
     if splits is None:
         if numel is None or numel % n_:
             raise PruningError(f"all_to_all without splits needs numel divisible by n={n_}")
@@ -602,16 +628,20 @@ def plan_all_to_all(
             raise PruningError(f"all_to_all splits must be {n_} x {n_}")
         el = [[int(x) * row_numel for x in row] for row in splits]
     vs = g.virtual
-    send, recv = [], []
-    for r in g.real:
-        send.append(tuple([el[r][d] for d in g.real] + [sum(el[r][v] for v in vs)]))
-        recv.append(tuple([el[s][r] for s in g.real] + [sum(el[v][r] for v in vs)]))
-    send.append(tuple([sum(el[v][d] for v in vs) for d in g.real] + [0]))
-    recv.append(tuple([sum(el[s][v] for v in vs) for s in g.real] + [0]))
+    # the members each small rank stands for, in small order (the proxy: every virtual member)
+    stands = [[m] if g.is_real(m) else list(vs) for m in (range(n_) if g.in_logical_order else (*g.real, vs[0]))]
+
+    def rows(a: list, b: list) -> int:  # what the members ``a`` send those ``b`` in all
+        return sum(el[x][y] for x in a for y in b)
+
+    px = g.proxy  # the proxy sends itself nothing: its members' chunks among themselves are no one's
+    send = [tuple(0 if i == j == px else rows(a, b) for j, b in enumerate(stands)) for i, a in enumerate(stands)]
+    recv = [tuple(0 if i == j == px else rows(b, a) for j, b in enumerate(stands)) for i, a in enumerate(stands)]
     it = _itemsize(dtype)
-    identity = g.real == tuple(range(k))
+    identity = g.slots == tuple(range(n_))
     bytes_, scratch = {}, {}
-    for i, r in enumerate(g.real):
+    for r in g.real:
+        i = g.small(r)
         ls = sum(el[r][d] for d in range(n_) if d != r) * it
         lr = sum(el[s][r] for s in range(n_) if s != r) * it
         ss = (sum(send[i]) - send[i][i]) * it
@@ -627,9 +657,9 @@ def plan_all_to_all(
         small_send=tuple(send),
         small_recv=tuple(recv),
         sandbox=(
-            "as is (real members are the first k)"
+            "as is (small order is logical order)"
             if identity
-            else "permute input chunks to [real..., virtual...]; permute output back to logical source order"
+            else "permute input chunks to small order; permute output back to logical source order"
         ),
         proxy="sends virtual->real chunks (per real member, logical source order); receives real->virtual (discarded)",
         bytes=bytes_,
