@@ -122,15 +122,18 @@ class PrunedLane : public Backend {
     py_.attr("shutdown")();
   }
 
+  // The Python backend batches a scope's calls as one NCCL group only when told the device is CUDA
+  // (c10d's startCoalescing names none): told nothing, it would post a pipeline's sends and receives
+  // one by one, which can deadlock on NCCL.
   void startCoalescing() override {
     ++scope_;
     py::gil_scoped_acquire gil;
-    py_.attr("_start_coalescing")(py::none());
+    py_.attr("_start_coalescing")(scope_device());
   }
   intrusive_ptr<Work> endCoalescing() override {
     --scope_;
     py::gil_scoped_acquire gil;
-    return held(py_.attr("_end_coalescing")(py::none()));
+    return held(py_.attr("_end_coalescing")(scope_device()));
   }
 
   // ---- the calls that can take the fast lane ----
@@ -441,6 +444,8 @@ class PrunedLane : public Backend {
     return Template{t[0].cast<int16_t>(), t[1].cast<int8_t>(), t[2].cast<double>(), t[3].cast<int32_t>(),
                     role(t[4]), role(t[5]), t[6].is_none() ? at::Tensor() : t[6].cast<at::Tensor>()};
   }
+
+  py::object scope_device() const { return coalescing_ok_ ? py::object(py::str("cuda")) : py::object(py::none()); }
 
   static intrusive_ptr<Work> held(py::handle w) {
     if (w.is_none()) return {};
