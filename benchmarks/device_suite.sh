@@ -46,6 +46,9 @@
 #              with the real job twice each; the layer's host time by part and the host wait of each; first the
 #              issue thread's GPU tests (a pruned NCCL call, the TP2 and DP2 emulations' values; TESTS=0: none); ~9 min
 #   lane-ab    as issue-ab with the native lane on and off (PRISM_NATIVE_LANE=1 / 0), its GPU tests with the lane on
+#   lane-memory  the native lane's peak-memory gap (the distributed optimizer of its GPU test, last rank): the
+#              peak of plain torchrun, of prism record through the Python recorder (tensors saved: the GPU test's
+#              reference) and through the native one, of prism emulate through the Python path and the lane; ~3 min
 #   prune-all  pruned latency of every collective kind and send/recv against real 2- and 4-GPU runs (four GPUs),
 #              64 KB - 8 GB (issue 36); writes $OUT/pruning_latency_<gpu>x4.json; ~5 min
 #   fidelity-gpu [CASES]  the GPU fidelity suite (benchmarks/fidelity_gpu.py) for DEADLINE s (540); resumes
@@ -64,7 +67,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-memory|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -447,6 +450,27 @@ res.get('emulation_native_lane') or '')" "$e/emulate.json" "$r" 2>&1 | tail -1
         done
     done
     tar czf "$OUT/$PART.tgz" "$D"/*.log "$D"/emu*/emulate.json "$D"/ddp*/cal/summary.json "$D"/ddp*/logs 2>/dev/null ;;
+lane-memory)
+    D=out/lane-memory
+    rm -rf "$D"; mkdir -p "$D"
+    G="--dist-opt --layers 2 --hidden 32 --heads 4 --seq 16 --vocab 128 --micro-batch 1 --global-batch 4 --iters 3"
+    # peak LABEL JSON-LOG: the last rank's torch.cuda.max_memory_allocated after its last iteration, as gpt3d logs it
+    peak() { python3 -c "import json, sys; print(f'{sys.argv[1]:28s} program {json.load(open(sys.argv[2]))[-1][\"max_mem_bytes\"]:,} B')" "$1" "$2" 2>&1 | tail -1; }
+    timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 examples/gpt3d.py $G --json-log "$D/plain.json" \
+        >"$D/plain.log" 2>&1; peak "plain torchrun" "$D/plain.json"
+    for rec in python native; do
+        extra=""; [ $rec = python ] && extra="--save-tensors all,inputs"
+        timeout 120 prism record --nproc 2 --devices cuda:0,1 --recorder $rec $extra --out "$D/rec-$rec" -- examples/gpt3d.py $G \
+            --json-log "$D/rec-$rec.json" >"$D/rec-$rec.log" 2>&1; peak "prism record ($rec)" "$D/rec-$rec.json"
+        python3 -c "import json, sys; print('   manifest', json.load(open(sys.argv[1]))['peak_memory_bytes'])" "$D/rec-$rec/manifest.json" 2>&1 | tail -1
+    done
+    for lane in 0 1; do
+        PRISM_NATIVE_LANE=$lane timeout 120 prism emulate --graph "$D/rec-python" --sandbox 1 --devices cuda:0,1 --out "$D/emu$lane" \
+            -- examples/gpt3d.py $G --json-log "$D/emu$lane.json" >"$D/emu$lane.log" 2>&1; peak "prism emulate (lane $lane)" "$D/emu$lane.json"
+        python3 -c "import json, sys; r = json.load(open(sys.argv[1]))['sandbox_results']['1']; \
+print('   emulate.json', r['peak_memory_bytes'], 'scratch', r['emulation_scratch_bytes'], r.get('emulation_native_lane'))" "$D/emu$lane/emulate.json" 2>&1 | tail -1
+    done
+    tar czf "$OUT/lane-memory.tgz" "$D"/*.log "$D"/*.json "$D"/emu*/emulate.json 2>/dev/null ;;
 prune-all)
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr 'H' 'h')
     timeout "${PRUNE_TIMEOUT:-580}" python3 benchmarks/pruning_latency.py --devices cuda --worlds 2,4 --rounds "${ROUNDS:-1}" \
