@@ -319,32 +319,31 @@ def test_a_call_beyond_the_graph_on_the_native_lane_is_one_clear_error(setup, tm
     graph, _ = setup
     args = list(SIZES)
     args[args.index("--iters") + 1] = str(int(args[args.index("--iters") + 1]) + 1)
-    out = tmp_path / "beyond"
-    cmd = [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", "120",
-           "--", GPT3D, *LAYOUTS["tp2"], *args]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRISM_PROGRAM_CHECK": "off", "PRISM_NATIVE_LANE": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
-    assert p.returncode != 0
-    line = verdict(p.stderr)
+    line = lane_failure(graph, tmp_path / "beyond", args, PRISM_PROGRAM_CHECK="off")
     assert "rank 1 deviates from its graph at " in line and "has no more collectives" in line, line
-    assert_all_ended(all_pids(out))
 
 
 def test_a_native_lane_that_cannot_be_built_says_how_to_do_without(setup, tmp_path):
     """PRISM_NATIVE_LANE=1 where the native backend cannot be built (here: a cache directory that
     cannot be made): the sandbox rank stops with one line naming the way out, nothing left behind."""
     graph, _ = setup
-    out = tmp_path / "nolane"
-    cmd = [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", "120",
-           "--", GPT3D, *LAYOUTS["tp2"], *SIZES]  # fmt: skip
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRISM_NATIVE_LANE": "1", "PRISM_NATIVE_CACHE": str(blocker / "x")}
+    line = lane_failure(graph, tmp_path / "nolane", SIZES, PRISM_NATIVE_CACHE=str(blocker / "x"))
+    assert "could not be built" in line and "PRISM_NATIVE_LANE=0 emulates through the Python path" in line, line
+
+
+def lane_failure(graph: Path, out: Path, args: list[str], **env: str) -> str:
+    """`prism emulate` of the TP2 program with PRISM_NATIVE_LANE=1 and ``env``, which must fail: its
+    one line, every process it started gone."""
+    cmd = [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", "120",
+           "--", GPT3D, *LAYOUTS["tp2"], *args]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRISM_NATIVE_LANE": "1", **env}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert p.returncode != 0
     line = verdict(p.stderr)
-    assert "could not be built" in line and "PRISM_NATIVE_LANE=0 emulates through the Python path" in line, line
     assert_all_ended(all_pids(out))
+    return line
 
 
 def test_a_stalled_run_says_where_each_process_stood(setup, tmp_path):

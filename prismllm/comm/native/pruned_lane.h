@@ -35,6 +35,17 @@ struct ScopedCallRows {
   ~ScopedCallRows() { tl_call_rows = prev; }
 };
 
+// Lets go of a Python object from C++: under the GIL, or, once the interpreter is gone, not at all
+// (the object went with it).
+static void drop(py::object& o) {
+  if (!Py_IsInitialized()) {
+    o.release();
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  o = py::object();
+}
+
 // A Work of the Python backend, kept together with its Python object (whose methods the
 // trampoline calls), released under the GIL.
 class HeldWork : public Work {
@@ -42,13 +53,8 @@ class HeldWork : public Work {
   explicit HeldWork(py::object obj)
       : Work(-1, c10d::OpType::UNKNOWN), work_(obj.cast<intrusive_ptr<Work>>()), obj_(std::move(obj)) {}
   ~HeldWork() override {
-    if (!Py_IsInitialized()) {  // freed after the interpreter: the object goes with it
-      obj_.release();
-      return;
-    }
-    py::gil_scoped_acquire gil;
-    work_.reset();
-    obj_ = py::object();
+    work_.reset();  // the trampoline's C++ part: its Python object is obj_
+    drop(obj_);
   }
   bool wait(std::chrono::milliseconds timeout) override { return work_->wait(timeout); }
   void synchronize() override { work_->synchronize(); }
@@ -102,16 +108,7 @@ class PrunedLane : public Backend {
              std::vector<Expected> expected)
       : Backend(rank, size), py_(std::move(py)), name_(std::move(name)), coalescing_ok_(coalescing),
         check_(check), expected_(std::move(expected)) {}
-  ~PrunedLane() override {
-    if (!Py_IsInitialized()) {  // freed after the interpreter: the object goes with it
-      py_.release();
-      return;
-    }
-    py::gil_scoped_acquire gil;
-    templates_.clear();
-    small_.reset();
-    py_ = py::object();
-  }
+  ~PrunedLane() override { drop(py_); }
 
   py::object backend() const { return py_; }  // the Python backend
   const std::string getBackendName() const override { return name_; }
