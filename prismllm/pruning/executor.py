@@ -85,13 +85,13 @@ def issue(pg: Any, call: SmallCall) -> list:
     raise PruningError(f"cannot issue {op!r}")
 
 
-# the native lane's op codes (prismllm/comm/native/recording_backend.cpp, enum Op)
-_LANE_OPS = {"all_reduce": 0, "all_gather": 1, "reduce_scatter": 2, "broadcast": 4}
+# the small calls the native lane issues again from a template
+_LANE_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
 
 def lane_template(call: SmallCall, program: Sequence[torch.Tensor]) -> tuple | None:
     """What the native lane (``prismllm/comm/native/pruned_lane.h``) needs to issue ``call`` again
-    for another call of the same signature without Python, as :func:`issue` issues it: (op code,
+    for another call of the same signature without Python, as :func:`issue` issues it: (op,
     reduce op code, pre-multiplied factor or NaN, small root, input role, output role, padding
     tensor or None), a role being (index in ``program``, offset, numel) of a tensor that lies
     inside one of the program's tensors (flattened). None when the call does more than that: a
@@ -116,7 +116,7 @@ def lane_template(call: SmallCall, program: Sequence[torch.Tensor]) -> tuple | N
             red, factor = int(dist.ReduceOp.RedOpType.PREMUL_SUM.value), float(call.factor)
         else:
             red = int(getattr(dist.ReduceOp.RedOpType, _TORCH_REDOP[call.reduce_op]).value)
-    return (_LANE_OPS[call.op], red, factor, int(call.root), in_role, out_role, parts[1] if parts else None)
+    return (call.op, red, factor, int(call.root), in_role, out_role, parts[1] if parts else None)
 
 
 def _role(t: torch.Tensor | None, program: Sequence[torch.Tensor]) -> tuple[int, int, int] | None:

@@ -48,27 +48,16 @@ static void drop(py::object& o) {
 
 // A Work of the Python backend, kept together with its Python object (whose methods the
 // trampoline calls), released under the GIL.
-class HeldWork : public Work {
+class HeldWork : public ForwardingWork {
  public:
   explicit HeldWork(py::object obj)
-      : Work(-1, c10d::OpType::UNKNOWN), work_(obj.cast<intrusive_ptr<Work>>()), obj_(std::move(obj)) {}
+      : ForwardingWork(obj.cast<intrusive_ptr<Work>>(), c10d::OpType::UNKNOWN), obj_(std::move(obj)) {}
   ~HeldWork() override {
-    work_.reset();  // the trampoline's C++ part: its Python object is obj_
+    inner_.reset();  // the trampoline's C++ part: its Python object is obj_
     drop(obj_);
   }
-  bool wait(std::chrono::milliseconds timeout) override { return work_->wait(timeout); }
-  void synchronize() override { work_->synchronize(); }
-  bool isCompleted() override { return work_->isCompleted(); }
-  bool isSuccess() const override { return work_->isSuccess(); }
-  std::exception_ptr exception() const override { return work_->exception(); }
-  int sourceRank() const override { return work_->sourceRank(); }
-  std::vector<at::Tensor> result() override { return work_->result(); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return work_->getFuture(); }
-  float getDuration() const override { return work_->getDuration(); }
-  void abort() override { work_->abort(); }
 
  private:
-  intrusive_ptr<Work> work_;
   py::object obj_;
 };
 
@@ -135,87 +124,83 @@ class PrunedLane : public Backend {
 
   // ---- the calls that can take the fast lane ----
   intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& o) override {
-    if (ts.size() == 1) {
-      std::vector<at::Tensor> prog{ts[0]};
-      if (auto w = fast(A_ALLREDUCE, prog, -1)) return w;
-    }
-    return python("allreduce", A_ALLREDUCE, ts, ts, o);
+    LaneCall c(A_ALLREDUCE, ts);
+    if (auto w = fast(c)) return w;
+    return python("allreduce", c, ts, o);
   }
   intrusive_ptr<Work> _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
-    std::vector<at::Tensor> prog{out, in};
-    if (auto w = fast(A_AG_BASE, prog, -1)) return w;
-    return python("_allgather_base", A_AG_BASE, prog, out, in, o);
+    LaneCall c(A_AG_BASE, {out, in});
+    if (auto w = fast(c)) return w;
+    return python("_allgather_base", c, out, in, o);
   }
   intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                            const c10d::ReduceScatterOptions& o) override {
-    std::vector<at::Tensor> prog{out, in};
-    if (auto w = fast(A_RS_BASE, prog, -1)) return w;
-    return python("_reduce_scatter_base", A_RS_BASE, prog, out, in, o);
+    LaneCall c(A_RS_BASE, {out, in});
+    if (auto w = fast(c)) return w;
+    return python("_reduce_scatter_base", c, out, in, o);
   }
   intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& ts, const c10d::BroadcastOptions& o) override {
-    if (ts.size() == 1) {
-      std::vector<at::Tensor> prog{ts[0]};
-      if (auto w = fast(A_BROADCAST, prog, static_cast<int32_t>(o.rootRank))) return w;
-    }
-    return python("broadcast", A_BROADCAST, ts, ts, o);
+    LaneCall c(A_BROADCAST, ts, static_cast<int32_t>(o.rootRank));
+    if (auto w = fast(c)) return w;
+    return python("broadcast", c, ts, o);
   }
 
   // ---- the calls that always go to Python ----
   intrusive_ptr<Work> allreduce_coalesced(std::vector<at::Tensor>& ts,
                                           const c10d::AllreduceCoalescedOptions& o) override {
-    return python("allreduce_coalesced", -1, {}, ts, o);
+    return python("allreduce_coalesced", LaneCall(), ts, o);
   }
   intrusive_ptr<Work> allgather(std::vector<std::vector<at::Tensor>>& outs, std::vector<at::Tensor>& ins,
                                 const c10d::AllgatherOptions& o) override {
-    return python("allgather", -1, {}, outs, ins, o);
+    return python("allgather", LaneCall(), outs, ins, o);
   }
   intrusive_ptr<Work> allgather_coalesced(std::vector<std::vector<at::Tensor>>& outs,
                                           std::vector<at::Tensor>& ins, const c10d::AllgatherOptions& o) override {
-    return python("allgather_coalesced", -1, {}, outs, ins, o);
+    return python("allgather_coalesced", LaneCall(), outs, ins, o);
   }
   intrusive_ptr<Work> allgather_into_tensor_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins,
                                                       const c10d::AllgatherOptions& o) override {
-    return python("allgather_into_tensor_coalesced", -1, {}, outs, ins, o);
+    return python("allgather_into_tensor_coalesced", LaneCall(), outs, ins, o);
   }
   intrusive_ptr<Work> reduce_scatter(std::vector<at::Tensor>& outs, std::vector<std::vector<at::Tensor>>& ins,
                                      const c10d::ReduceScatterOptions& o) override {
-    return python("reduce_scatter", -1, {}, outs, ins, o);
+    return python("reduce_scatter", LaneCall(), outs, ins, o);
   }
   intrusive_ptr<Work> reduce_scatter_tensor_coalesced(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins,
                                                       const c10d::ReduceScatterOptions& o) override {
-    return python("reduce_scatter_tensor_coalesced", -1, {}, outs, ins, o);
+    return python("reduce_scatter_tensor_coalesced", LaneCall(), outs, ins, o);
   }
   intrusive_ptr<Work> alltoall_base(at::Tensor& out, at::Tensor& in, std::vector<int64_t>& osp,
                                     std::vector<int64_t>& isp, const c10d::AllToAllOptions& o) override {
-    return python("alltoall_base", -1, {}, out, in, osp, isp, o);
+    return python("alltoall_base", LaneCall(), out, in, osp, isp, o);
   }
   intrusive_ptr<Work> alltoall(std::vector<at::Tensor>& outs, std::vector<at::Tensor>& ins,
                                const c10d::AllToAllOptions& o) override {
-    return python("alltoall", -1, {}, outs, ins, o);
+    return python("alltoall", LaneCall(), outs, ins, o);
   }
   intrusive_ptr<Work> reduce(std::vector<at::Tensor>& ts, const c10d::ReduceOptions& o) override {
-    return python("reduce", -1, {}, ts, o);
+    return python("reduce", LaneCall(), ts, o);
   }
   intrusive_ptr<Work> gather(std::vector<std::vector<at::Tensor>>& outs, std::vector<at::Tensor>& ins,
                              const c10d::GatherOptions& o) override {
-    return python("gather", -1, {}, outs, ins, o);
+    return python("gather", LaneCall(), outs, ins, o);
   }
   intrusive_ptr<Work> scatter(std::vector<at::Tensor>& outs, std::vector<std::vector<at::Tensor>>& ins,
                               const c10d::ScatterOptions& o) override {
-    return python("scatter", -1, {}, outs, ins, o);
+    return python("scatter", LaneCall(), outs, ins, o);
   }
-  intrusive_ptr<Work> barrier(const c10d::BarrierOptions& o) override { return python("barrier", -1, {}, o); }
+  intrusive_ptr<Work> barrier(const c10d::BarrierOptions& o) override { return python("barrier", LaneCall(), o); }
   void monitoredBarrier(const c10d::BarrierOptions& o, bool wait_all) override {
-    python("monitored_barrier", -1, {}, py::none(), wait_all);
+    python("monitored_barrier", LaneCall(), py::none(), wait_all);
   }
   intrusive_ptr<Work> send(std::vector<at::Tensor>& ts, int dst, int tag) override {
-    return python("send", -1, {}, ts, dst, tag);
+    return python("send", LaneCall(), ts, dst, tag);
   }
   intrusive_ptr<Work> recv(std::vector<at::Tensor>& ts, int src, int tag) override {
-    return python("recv", -1, {}, ts, src, tag);
+    return python("recv", LaneCall(), ts, src, tag);
   }
   intrusive_ptr<Work> recvAnysource(std::vector<at::Tensor>& ts, int tag) override {
-    return python("recv_anysource", -1, {}, ts, tag);
+    return python("recv_anysource", LaneCall(), ts, tag);
   }
   intrusive_ptr<Backend> split(const c10::intrusive_ptr<c10d::Store>&, const std::vector<int>&,
                                const c10::intrusive_ptr<Options>&) override {
@@ -236,7 +221,19 @@ class PrunedLane : public Backend {
     int32_t peer;
     int64_t inb, outb;
   };
-  std::vector<CallRow> call_rows() {
+  // A call as the lane sees it, from the moment it arrived: its rows in the log and, for one that
+  // can take the fast lane (``api`` >= 0), the program's tensors in the lane's order and its root.
+  struct LaneCall {
+    int64_t t0 = steady_ns();
+    std::vector<CallRow> rows = logged_rows();
+    int16_t api = -1;
+    std::vector<at::Tensor> prog;
+    int32_t root = -1;
+    LaneCall() = default;
+    LaneCall(int16_t api, std::vector<at::Tensor> prog, int32_t root = -1)
+        : api(api), prog(std::move(prog)), root(root) {}
+  };
+  static std::vector<CallRow> logged_rows() {
     std::vector<CallRow> out;
     CallRows cr = tl_call_rows;
     auto& log = the_log();
@@ -248,31 +245,42 @@ class PrunedLane : public Backend {
     }
     return out;
   }
-  // Sequence numbers for the rows, taken (``take``) only once the call went through.
-  void number(std::vector<CallRow>& rows, bool take) {
+  static bool p2p(const CallRow& r) { return r.op == SEND || r.op == RECV; }
+  // Sequence numbers for the rows, from the group's counters (under mu_).
+  void number(std::vector<CallRow>& rows) const {
     int64_t coll = coll_seq_;
-    std::map<std::pair<int16_t, int32_t>, int64_t> p2p;
+    std::map<std::pair<int16_t, int32_t>, int64_t> next;
     for (auto& r : rows) {
-      if (r.op == SEND || r.op == RECV) {
-        auto key = std::make_pair(r.op, r.peer);
-        auto it = p2p.find(key);
-        int64_t s = it != p2p.end() ? it->second : (p2p_seq_.count(key) ? p2p_seq_[key] : 0);
-        r.seq = s;
-        p2p[key] = s + 1;
-      } else {
+      if (!p2p(r)) {
         r.seq = coll++;
+        continue;
       }
-    }
-    if (take) {
-      coll_seq_ = coll;
-      for (auto& [k, v] : p2p) p2p_seq_[k] = v;
+      auto key = std::make_pair(r.op, r.peer);
+      auto taken = p2p_seq_.find(key);
+      auto it = next.try_emplace(key, taken != p2p_seq_.end() ? taken->second : 0).first;
+      r.seq = it->second++;
     }
   }
+  // The call went through: its rows' numbers are taken, and its host time counted.
+  void done(const LaneCall& c, bool fast) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      for (auto& r : c.rows) {
+        if (p2p(r)) {
+          p2p_seq_[{r.op, r.peer}] = r.seq + 1;
+        } else {
+          coll_seq_ = r.seq + 1;
+        }
+      }
+    }
+    auto& s = stats();
+    (fast ? s.fast : s.python)++;
+    (fast ? s.fast_ns : s.python_ns) += steady_ns() - c.t0;
+  }
 
-  static std::vector<int64_t> key_of(int16_t api, const std::vector<at::Tensor>& prog, const CallRow& r,
-                                     int32_t root) {
-    std::vector<int64_t> key{api, r.red, root};
-    for (auto& t : prog) {
+  static std::vector<int64_t> key_of(const LaneCall& c) {
+    std::vector<int64_t> key{c.api, c.rows[0].red, c.root};
+    for (auto& t : c.prog) {
       key.push_back(static_cast<int64_t>(t.scalar_type()));
       key.push_back(t.numel());
       key.push_back(static_cast<int64_t>(t.device().type()));
@@ -288,33 +296,26 @@ class PrunedLane : public Backend {
   }
 
   // The call on the small communicator from its template, or nothing (then Python plans it).
-  intrusive_ptr<Work> fast(int16_t api, std::vector<at::Tensor>& prog, int32_t root) {
-    if (scope_ > 0) return {};
-    for (auto& t : prog)
+  intrusive_ptr<Work> fast(LaneCall& c) {
+    if (c.api < 0 || scope_ > 0 || c.rows.size() != 1 ||
+        c.rows[0].red == static_cast<int8_t>(c10d::ReduceOp::PREMUL_SUM))
+      return {};
+    for (auto& t : c.prog)
       if (!t.is_contiguous()) return {};
-    int64_t t0 = steady_ns();
-    auto rows = call_rows();
-    if (rows.size() != 1 || rows[0].red == static_cast<int8_t>(c10d::ReduceOp::PREMUL_SUM)) return {};
     Template tp;
     intrusive_ptr<Backend> small;
     {
       std::lock_guard<std::mutex> g(mu_);
       if (!small_) return {};
       small = small_;
-      number(rows, false);
-      if (!expected_here(rows[0])) return {};
-      auto it = templates_.find(key_of(api, prog, rows[0], root));
+      number(c.rows);
+      if (!expected_here(c.rows[0])) return {};
+      auto it = templates_.find(key_of(c));
       if (it == templates_.end()) return {};
       tp = it->second;
     }
-    auto w = issue(*small, tp, prog);
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      number(rows, true);
-    }
-    auto& s = stats();
-    s.fast++;
-    s.fast_ns += steady_ns() - t0;
+    auto w = issue(*small, tp, c.prog);
+    done(c, true);
     return w;
   }
 
@@ -367,43 +368,33 @@ class PrunedLane : public Backend {
     }
   }
 
-  // The call through the Python backend; ``api`` >= 0: a call that can take the fast lane, whose
-  // template Python may hand back (for ``prog``, the program's tensors in the lane's order).
+  // The call through the Python backend, which may hand back its template (a call that can take
+  // the fast lane).
   template <typename... A>
-  intrusive_ptr<Work> python(const char* method, int16_t api, std::vector<at::Tensor> prog, A&&... args) {
-    int64_t t0 = steady_ns();
-    auto rows = call_rows();
+  intrusive_ptr<Work> python(const char* method, LaneCall c, A&&... args) {
     {
       std::lock_guard<std::mutex> g(mu_);
-      number(rows, false);
+      number(c.rows);
     }
-    int32_t root = -1;
-    if constexpr (sizeof...(A) > 0) root = root_of(args...);
     intrusive_ptr<Work> w;
     {
       py::gil_scoped_acquire gil;
       py::list pyrows;
-      for (auto& r : rows)
+      for (auto& r : c.rows)
         pyrows.append(py::make_tuple(kOps[r.op], kApis[r.api], r.seq, r.red,
                                      std::isnan(r.factor) ? py::object(py::none()) : py::object(py::float_(r.factor)),
                                      r.inb, r.outb));
       py::tuple res = py_.attr("native_call")(method, pyrows, to_py(args)...);
       w = held(res[0]);
-      if (api >= 0 && rows.size() == 1 && scope_ == 0 && !res[1].is_none()) {
+      if (c.api >= 0 && c.rows.size() == 1 && scope_ == 0 && !res[1].is_none()) {
         Template tp = template_of(res[1].cast<py::tuple>());
         auto small = res[2].is_none() ? intrusive_ptr<Backend>() : res[2].cast<intrusive_ptr<Backend>>();
         std::lock_guard<std::mutex> g(mu_);
-        templates_.emplace(key_of(api, prog, rows[0], root), std::move(tp));
+        templates_.emplace(key_of(c), std::move(tp));
         if (!small_) small_ = small;
       }
     }
-    {
-      std::lock_guard<std::mutex> g(mu_);
-      number(rows, true);
-    }
-    auto& s = stats();
-    s.python++;
-    s.python_ns += steady_ns() - t0;
+    done(c, false);
     return w;
   }
 
@@ -416,18 +407,7 @@ class PrunedLane : public Backend {
     }
   }
 
-  template <typename O, typename... R>
-  static int32_t root_of(const O& first, const R&... rest) {
-    if constexpr (std::is_same_v<std::decay_t<O>, c10d::BroadcastOptions>) {
-      return static_cast<int32_t>(first.rootRank);
-    } else if constexpr (sizeof...(R) > 0) {
-      return root_of(rest...);
-    } else {
-      return -1;
-    }
-  }
-
-  // (op, red, factor, root, (in arg, offset, numel), (out arg, offset, numel), pad tensor or None)
+  // (op name, red, factor, root, (in arg, offset, numel), (out arg, offset, numel), pad tensor or None)
   static Template template_of(const py::tuple& t) {
     auto role = [](py::handle h) {
       Role r;
@@ -438,7 +418,9 @@ class PrunedLane : public Backend {
       r.numel = x[2].cast<int64_t>();
       return r;
     };
-    return Template{t[0].cast<int16_t>(), t[1].cast<int8_t>(), t[2].cast<double>(), t[3].cast<int32_t>(),
+    auto name = t[0].cast<std::string>();
+    auto op = std::find(std::begin(kOps), std::end(kOps), name) - std::begin(kOps);
+    return Template{static_cast<int16_t>(op), t[1].cast<int8_t>(), t[2].cast<double>(), t[3].cast<int32_t>(),
                     role(t[4]), role(t[5]), t[6].is_none() ? at::Tensor() : t[6].cast<at::Tensor>()};
   }
 

@@ -548,11 +548,33 @@ static Log& the_log() {
 }
 
 // ---- the Work the program gets ---------------------------------------------------------------
-class RecordedWork : public Work {
+// A Work that answers for another (``inner_``): every query forwarded; a subclass adds to the waits.
+class ForwardingWork : public Work {
+ public:
+  ForwardingWork(intrusive_ptr<Work> inner, c10d::OpType type) : Work(-1, type), inner_(std::move(inner)) {}
+  bool wait(std::chrono::milliseconds timeout) override { return inner_->wait(timeout); }
+  void synchronize() override { inner_->synchronize(); }
+  bool isCompleted() override { return inner_->isCompleted(); }
+  bool isSuccess() const override { return inner_->isSuccess(); }
+  std::exception_ptr exception() const override { return inner_->exception(); }
+  int sourceRank() const override { return inner_->sourceRank(); }
+  std::vector<at::Tensor> result() override { return inner_->result(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
+  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override {
+    return inner_->getFutureResult();
+  }
+  float getDuration() const override { return inner_->getDuration(); }
+  uint64_t getSequencenumber() const override { return inner_->getSequencenumber(); }
+  void abort() override { inner_->abort(); }
+
+ protected:
+  intrusive_ptr<Work> inner_;
+};
+
+class RecordedWork : public ForwardingWork {
  public:
   RecordedWork(intrusive_ptr<Work> inner, int32_t wid, bool anysource, std::vector<int>* granks)
-      : Work(-1, inner->retrieveOpType()), inner_(std::move(inner)), wid_(wid),
-        anysource_(anysource), granks_(granks) {}
+      : ForwardingWork(inner, inner->retrieveOpType()), wid_(wid), anysource_(anysource), granks_(granks) {}
 
   ~RecordedWork() override {
     if (inner_ && !the_log().cuda_ && inner_.use_count() > 1) the_log().bury(std::move(inner_));
@@ -584,18 +606,6 @@ class RecordedWork : public Work {
     }
     end_wait(before, t0, t1);
   }
-  bool isCompleted() override { return inner_->isCompleted(); }
-  bool isSuccess() const override { return inner_->isSuccess(); }
-  std::exception_ptr exception() const override { return inner_->exception(); }
-  int sourceRank() const override { return inner_->sourceRank(); }
-  std::vector<at::Tensor> result() override { return inner_->result(); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFuture() override { return inner_->getFuture(); }
-  c10::intrusive_ptr<c10::ivalue::Future> getFutureResult() override {
-    return inner_->getFutureResult();
-  }
-  float getDuration() const override { return inner_->getDuration(); }
-  uint64_t getSequencenumber() const override { return inner_->getSequencenumber(); }
-  void abort() override { inner_->abort(); }
 
  private:
   int64_t begin_wait() {
@@ -633,7 +643,6 @@ class RecordedWork : public Work {
     log.self.wait_ns += (t1 - t0) + (steady_ns() - t2);
   }
 
-  intrusive_ptr<Work> inner_;
   int32_t wid_;
   bool anysource_;
   bool waited_ = false;
