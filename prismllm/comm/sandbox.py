@@ -864,23 +864,22 @@ class PrunedBackend(solo.GeneratedBackend):
         self._leave_out(t0, "hand-off")
         return w
 
-    def native_call(self, method: str, rows: list[tuple], *args: Any) -> tuple:
+    def native_call(self, method: str, rows: list[tuple], program: list[torch.Tensor] | None, *args: Any) -> tuple:
         """A call the native lane hands over (``prismllm/comm/native/pruned_lane.h``): ``method``
         of this backend with the program's arguments, ``rows`` the call's rows in the native log
-        (op, api, seq, reduce op code, factor, bytes in, bytes out). Returns the Work, and where
-        the call's one small call can be issued again from the program's tensors alone, its
-        template (``pruning.lane_template``) and the small group (a backend) that issues it."""
+        (op, api, seq, reduce op code, factor, bytes in, bytes out), ``program`` the program's
+        tensors in the lane's order where the call can take the lane (else None). Returns the
+        Work, and where the call's one small call can be issued again from those tensors alone,
+        its template (``pruning.lane_template``) and the small group (a backend) that issues it."""
         self._native_rows, self._planned = rows, None
         try:
             work = getattr(self, method)(*args)
         finally:
             self._native_rows = None
         smalls, self._planned = self._planned, None
-        program = _LANE_TENSORS.get(method)
         if program is None or not smalls or len(smalls) != 1 or self._nccl_batch is not None:
             return work, None, None
-        tensors = program(args)
-        template = C.lane_template(smalls[0], tensors)
+        template = C.lane_template(smalls[0], program)
         if template is None:
             return work, None, None
         return work, template, self.small()
@@ -994,15 +993,6 @@ def _unsupported(backend: PrunedBackend, what: str, fix: str) -> EmulateError:
     ranks = backend.global_ranks
     where = f"rank {ranks[backend._rank]}: {what} on group {backend.group_name} (ranks {format_ranks(ranks)})"
     return EmulateError(f"{where} is not supported in emulation: {fix}")
-
-
-# The program's tensors of a call the native lane can issue from a template, in the lane's order.
-_LANE_TENSORS: dict[str, Callable[[tuple], list[torch.Tensor]]] = {
-    "allreduce": lambda a: list(a[0]),
-    "broadcast": lambda a: list(a[0]),
-    "_allgather_base": lambda a: [a[0], a[1]],
-    "_reduce_scatter_base": lambda a: [a[0], a[1]],
-}
 
 
 __all__ = ["OutputCheck", "PrunedBackend", "PrunedWork", "EmulateError", "create_pg", "prepare"]

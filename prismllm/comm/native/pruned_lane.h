@@ -384,7 +384,8 @@ class PrunedLane : public Backend {
         pyrows.append(py::make_tuple(kOps[r.op], kApis[r.api], r.seq, r.red,
                                      std::isnan(r.factor) ? py::object(py::none()) : py::object(py::float_(r.factor)),
                                      r.inb, r.outb));
-      py::tuple res = py_.attr("native_call")(method, pyrows, to_py(args)...);
+      py::object prog = c.api >= 0 ? py::cast(c.prog) : py::object(py::none());
+      py::tuple res = py_.attr("native_call")(method, pyrows, prog, to_py(args)...);
       w = held(res[0]);
       if (c.api >= 0 && c.rows.size() == 1 && scope_ == 0 && !res[1].is_none()) {
         Template tp = template_of(res[1].cast<py::tuple>());
