@@ -67,10 +67,11 @@ WARMUP = 2  # iterations left out of every median
 # which machine lease a step ran in (PRISM_LEASE, set by the caller): a resumed suite may compare
 # real runs and prism runs from two machines of one kind
 LEASE = os.environ.get("PRISM_LEASE")
-# sizes that keep an H100 busy (hidden 2048, 8 layers, seq 1024, bf16), and a host-bound one
+# sizes that keep an H100 busy (hidden 2048, 8 layers, seq 1024, bf16; batches four times those at
+# which FSDP2's, DTensor's and gpt3d's real runs were host-bound, spread 6-28 %), and a host-bound one
 TORCH_SIZE = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq", "1024", "--iters", "10"]
 GPT3D_SIZE = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq", "1024", "--vocab", "32000"]
-GPT3D_SIZE += ["--micro-batch", "2", "--global-batch", "16", "--iters", "10"]
+GPT3D_SIZE += ["--micro-batch", "4", "--global-batch", "32", "--iters", "10"]
 MEGATRON_SIZE = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq-len", "1024", "--vocab", "32000"]
 MEGATRON_SIZE += ["--micro-batch", "2", "--global-batch", "16", "--iters", "10"]
 SMALL = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--batch", "2", "--iters", "20"]
@@ -109,24 +110,30 @@ def cases() -> list[Case]:
     t = lambda mode, *extra: [TORCH_PAR, ["--mode", mode, *extra, *TORCH_SIZE]]  # noqa: E731
     # in the order they run: one of each stack and layout first
     return [
-        Case("ddp-2", 2, *t("ddp", "--batch", "4"), "tp=1,pp=1", "PyTorch DDP"),
+        Case("ddp-2", 2, *t("ddp", "--batch", "16"), "tp=1,pp=1", "PyTorch DDP"),
         Case("megatron-tp2", 2, MEGATRON, ["--tp", "2", *MEGATRON_SIZE], "tp=2", "Megatron-core"),
-        Case("ddp-4", 4, *t("ddp", "--batch", "4"), "tp=1,pp=1", "PyTorch DDP"),
+        Case("ddp-4", 4, *t("ddp", "--batch", "16"), "tp=1,pp=1", "PyTorch DDP"),
         Case("gpt3d-pp2", 2, GPT3D, ["--pp", "2", *GPT3D_SIZE], "pp=2", "gpt3d (1F1B)"),
-        Case("tp2-fsdp2-4", 4, *t("tp_fsdp2", "--tp", "2", "--batch", "8"), "tp=2", "PyTorch DTensor TP x FSDP2"),
-        Case("fsdp2-2", 2, *t("fsdp2", "--batch", "4"), "tp=1,pp=1", "PyTorch FSDP2"),
+        Case("tp2-fsdp2-4", 4, *t("tp_fsdp2", "--tp", "2", "--batch", "32"), "tp=2", "PyTorch DTensor TP x FSDP2"),
+        Case("fsdp2-2", 2, *t("fsdp2", "--batch", "16"), "tp=1,pp=1", "PyTorch FSDP2"),
         Case("gpt3d-tp2pp2-4", 4, GPT3D, ["--tp", "2", "--pp", "2", *GPT3D_SIZE], "tp=2,pp=2", "gpt3d"),
-        Case("dtensor-tp2", 2, *t("tp", "--batch", "8"), "tp=2", "PyTorch DTensor TP"),
+        Case("dtensor-tp2", 2, *t("tp", "--batch", "32"), "tp=2", "PyTorch DTensor TP"),
         Case("megatron-pp2", 2, MEGATRON, ["--pp", "2", *MEGATRON_SIZE], "pp=2", "Megatron-core (1F1B)"),
         Case(
             "megatron-dp2-distopt", 2, MEGATRON, ["--dist-opt", *MEGATRON_SIZE], "tp=1,pp=1", "Megatron-core dist-opt"
         ),
-        Case("fsdp2-4", 4, *t("fsdp2", "--batch", "4"), "tp=1,pp=1", "PyTorch FSDP2"),
+        Case("fsdp2-4", 4, *t("fsdp2", "--batch", "16"), "tp=1,pp=1", "PyTorch FSDP2"),
         Case(
             "megatron-tp2pp2-4", 4, MEGATRON, ["--tp", "2", "--pp", "2", *MEGATRON_SIZE], "tp=2,pp=2", "Megatron-core"
         ),
         Case("ddp-2-hostbound", 2, TORCH_PAR, ["--mode", "ddp", *SMALL], "tp=1,pp=1", "PyTorch DDP (host-bound)"),
     ]
+
+
+def same_job(a: list[str], b: list[str]) -> bool:
+    """Whether two case commands run one job: the same program (by its name: the checkout's path
+    differs between machines) with the same arguments."""
+    return len(a) == len(b) > 0 and Path(a[0]).name == Path(b[0]).name and a[1:] == b[1:]
 
 
 # ---------------------------------------------------------------------- parsing
@@ -244,8 +251,11 @@ class Suite:
     def row(self, c: Case) -> dict:
         for r in self.doc["rows"]:
             if r["case"] == c.name:
-                if LEASE is not None:
-                    self._one_lease(r)
+                if not same_job(r.get("command") or [], c.command()):  # resized: its runs measured another job
+                    self._set_aside(r, lambda step: False)
+                    r["command"] = c.command()
+                elif LEASE is not None:
+                    self._set_aside(r, lambda step: step.get("lease") == LEASE)
                 return r
         r = {
             "case": c.name,
@@ -261,14 +271,15 @@ class Suite:
         return r
 
     @staticmethod
-    def _one_lease(r: dict) -> None:
-        """With PRISM_LEASE set, a case compares runs of this lease only: real and prism runs of
-        another machine move to ``earlier`` and are run again here."""
-        keep = [x for x in r["real_runs"] if x.get("lease") == LEASE]
-        old = [x for x in r["real_runs"] if x.get("lease") != LEASE]
+    def _set_aside(r: dict, keeps: Any) -> None:
+        """Move a case's steps that ``keeps`` refuses to ``earlier``, to be run again: with
+        PRISM_LEASE set, those of another machine (a case compares runs of one lease only); all
+        of them when the case's command changed."""
+        keep = [x for x in r["real_runs"] if keeps(x)]
+        old = [x for x in r["real_runs"] if not keeps(x)]
         for step in ("prism", "record"):
             p = r.get(step)
-            if p is not None and p.get("lease") != LEASE:
+            if p is not None and not keeps(p):
                 old.append({step: p})
                 del r[step]
         if old:
