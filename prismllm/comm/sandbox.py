@@ -470,13 +470,19 @@ class PrunedWork(dist.Work):
         """The small calls ran on the device (as NCCL's Work says of its kernel), not only the
         post step: the program's wait returns before the device ran the call, and the recorder
         reads NCCL's device time once this says so."""
-        if self._issued is not None and not self._issued.is_set():
-            return False
-        self._ready()
-        if all(w.is_completed() for w in self._works):
+        if self._device_completed():
+            self._ready()
             self._finish()
             return True
         return False
+
+    def _device_completed(self) -> bool:
+        """Whether the small calls ran on the device (or failed), the post step left to whoever
+        waits or asks ``is_completed``: what the native recorder's resolver, a thread of its own,
+        asks of a Work of the lane's Python path (``HeldWork`` in pruned_lane.h)."""
+        if self._issued is not None and not self._issued.is_set():
+            return False
+        return self._failure is not None or all(w.is_completed() for w in self._works)
 
     def is_success(self) -> bool:
         return self.is_completed()
