@@ -527,9 +527,11 @@ def test_generated_inputs_answer_as_if_every_member_held_the_real_ones(n, real, 
 
 def test_generated_inputs_of_gathers_broadcasts_and_exchanges():
     """all_gather: every virtual slot holds the member's own input where it is an integer (counts,
-    sizes: values that decide shapes), zeros where it is a float; a broadcast from a virtual root
-    leaves the member's own copy (uninitialised values cleaned), virtual members send zeros
-    (all_to_all, recv)."""
+    sizes: values that decide shapes); where it is a float, what the real member gave the last
+    all_gather of that size (zeros in the first: on a GPU, matrix products over zeros run faster
+    than over real data, so a slice of FSDP2 fed zeros ran faster than the real job); a
+    broadcast from a virtual root leaves the member's own copy (uninitialised values cleaned),
+    virtual members send zeros (all_to_all, recv)."""
     n, real = 4, (1,)
     rnd = _gen(16)
     x = rnd(ROWS, COLS)
@@ -540,7 +542,20 @@ def test_generated_inputs_of_gathers_broadcasts_and_exchanges():
         return {"input": x.clone(), "output": out}, lambda: out
 
     zero = torch.zeros_like(x)
-    _close(_pruned_generated(ag, ag_program)[1], torch.cat([zero, x, zero, zero]), exact=True)
+    bufs = C.GeneratedBuffers()
+    _close(_pruned_generated(ag, ag_program, bufs)[1], torch.cat([zero, x, zero, zero]), exact=True)
+    first, x = x, rnd(ROWS, COLS)
+    _close(_pruned_generated(ag, ag_program, bufs)[1], torch.cat([first, x, first, first]), exact=True)
+    # one virtual member, the program's output gathered in place: the same
+    ag2 = C.plan_all_gather(2, (0,), (ROWS, COLS), dtype=F64)
+
+    def ag2_program(g):
+        out = torch.full((2 * ROWS, COLS), float("nan"), dtype=F64)
+        return {"input": x.clone(), "output": out}, lambda: out
+
+    bufs = C.GeneratedBuffers()
+    _pruned_generated(ag2, ag2_program, bufs)
+    _close(_pruned_generated(ag2, ag2_program, bufs)[0], torch.cat([x, x]), exact=True)
     counts = torch.tensor([3, 1, 4], dtype=torch.int64)
     agi = C.plan_all_gather(n, real, (3,), dtype=torch.int64)
 

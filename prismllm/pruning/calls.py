@@ -156,6 +156,7 @@ def sandbox_call(
         if op == "reduce_scatter":
             return bufs.bind(_sb_reduce_scatter(p, i, output, input, bufs, scale, factors))
         if op == "all_gather":  # values that decide shapes and flow are integers; floats keep the proxy's
+            # (a real member's data of the last call, ``pruning.generated``: no post step here)
             like = like_me and not (input.dtype.is_floating_point or input.dtype.is_complex)
             return bufs.bind(_sb_all_gather(p, i, output, input, bufs, like))
         if op == "reduce":

@@ -4,8 +4,17 @@ buffers on the proxy's device that carry no virtual member's data, made once and
 What the sandbox then sees (its ``like_me`` side, ``pruning.calls.sandbox_call``): a reduction
 over the real members scaled to the group (the proxy contributes nothing: the reduce op's
 identity, or on NCCL a PREMUL_SUM factor of 0), zeros where the proxy's data reach it
-(broadcast, all_to_all, point-to-point, a float all_gather's virtual slots), and for an integer
-all_gather its own input in every virtual slot.
+(broadcast, all_to_all, point-to-point), and for an integer all_gather its own input in every
+virtual slot.
+
+A float all_gather's virtual slots hold what a real member contributed to the last all_gather of
+the same size on the group (zeros in the first): the proxy's kept input is refreshed from its
+output once each call completed (an echo, on the proxy's device; a later call already in flight
+may read it half refreshed, every element then a real member's value of one call or the other).
+The values are a real member's, not the virtual members' own, but of their kind: a GPU's matrix
+multiplications run faster on zeros than on such data (their power draw is lower), and with
+FSDP2's parameters gathered half zeros (N = 2) or three quarters (N = 4), slices and emulations
+ran 6.6 % and 9.7 % faster than the real jobs on four H100s.
 
 Reuse: a buffer the small call never writes (a send payload, a reduce-scatter or all-gather input,
 a broadcast root's tensor) or whose contents no longer matter (an output the proxy never reads,
@@ -99,8 +108,18 @@ def generated_proxy_call(p: Plan, bufs: GeneratedBuffers, coalesce: bool = False
         buf = bufs.fresh(p.numel, dt, fill) if root else bufs.kept("reduce", p.numel, dt, fill)
         return SmallCall("reduce", i, reduce_op=p.small_reduce_op, root=p.small_root, input=buf, output=buf, result=buf)
     if op == "all_gather":
-        buf = bufs.kept("all_gather.in", len(G.virtual) * p.numel, dt, 0)
-        return SmallCall("all_gather", i, input=buf, output=bufs.kept("all_gather.out", G.size * p.slot, dt))
+        virtual, c = len(G.virtual), p.numel
+        buf = bufs.kept("all_gather.in", virtual * c, dt, 0)
+        out = bufs.kept("all_gather.out", G.size * p.slot, dt)
+        if not (dt.is_floating_point or dt.is_complex):  # the sandbox puts its own integers there
+            return SmallCall("all_gather", i, input=buf, output=out)
+        real = G.small(G.real[0]) * p.slot
+        heard = out[real : real + c]
+
+        def echo() -> None:  # the virtual members hold what a real member held (module docstring)
+            buf.view(virtual, c).copy_(heard.expand(virtual, c))
+
+        return SmallCall("all_gather", i, input=buf, output=out, post=echo)
     if op == "broadcast":
         role = "zeros" if not G.is_real(p.root) else "broadcast.in"  # a real root's data: received, unread
         buf = bufs.kept(role, p.numel, dt, 0 if role == "zeros" else None)
