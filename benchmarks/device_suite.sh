@@ -46,6 +46,7 @@
 #              with the real job twice each; the layer's host time by part and the host wait of each; first the
 #              issue thread's GPU tests (a pruned NCCL call, the TP2 and DP2 emulations' values; TESTS=0: none); ~9 min
 #   lane-ab    as issue-ab with the native lane on and off (PRISM_NATIVE_LANE=1 / 0), its GPU tests with the lane on
+#   lane-tests the native lane's GPU tests alone, every failure's message in $OUT/lane-tests.log; ~3 min
 #   lane-memory  the native lane's peak-memory gap (the distributed optimizer of its GPU test, last rank): the
 #              peak of plain torchrun, of prism record through the Python recorder (tensors saved: the GPU test's
 #              reference) and through the native one, of prism emulate through the Python path and the lane; ~3 min
@@ -67,7 +68,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-memory|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|lane-memory|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -450,6 +451,12 @@ res.get('emulation_native_lane') or '')" "$e/emulate.json" "$r" 2>&1 | tail -1
         done
     done
     tar czf "$OUT/$PART.tgz" "$D"/*.log "$D"/emu*/emulate.json "$D"/ddp*/cal/summary.json "$D"/ddp*/logs 2>/dev/null ;;
+lane-tests)
+    # the native lane's GPU tests alone (losses and peak memory of TP2, PP2, the distributed optimizer), every
+    # failure's whole message in $OUT/lane-tests.log
+    PRISM_NATIVE_LANE=1 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
+        tests/test_emulate_gpu.py -k native_lane >"$OUT/lane-tests.log" 2>&1
+    echo "lane GPU tests: $(tail -1 "$OUT/lane-tests.log")"; grep -h "^E " "$OUT/lane-tests.log" | head -20 ;;
 lane-memory)
     D=out/lane-memory
     rm -rf "$D"; mkdir -p "$D"

@@ -317,6 +317,8 @@ class Suite:
 
     def save(self) -> None:
         with self.lock:
+            for r in self.doc["rows"]:  # every row's figures from its steps (a step may have been set aside)
+                finish(r)
             for path in (self.a.json, self.a.md):
                 path.parent.mkdir(parents=True, exist_ok=True)
             self.a.json.write_text(json.dumps(self.doc, indent=1) + "\n")
@@ -470,7 +472,6 @@ class Suite:
                 self.prism(c, r)
         if self.a.record and "record" not in r and self.time_left("record", c, r):
             self.record(c, r)
-        finish(r)
         self.save()
 
 
