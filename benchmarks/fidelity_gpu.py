@@ -401,6 +401,7 @@ class Suite:
         p["emulated_host_parts"] = res.get("emulation_host_parts")
         timed = json.loads((out / "time" / "graph" / "manifest.json").read_text()).get("timing") or {}
         p["slice_host_parts"] = timed.get("emulation_host_parts")  # by timed rank
+        p["slice_native_lane"] = timed.get("emulation_native_lane")  # by timed rank: the slices ran the lane
         bare = json.loads((out / "bare" / "manifest.json").read_text())
         peaks = bare.get("peak_memory_bytes") or {}
         p["captured_peak_bytes"] = peaks.get(str(c.sandbox))

@@ -118,6 +118,24 @@ def test_time_slices_every_representative_once_and_resumes(bare, tmp_path):
     assert res["slices"] == [[0], [1]] and res["world_size"] == 4 and set(res["left_out_ns"]) == {"0", "1"}
 
 
+def test_slices_on_the_native_lane_leave_its_host_time_out(bare, tmp_path):
+    """PRISM_NATIVE_LANE=1 on the CPU: the slices record natively and their pruned groups run the
+    native lane. Where the host clock is the device clock, the lane's own host time (its checks and
+    templates, the Python backend's parts of the calls it hands over) is left out of the rank's
+    clock, as the Python path leaves out its own; the timed graph says how much, and how many
+    calls took a template and how many went to Python, per timed rank."""
+    out = tmp_path / "timed"
+    cmd = [PRISM, "time", "--graph", str(bare), "--out", str(out), "--inputs", "generated", "--parallel", "2",
+           "--", GPT3D, *ARGS]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**ENV, "PRISM_NATIVE_LANE": "1"}, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    timing = PrismTrace.load(out / "graph").manifest["timing"]
+    lane = timing["emulation_native_lane"]
+    assert set(lane) == {"0", "1"} and all(v["python"] > 0 for v in lane.values()), lane
+    left_out = timing["emulation_overhead_left_out_ns"]
+    assert set(left_out) == {"0", "1"} and all(v > 0 for v in left_out.values()), left_out
+
+
 def test_time_refuses_bad_input(bare, tmp_path):
     p = prism("time", "--graph", str(tmp_path / "nothing"), "--out", str(tmp_path / "o"), "--", GPT3D)
     assert p.returncode == ExitCode.BAD_INPUT and p.stderr.startswith("prism time: error: graph ")

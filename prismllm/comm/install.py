@@ -548,7 +548,7 @@ def collect(rec: Recorder) -> RankLog:
         groups=groups,
         iterations=iteration_rows(rec),
         peak_memory_bytes=peak,
-        excluded_ns=int(rec.excluded_ns),
+        excluded_ns=int(rec.excluded_ns) + (sandbox.lane().excluded_ns() if sandbox.lane() is not None else 0),
         emulation_host_ns=int(rec.emulation_host_ns),
         scratch_bytes=scratch.reserved_bytes(),
         calls_off_thread=rec.calls_off_thread,

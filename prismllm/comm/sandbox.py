@@ -688,9 +688,11 @@ class PrunedBackend(solo.GeneratedBackend):
         the device clock does not see host work while the host runs ahead, so nothing is left out;
         the time is still counted (``Recorder.emulation_host_ns``): a host-bound rank's device
         waits for it."""
-        if self.owner is None:  # the native lane: the native recorder, which counts the lane's time
-            return
         ns = time.perf_counter_ns() - t0[0]
+        if self.owner is None:  # the native lane: the native recorder's clock (it counts the lane's time)
+            if self.backend == "gloo":
+                _LANE.exclude(ns)
+            return
         rec = self.owner._rec
         rec.count_layer_time(part, ns, time.thread_time_ns() - t0[1])
         if self.backend == "gloo":

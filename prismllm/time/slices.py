@@ -473,6 +473,7 @@ def _time_slices(
     host_parts = {}  # per timed rank: that time by part, over the steady iterations (Recorder.emulation_host_parts)
     transfer_durations = {}  # per timed rank on GPU: calls timed by NCCL's own events, and not
     head_starts = {}  # per timed rank on GPU: the host's head starts (comm.headstart)
+    native_lane = {}  # per timed rank with PRISM_NATIVE_LANE=1: its calls from a template and through Python
     for k, s in enumerate(slices):
         for r in s:
             name = f"rank-{r:06d}.msgpack"
@@ -483,6 +484,8 @@ def _time_slices(
             emulation_host[r] = int(m.get("emulation_host_ns", 0))
             if m.get("emulation_host_parts"):
                 host_parts[r] = m["emulation_host_parts"]
+            if m.get("emulation_native_lane"):
+                native_lane[r] = m["emulation_native_lane"]
             for key, kept in (("transfer_durations", transfer_durations), ("head_start", head_starts)):
                 if m.get(key):
                     kept[r] = m[key]
@@ -513,6 +516,7 @@ def _time_slices(
             "emulation_overhead_left_out_ns": left_out,
             "emulation_host_ns": emulation_host,
             "emulation_host_parts": host_parts,
+            "emulation_native_lane": native_lane,
             "transfer_durations": transfer_durations,
             "head_start": head_starts,
             "compute_from": "load pass: every rank at once (DIR/load)" if load else "the slices",

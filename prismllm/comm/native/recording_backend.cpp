@@ -128,7 +128,7 @@ class Log {
   // A point: host time, and on CUDA an event on the current stream (resolved later).
   int64_t point(bool device) {
     int64_t pid = static_cast<int64_t>(p_host_.size());
-    p_host_.push_back(wall_ns());
+    p_host_.push_back(host_ns());
     int32_t dev = -1, slot = -1;
     if (device && cuda_live()) {
       auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
@@ -217,6 +217,13 @@ class Log {
     return static_cast<int32_t>(works_.size() - 1);
   }
 
+  // The host clock of the rank's points: the wall clock less the host time the emulation's
+  // native lane left out on gloo (``exclude``), as the Python recorder's clock leaves out its
+  // pruned backend's own work where the host clock is the device clock (docs/commands/time.md).
+  int64_t host_ns() const { return wall_ns() - excluded_.load(std::memory_order_relaxed); }
+  void exclude(int64_t ns) { excluded_.fetch_add(ns, std::memory_order_relaxed); }
+  int64_t excluded_ns() const { return excluded_.load(std::memory_order_relaxed); }
+
   // NCCL's device duration of async Works, read by the resolver once they complete (so a
   // Work -- and its tensors -- is held only until shortly after it completes, as NCCL's own
   // watchdog holds it).
@@ -230,7 +237,7 @@ class Log {
   void watch_future(int32_t wid, const intrusive_ptr<Work>& w) {
     std::atomic<int64_t>* slot = &works_[wid].done;  // deque: the address stays valid
     try {
-      w->getFuture()->addCallback([slot](c10::ivalue::Future&) { slot->store(wall_ns()); });
+      w->getFuture()->addCallback([this, slot](c10::ivalue::Future&) { slot->store(host_ns()); });
     } catch (...) {
     }
   }
@@ -527,6 +534,7 @@ class Log {
   std::vector<Row> rows_;
   std::vector<int64_t> ints_;
   std::vector<int64_t> p_host_, p_ns_;
+  std::atomic<int64_t> excluded_{0};  // host time left out of the points (host_ns)
   std::vector<int32_t> p_dev_, p_slot_;
   std::deque<int64_t> unresolved_;
   std::vector<std::unique_ptr<c10::Event>> events_;
@@ -992,6 +1000,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                                check, std::move(ex));
       }))
       .def_property_readonly("backend", &PrunedLane::backend);
+  m.def("exclude", [](int64_t ns) { the_log().exclude(ns); });
+  m.def("excluded_ns", [] { return the_log().excluded_ns(); });
   m.def("lane_stats", [] {
     auto& s = PrunedLane::stats();
     py::dict d;
