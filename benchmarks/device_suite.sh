@@ -56,6 +56,7 @@
 #              from $OUT/fidelity_gpu.json or benchmarks/results/fidelity_gpu.json (carry the last one back);
 #              FID_ARGS: more options, e.g. --concurrent on four GPUs, --record (the real job recorded and solved),
 #              --no-issue-thread (prism with PRISM_ISSUE_THREAD=0: the A/B without the issue thread);
+#              FID_NAME: the results' name (default fidelity_gpu; another keeps an A/B's rows apart);
 #              the logs and the graphs (slices', recordings') come back as two tarballs
 #   cpu-fid N [CASES]  CPU fidelity rows at N ranks on the host's cores (fair while N <= cores;
 #              ~3.5 min a case at N = 8 on 16 cores, so three cases a call: e.g. tp,pp,vpp then
@@ -483,8 +484,9 @@ prune-all)
     timeout "${PRUNE_TIMEOUT:-580}" python3 benchmarks/pruning_latency.py --devices cuda --worlds 2,4 --rounds "${ROUNDS:-1}" \
         --json "$OUT/pruning_latency_${gpu}x4.json" --timeout 240 2>&1 | tee "$OUT/prune-all.log" | tail -70 ;;
 fidelity-gpu)
-    [ -f "$OUT/fidelity_gpu.json" ] || cp benchmarks/results/fidelity_gpu.json "$OUT/" 2>/dev/null
-    timeout $((${DEADLINE:-540} + 45)) python3 benchmarks/fidelity_gpu.py --cases "${2:-all}" --json "$OUT/fidelity_gpu.json" \
+    J=${FID_NAME:-fidelity_gpu}  # another name keeps an A/B's rows apart from the suite's
+    [ -f "$OUT/$J.json" ] || cp "benchmarks/results/$J.json" "$OUT/" 2>/dev/null
+    timeout $((${DEADLINE:-540} + 45)) python3 benchmarks/fidelity_gpu.py --cases "${2:-all}" --json "$OUT/$J.json" \
         --work out/fidelity_gpu --deadline "${DEADLINE:-540}" ${FID_ARGS:-} 2>&1 | tee "$OUT/fidelity-gpu.log" | tail -40
     tar czf "$OUT/fidelity-logs.tgz" out/fidelity_gpu/*/*.log out/fidelity_gpu/*/prism/logs \
         out/fidelity_gpu/*/prism/emulate/emulate.json out/fidelity_gpu/*/prism/run.json 2>/dev/null
