@@ -47,7 +47,8 @@
 #              issue thread's GPU tests (a pruned NCCL call, the TP2 and DP2 emulations' values; TESTS=0: none); ~9 min
 #   lane-ab    as issue-ab with the native lane on and off (PRISM_NATIVE_LANE=1 / 0), its GPU tests with the lane on
 #   lane-tests the native lane's GPU tests alone, every failure's message in $OUT/lane-tests.log; ~3 min
-#   lane-memory  the native lane's peak-memory gap (the distributed optimizer of its GPU test, last rank): the
+#   lane-memory  the native lane's peak-memory gap (the distributed optimizer of its GPU test, last rank; LAYOUT="--pp 2":
+#              the pipeline's): the
 #              peak of plain torchrun, of prism record through the Python recorder (tensors saved: the GPU test's
 #              reference) and through the native one, of prism emulate through the Python path and the lane; ~3 min
 #   prune-all  pruned latency of every collective kind and send/recv against real 2- and 4-GPU runs (four GPUs),
@@ -461,7 +462,8 @@ lane-tests)
 lane-memory)
     D=out/lane-memory
     rm -rf "$D"; mkdir -p "$D"
-    G="--dist-opt --layers 2 --hidden 32 --heads 4 --seq 16 --vocab 128 --micro-batch 1 --global-batch 4 --iters 3"
+    # LAYOUT: the GPU test's layout arguments (default the distributed optimizer's; e.g. "--pp 2")
+    G="${LAYOUT:---dist-opt} --layers 2 --hidden 32 --heads 4 --seq 16 --vocab 128 --micro-batch 1 --global-batch 4 --iters 3"
     # peak LABEL JSON-LOG: the last rank's torch.cuda.max_memory_allocated after its last iteration, as gpt3d logs it
     peak() { python3 -c "import json, sys; print(f'{sys.argv[1]:28s} program {json.load(open(sys.argv[2]))[-1][\"max_mem_bytes\"]:,} B')" "$1" "$2" 2>&1 | tail -1; }
     timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 examples/gpt3d.py $G --json-log "$D/plain.json" \
