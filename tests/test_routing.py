@@ -563,9 +563,8 @@ def test_a_forced_routing_makes_the_solo_capture_route_as_the_real_run(tmp_path)
     force = ["--router-module", "Router", "--routing", str(skew)]
     _prism("record", "--nproc", "2", "--devices", "cpu", *force, "--out", str(tmp_path / "real"), "--", *GPT3D_MOE)
     _prism("capture", "--world", "2", "--devices", "cpu", *force, "--out", str(tmp_path / "solo"), "--", *GPT3D_MOE)
-    _prism(
-        "time", "--graph", str(tmp_path / "solo"), "--devices", "cpu", "--out", str(tmp_path / "time"), "--", *GPT3D_MOE
-    )
+    timed = ["--devices", "cpu", "--parallel", "2", "--out", str(tmp_path / "time")]
+    _prism("time", "--graph", str(tmp_path / "solo"), *timed, "--", *GPT3D_MOE)
     from prismllm.trace.graph import PrismTrace
 
     splits = {}
