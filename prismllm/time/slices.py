@@ -482,10 +482,9 @@ def _time_slices(
         for r, m in sl.get("sandbox_results", {}).items():
             left_out[r] = int(m.get("emulation_overhead_left_out_ns", 0))
             emulation_host[r] = int(m.get("emulation_host_ns", 0))
-            if m.get("emulation_host_parts"):
-                host_parts[r] = m["emulation_host_parts"]
-            if m.get("emulation_native_lane"):
-                native_lane[r] = m["emulation_native_lane"]
+            for key, kept in (("emulation_host_parts", host_parts), ("emulation_native_lane", native_lane)):
+                if m.get(key):
+                    kept[r] = m[key]
             for key, kept in (("transfer_durations", transfer_durations), ("head_start", head_starts)):
                 if m.get(key):
                     kept[r] = m[key]

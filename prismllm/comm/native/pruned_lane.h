@@ -51,9 +51,10 @@ static void drop(py::object& o) {
 // C++, such a Work never completes and has no duration. The native recorder holds an async
 // Work until it completes (to read NCCL's device time), so every Work of the Python path was
 // held for the rest of the run, with its tensors (seen on four H100s: a pipeline's sandbox
-// stage grew 268 MB an iteration, DDP's peak stayed 1.07 GB over the larger of its real runs'). Completion and
-// duration are asked of the Python object instead: whether its small calls ran on the device
-// (``_device_completed``, which leaves the post step to the program's thread) and their time.
+// stage grew 268 MB an iteration, DDP's peak stayed 1.07 GB over the larger of its real runs').
+// Completion and duration are asked of the Python object instead: whether its small calls ran
+// on the device (``_device_completed``, which leaves the post step to the program's thread) and
+// their time.
 class HeldWork : public ForwardingWork {
  public:
   explicit HeldWork(py::object obj)
