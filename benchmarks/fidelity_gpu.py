@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from tracing_overhead import machine  # noqa: E402
 
-from prismllm.childenv import HEAD_START_CHOICES  # noqa: E402
+from prismllm.childenv import HEAD_START_CHOICES, head_start_for  # noqa: E402
 
 TORCH_PAR = str(ROOT / "benchmarks" / "programs" / "torch_parallel.py")
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
@@ -371,7 +371,7 @@ class Suite:
             "lease": LEASE,
             "issue_thread": not self.a.no_issue_thread,
             "native_lane": self.a.native_lane,
-            "head_start": self.a.head_start,
+            "head_start": head_start_for(self.a.head_start, self.a.native_lane) or "off",
             "host": self.doc["machine"].get("host"),  # the machine itself: leases of one kind differ by it
         }
         if rc != 0:
@@ -605,8 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--head-start",
         choices=HEAD_START_CHOICES,
-        default="overhead",
-        help="prism run's --head-start (the slices' host head start); rows say so (prism.head_start)",
+        default="auto",
+        help="prism run's --head-start (the slices' host head start); rows say which ran (prism.head_start)",
     )
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     a = ap.parse_args(argv)

@@ -22,7 +22,7 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from typing import Any, Literal, get_args, get_type_hints
+from typing import Any, Literal, cast, get_args, get_type_hints
 
 from prismllm.errors import PrismError
 from prismllm.specs import format_ranks, parse_ranks
@@ -38,7 +38,8 @@ INPUTS: tuple[str, ...] = get_args(Inputs)
 TIMINGS: tuple[str, ...] = get_args(Timing)
 BACKENDS: tuple[str, ...] = get_args(Backend)
 HEAD_STARTS: tuple[str, ...] = get_args(HeadStart)
-HEAD_START_CHOICES = (*HEAD_STARTS, "off")  # the command line's: "off" leaves ChildEnv.head_start unset
+# the command line's: "off" leaves ChildEnv.head_start unset; "auto" is head_start_for()'s choice
+HEAD_START_CHOICES = ("auto", *HEAD_STARTS, "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,6 +240,28 @@ USER_SETTINGS: dict[str, str] = {
     "PRISM_HOST_COMPLETION": "'wait' makes the Python recorder read a CPU call's completion at its "
     "wait instead of from a callback",
 }
+
+
+def native_lane_setting() -> bool:
+    """``PRISM_NATIVE_LANE``: whether an emulated sandbox rank (a slice's too) runs the native lane."""
+    setting = user_setting("PRISM_NATIVE_LANE", "0")
+    if setting not in ("0", "1"):
+        raise PrismError(f"PRISM_NATIVE_LANE={setting!r}: 0 (the default: the Python path) or 1 (the native lane)")
+    return setting == "1"
+
+
+def head_start_for(choice: str, native_lane: bool) -> HeadStart | None:
+    """The head start of a GPU slice for the command line's ``--head-start`` (None: none).
+    ``auto``: none where the slices run the native lane (its host time a call is a few
+    microseconds, and the head start needs the Python recorder), ``overhead`` where they run the
+    Python path, whose host time a call the head start keeps off the device's timeline
+    (docs/benchmarks.md, the GPU suite: the lane without a head start predicts near host-bound
+    TP jobs best)."""
+    if choice not in HEAD_START_CHOICES:
+        raise PrismError(f"--head-start {choice!r}: expected one of {', '.join(HEAD_START_CHOICES)}")
+    if choice == "auto":
+        return None if native_lane else "overhead"
+    return None if choice == "off" else cast(HeadStart, choice)
 
 
 def user_setting(name: str, default: str = "") -> str:

@@ -13,3 +13,21 @@ def test_every_choice_of_the_process_contract_is_checked_from_its_annotation():
     for var, bad in (("PRISM_HEAD_START", "always"), ("PRISM_MODE", "replay"), ("PRISM_REPLAY_TIMING", "slow")):
         with pytest.raises(PrismError, match=rf"^{var}='{bad}': expected one of "):
             ChildEnv.from_env({var: bad})
+
+
+def test_the_default_head_start_is_none_where_the_slices_run_the_native_lane(monkeypatch):
+    """--head-start auto: the lane's slices run without a head start (it needs the Python
+    recorder), the Python path's with the overhead one; an explicit choice stands either way."""
+    from prismllm.childenv import head_start_for, native_lane_setting
+
+    assert head_start_for("auto", native_lane=True) is None
+    assert head_start_for("auto", native_lane=False) == "overhead"
+    assert head_start_for("iteration", native_lane=True) == "iteration"
+    assert head_start_for("off", native_lane=False) is None
+    with pytest.raises(PrismError, match="^--head-start 'always': expected one of auto, overhead"):
+        head_start_for("always", native_lane=False)
+    monkeypatch.setenv("PRISM_NATIVE_LANE", "1")
+    assert native_lane_setting()
+    monkeypatch.setenv("PRISM_NATIVE_LANE", "yes")
+    with pytest.raises(PrismError, match="^PRISM_NATIVE_LANE='yes': 0"):
+        native_lane_setting()

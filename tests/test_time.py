@@ -148,7 +148,7 @@ def test_time_refuses_bad_input(bare, tmp_path):
     from prismllm.time.slices import TimeOptions, time_slices
 
     opts = TimeOptions(graph=bare, out=tmp_path / "api", script=GPT3D, args=ARGS, head_start="always")
-    with pytest.raises(PrismError, match="--head-start 'always': expected one of overhead, iteration, off"):
+    with pytest.raises(PrismError, match="--head-start 'always': expected one of auto, overhead, iteration, off"):
         time_slices(opts)
 
 

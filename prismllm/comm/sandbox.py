@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from prismllm import pruning as C
-from prismllm.childenv import ChildEnv, user_setting, variable
+from prismllm.childenv import ChildEnv, native_lane_setting, user_setting, variable
 from prismllm.comm import scratch, solo, solo_objects
 from prismllm.comm.graphcheck import GraphExpectation
 from prismllm.comm.native.replay import red_name
@@ -157,10 +157,7 @@ def native_lane(child: ChildEnv) -> bool:
     call has a template goes from the program to the small communicator with no Python on the way.
     Not with the output check (its comparisons are Python's) nor with a head start (``prism time``'s
     slices: the Python recorder gives it)."""
-    setting = user_setting("PRISM_NATIVE_LANE", "0")
-    if setting not in ("0", "1"):
-        raise PrismError(f"PRISM_NATIVE_LANE={setting!r}: 0 (the default: the Python path) or 1 (the native lane)")
-    return setting == "1" and not child.check_tensors and not child.head_start
+    return native_lane_setting() and not child.check_tensors and not child.head_start
 
 
 def lane() -> Any:

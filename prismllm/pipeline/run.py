@@ -80,7 +80,7 @@ class RunOptions(FromFields):
     rules: str | None = None
     timeout: float | None = None
     force: bool = False
-    head_start: str = "overhead"  # GPU slices: the host's head start (TimeOptions.head_start)
+    head_start: str = "auto"  # GPU slices: the host's head start (TimeOptions.head_start)
     stop_after: str | None = None  # "capture": peak memory only (no time, calibrate, emulate or report)
     # a run directory whose stages up to ``reuse_through`` ("capture" or "calibrate") are this
     # run's: the same capture_job (and for "calibrate" the same time_job)

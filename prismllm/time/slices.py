@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from prismllm.childenv import HEAD_START_CHOICES
+from prismllm.childenv import head_start_for, native_lane_setting
 from prismllm.errors import PrismError, RequirementError
 from prismllm.fromfields import FromFields
 from prismllm.fsutil import write_file_atomically
@@ -82,8 +82,9 @@ class TimeOptions(FromFields):
     verify: bool = True  # check the graph's and the store's checksums (and the store's index) before launching
     # GPU: after each wait of a slice's host for its device, the device sleeps, left out of its timeline, so
     # that the host runs ahead of it: "overhead" (the emulation layer's host time until the next wait: the
-    # program's own pace), "iteration" (about one iteration: the device's work alone) or "off" (comm.headstart)
-    head_start: str = "overhead"
+    # program's own pace), "iteration" (about one iteration: the device's work alone), "off" (comm.headstart),
+    # or "auto": off where the slices run the native lane, else overhead (childenv.head_start_for)
+    head_start: str = "auto"
 
 
 @dataclasses.dataclass
@@ -300,7 +301,7 @@ def _run_slice(
                 handle_signals=handle_signals,
                 cancel=cancel,
                 spin=opts.spin,
-                head_start=opts.head_start if opts.head_start != "off" and devices.kind == "cuda" else None,
+                head_start=head_start_for(opts.head_start, native_lane_setting()) if devices.kind == "cuda" else None,
             )
         )
     finally:
@@ -394,8 +395,7 @@ def _time_slices(
     world = int(manifest["world_size"])
     if opts.parallel is not None and opts.parallel < 1:
         raise PrismError(f"--parallel must be at least 1, not {opts.parallel}")
-    if opts.head_start not in HEAD_START_CHOICES:  # (the command line offers only these)
-        raise PrismError(f"--head-start {opts.head_start!r}: expected one of {', '.join(HEAD_START_CHOICES)}")
+    head_start_for(opts.head_start, native_lane=False)  # a bad choice fails here, before any launch
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     check_program(manifest, opts.script, opts.args, world)  # the graph's program, or refuse
