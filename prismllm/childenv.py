@@ -77,6 +77,9 @@ class ChildEnv:
     check_tensors: str | None = None  # recorded outputs the sandbox's pruned calls are compared with
     check_out: str | None = None  # where the comparison is written
     head_start: HeadStart | None = None  # prism time's GPU slices: overhead | iteration (comm.headstart)
+    # read NCCL's device time of each asynchronous call (prism time's slices: their timed graph's
+    # transfers), which holds the call's Work, and its tensors, until its device completes
+    transfer_durations: bool | None = None
     # ---- assistants (``python -m prismllm.assistant``)
     inputs: Inputs | None = None  # virtual ranks' inputs: recorded | generated (the sandbox ranks read it too)
     replay_timing: Timing | None = None  # fast | real

@@ -71,6 +71,16 @@ def native_wanted(mode: str, child: ChildEnv) -> bool:
     return mode == "record" and bool(child.native) and not child.save_tensors
 
 
+def reads_transfer_durations(mode: str, child: ChildEnv) -> bool:
+    """Whether the recorder reads NCCL's time of each asynchronous call: a recording, a solo
+    capture and prism time's slices (their timed graph's transfers), not prism emulate. Reading
+    it holds the call's Work until the device completes it, and the Work holds the program's
+    tensors, where a real process group lets go of them at wait(): an emulated program whose
+    host runs ahead of its device, with a new output every call (DTensor's functional
+    collectives), would peak higher than the real run."""
+    return mode != "emulate" or bool(child.transfer_durations)
+
+
 def _record_natively() -> None:
     """Every group this process makes records through the native backend."""
     global _NATIVE
@@ -124,6 +134,11 @@ def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder 
             solo_objects.keep_sent_messages(child.spool)
         if native_wanted(mode, child):
             _record_natively()
+
+    if not reads_transfer_durations(mode, child):
+        _REC.durations_ok = False
+        if _NATIVE is not None:
+            _NATIVE.set_durations(False)
 
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _create_pg, extended_api=True, devices=["cpu", "cuda"])

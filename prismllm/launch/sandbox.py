@@ -99,6 +99,7 @@ class SandboxSpec(FromFields):
     cancel: threading.Event | None = None  # set by another thread to end the run (LaunchInterrupted)
     spin: dict[str, float] | None = None  # {label: ms}: the sandbox ranks spin in spans so labelled (comm.spin)
     head_start: str | None = None  # GPU slices: the host's head start, overhead | iteration (comm.headstart)
+    transfer_durations: bool = False  # NCCL's time of each async call, read (ChildEnv.transfer_durations)
 
 
 @dataclasses.dataclass
@@ -143,6 +144,7 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
         check_out=str(out.resolve()) if spec.check else None,
         spin=json.dumps(spec.spin) if spec.spin else None,
         head_start=spec.head_start,
+        transfer_durations=spec.transfer_durations or None,
     ).to_env()
     env: dict[str, str | None] = {
         **rank_env,

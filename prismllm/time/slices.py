@@ -302,6 +302,7 @@ def _run_slice(
                 cancel=cancel,
                 spin=opts.spin,
                 head_start=head_start_for(opts.head_start, native_lane_setting()) if devices.kind == "cuda" else None,
+                transfer_durations=True,  # the timed graph's transfers: NCCL's own time of each
             )
         )
     finally:

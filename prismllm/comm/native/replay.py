@@ -72,6 +72,7 @@ class ReplayRecorder(Recorder):
     def __init__(self, live: Recorder, log: dict[str, Any]):
         super().__init__(live.rank, live.world_size)
         self.cuda = live.cuda
+        self.durations_ok = live.durations_ok  # off: the log holds no NCCL time (prism emulate)
         self.groups = live.groups
         self.explicit_steps = False
         self._log_host = log["p_host"]
