@@ -20,12 +20,20 @@ fsdp2_train.py (rank logs in their spools), shared by test_recording and test_so
 ``collectives_native``: ``prism record`` of tests/programs/collectives.py on 4 ranks through the
 native recorder, shared by test_native_recording and test_graphcheck.
 
+Under pytest-xdist (``make test``: ``-n 2 --dist loadfile``) a session fixture is per worker, and
+the files that share a recording often run on different workers: ``gpt3d_recording`` and
+``collectives_native`` therefore keep each distinct run in a directory that every worker of the
+test run sees (beside the workers' base temporaries), made by whichever worker asks first while the
+others wait on its lock (``shared_run``), so each is made once per ``make test``.
+
 Recordings are read-only for their users: write emulations, calibrations and copies elsewhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import subprocess
@@ -40,6 +48,34 @@ ROOT = Path(__file__).resolve().parents[1]
 PRISM = str(Path(sys.executable).with_name("prism"))
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
 COLLECTIVES = str(ROOT / "tests" / "programs" / "collectives.py")
+
+
+@contextlib.contextmanager
+def shared_run(tmp_path_factory, name: str, key):
+    """``with shared_run(f, name, key) as (base, result):``: a directory for the run named by
+    ``key`` and what an earlier maker stored in ``base/result.json`` (None: make it now, and store
+    a JSON-able result there before leaving). Under xdist the directory is one for the whole test
+    run (its workers' base temporaries share a parent), held under an exclusive lock while made,
+    so a run another worker made, or is making, is not made again; without xdist it is this
+    session's own."""
+    digest = hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        base = tmp_path_factory.mktemp(name)
+        yield base, None
+        return
+    import fcntl
+
+    shared = tmp_path_factory.getbasetemp().parent / "shared-runs"
+    shared.mkdir(exist_ok=True)
+    base = shared / f"{name}-{digest}"
+    with open(shared / f"{name}-{digest}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        result = base / "result.json"
+        if result.exists():
+            yield base, json.loads(result.read_text())
+            return
+        base.mkdir(exist_ok=True)
+        yield base, None
 
 
 @dataclass(frozen=True)
@@ -57,11 +93,47 @@ class Recording:
         return json.loads(self.log_path.read_text())
 
 
+def _recording(base: Path, made, nproc, args, save_tensors, save_params, timeout) -> Recording | str:
+    """gpt3d_recording's run in ``base`` (a Recording, or the failure's message), or what
+    shared_run found there (``made``); stores it for the other workers."""
+    rec = Recording(out=base / "rec", log_path=base / "rec.json", params=base / "params" if save_params else None)
+    if made is not None:
+        if "error" in made:
+            return made["error"]
+        return dataclasses.replace(rec, listeners=frozenset(tuple(x) for x in made["listeners"]))
+    cmd = [PRISM, "record", "--nproc", str(nproc), "--devices", "cpu", "--out", str(rec.out)]
+    if save_tensors:
+        cmd += ["--save-tensors", save_tensors]
+    cmd += ["--timeout", str(timeout), "--", GPT3D, *args, "--json-log", str(rec.log_path)]
+    if rec.params is not None:
+        cmd += ["--save-params", str(rec.params)]
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    with ListenerWatch(p.pid) as watch:
+        try:
+            out, err = p.communicate(timeout=timeout + 120)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+    # a failed recording fails every test that needs it, without running it again
+    if p.returncode != 0:
+        error = f"{' '.join(cmd)} exited with {p.returncode}:\n{out[-3000:]}{err[-3000:]}"
+        (base / "result.json").write_text(json.dumps({"error": error}))
+        return error
+    (base / "result.json").write_text(json.dumps({"listeners": sorted(watch.seen)}))
+    return dataclasses.replace(rec, listeners=frozenset(watch.seen))
+
+
 @pytest.fixture(scope="session")
 def gpt3d_recording(tmp_path_factory):
     """``record(nproc, args, save_tensors=None, save_params=False, timeout=300) -> Recording``:
     ``prism record --nproc NPROC --devices cpu [--save-tensors SEL] -- gpt3d.py ARGS --json-log LOG
-    [--save-params DIR]``, run once per session for each distinct command."""
+    [--save-params DIR]``, run once per test run for each distinct command (shared_run)."""
     done: dict[tuple, Recording | str] = {}
 
     def record(
@@ -69,36 +141,8 @@ def gpt3d_recording(tmp_path_factory):
     ) -> Recording:
         key = (int(nproc), tuple(args), save_tensors, bool(save_params))
         if key not in done:
-            base = tmp_path_factory.mktemp("gpt3d-recording")
-            rec = Recording(
-                out=base / "rec", log_path=base / "rec.json", params=base / "params" if save_params else None
-            )
-            cmd = [PRISM, "record", "--nproc", str(nproc), "--devices", "cpu", "--out", str(rec.out)]
-            if save_tensors:
-                cmd += ["--save-tensors", save_tensors]
-            cmd += ["--timeout", str(timeout), "--", GPT3D, *args, "--json-log", str(rec.log_path)]
-            if rec.params is not None:
-                cmd += ["--save-params", str(rec.params)]
-            p = subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env={**os.environ, "OMP_NUM_THREADS": "1"},
-            )
-            with ListenerWatch(p.pid) as watch:
-                try:
-                    out, err = p.communicate(timeout=timeout + 120)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    out, err = p.communicate()
-            rec = dataclasses.replace(rec, listeners=frozenset(watch.seen))
-            # a failed recording fails every test that needs it, without running it again
-            done[key] = (
-                rec
-                if p.returncode == 0
-                else (f"{' '.join(cmd)} exited with {p.returncode}:\n{out[-3000:]}{err[-3000:]}")
-            )
+            with shared_run(tmp_path_factory, "gpt3d-recording", key) as (base, made):
+                done[key] = _recording(base, made, nproc, args, save_tensors, save_params, timeout)
         rec = done[key]
         if isinstance(rec, str):
             pytest.fail(rec)
@@ -132,10 +176,15 @@ def collectives_native(tmp_path_factory) -> tuple[Path, str]:
     """(graph, the run's stdout) of ``prism record --nproc 4 --devices cpu -- collectives.py``
     through the native recorder (PRISM_NATIVE=1): test_native_recording compares it with the
     Python path's graph, test_graphcheck checks every recorded call against it."""
-    out = tmp_path_factory.mktemp("collectives-native") / "graph"
-    cmd = [PRISM, "record", "--nproc", "4", "--devices", "cpu", "--out", str(out), "--timeout", "240", "--",
+    cmd = [PRISM, "record", "--nproc", "4", "--devices", "cpu", "--out", "GRAPH", "--timeout", "240", "--",
            COLLECTIVES]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PRISM_NATIVE": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=360)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return out, p.stdout
+    with shared_run(tmp_path_factory, "collectives-native", cmd) as (base, made):
+        out = base / "graph"
+        if made is None:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PRISM_NATIVE": "1"}
+            p = subprocess.run([str(out) if a == "GRAPH" else a for a in cmd], capture_output=True, text=True,
+                               env=env, timeout=360)  # fmt: skip
+            made = {"returncode": p.returncode, "stdout": p.stdout, "stderr": p.stderr}
+            (base / "result.json").write_text(json.dumps(made))
+    assert made["returncode"] == 0, made["stdout"][-3000:] + made["stderr"][-3000:]
+    return out, made["stdout"]
