@@ -31,3 +31,17 @@ def test_the_default_head_start_is_none_where_the_slices_run_the_native_lane(mon
     monkeypatch.setenv("PRISM_NATIVE_LANE", "yes")
     with pytest.raises(PrismError, match="^PRISM_NATIVE_LANE='yes': 0"):
         native_lane_setting()
+
+
+def test_a_run_whose_slices_would_run_another_way_is_another_job(monkeypatch):
+    """`prism run` resumes a stage only for the same job: with ``--head-start auto`` the slices'
+    lane and head start follow PRISM_NATIVE_LANE, so the setting is part of the timed graph's job."""
+    from prismllm.pipeline.run import RunOptions
+
+    opts = RunOptions(world=4, out="out", script="train.py")
+    monkeypatch.setenv("PRISM_NATIVE_LANE", "0")
+    python_path = opts.time_job()
+    monkeypatch.setenv("PRISM_NATIVE_LANE", "1")
+    lane = opts.time_job()
+    assert (python_path["head_start"], python_path["native_lane"]) == ("overhead", False)
+    assert (lane["head_start"], lane["native_lane"]) == ("off", True)

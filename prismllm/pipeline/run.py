@@ -29,6 +29,7 @@ from typing import Any
 from prismllm import __version__
 from prismllm.calibrate import calibrate
 from prismllm.capture.solo import CaptureOptions, CapturePlan, capture
+from prismllm.childenv import head_start_for, native_lane_setting
 from prismllm.emulate import EmulateOptions, emulate
 from prismllm.errors import PrismError
 from prismllm.fromfields import FromFields
@@ -103,8 +104,12 @@ class RunOptions(FromFields):
         }
 
     def time_job(self) -> dict[str, Any]:
-        """What decides the timed graph and the calibration, beyond the capture."""
-        return {**self.capture_job(), "inputs": self.inputs, "parallel": self.parallel, "head_start": self.head_start}
+        """What decides the timed graph and the calibration, beyond the capture: the slices' lane
+        and head start as they ran (``auto`` follows PRISM_NATIVE_LANE)."""
+        lane = native_lane_setting()
+        head_start = head_start_for(self.head_start, lane) or "off"
+        return {**self.capture_job(), "inputs": self.inputs, "parallel": self.parallel, "head_start": head_start,
+                "native_lane": lane}  # fmt: skip
 
 
 class RunUI:
