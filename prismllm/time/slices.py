@@ -301,7 +301,7 @@ def _run_slice(
                 handle_signals=handle_signals,
                 cancel=cancel,
                 spin=opts.spin,
-                head_start=head_start_for(opts.head_start, native_lane_setting()) if devices.kind == "cuda" else None,
+                head_start=opts.head_start if opts.head_start != "off" and devices.kind == "cuda" else None,
                 transfer_durations=True,  # the timed graph's transfers: NCCL's own time of each
             )
         )
@@ -396,7 +396,8 @@ def _time_slices(
     world = int(manifest["world_size"])
     if opts.parallel is not None and opts.parallel < 1:
         raise PrismError(f"--parallel must be at least 1, not {opts.parallel}")
-    head_start_for(opts.head_start, native_lane=False)  # a bad choice fails here, before any launch
+    # "auto" settled once, before any launch (a bad choice or PRISM_NATIVE_LANE fails here)
+    opts = dataclasses.replace(opts, head_start=head_start_for(opts.head_start, native_lane_setting()) or "off")
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     check_program(manifest, opts.script, opts.args, world)  # the graph's program, or refuse
