@@ -286,6 +286,8 @@ class Suite:
             r.setdefault("earlier", []).extend(old)
             r["real_runs"] = keep
             r["real_ms"] = [x["ms"] for x in keep if "ms" in x]
+            if not keep and not any(step in r for step in ("prism", "record")):
+                r["machine"] = None  # every step runs again: on this machine, which may be of another kind
 
     def _observed(self, kind: str, seconds: float) -> None:
         self._seen[kind] = max(self._seen.get(kind, 0.0), seconds)
@@ -360,8 +362,8 @@ class Suite:
         print(f"[{c.name}] prism run ...", flush=True)
         t0 = time.monotonic()
         env = {**NVLS_OFF, **({"PRISM_ISSUE_THREAD": "0"} if self.a.no_issue_thread else {})}
-        if self.a.native_lane:
-            env["PRISM_NATIVE_LANE"] = "1"
+        if self.a.python_path:
+            env["PRISM_NATIVE_LANE"] = "0"
         rc, text, _ = run_streamed(cmd, env, self.a.timeout * 3, self.work(c) / "prism.log")
         wall = time.monotonic() - t0
         self._observed("prism", wall + 10)
@@ -370,8 +372,8 @@ class Suite:
             "wall_s": round(wall, 1),
             "lease": LEASE,
             "issue_thread": not self.a.no_issue_thread,
-            "native_lane": self.a.native_lane,
-            "head_start": head_start_for(self.a.head_start, self.a.native_lane) or "off",
+            "native_lane": not self.a.python_path,
+            "head_start": head_start_for(self.a.head_start, native_lane=not self.a.python_path) or "off",
             "host": self.doc["machine"].get("host"),  # the machine itself: leases of one kind differ by it
         }
         if rc != 0:
@@ -538,8 +540,8 @@ def markdown(doc: dict) -> str:
         "as the program prints them; errors against the mean of the real runs.",
         "",
         "| case | N | stack | layout | real ms (runs) | real spread | host wait | GPU busy | predicted | "
-        "error | emulated | error | real recording solved | error | peak memory | leases (real / prism) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "error | emulated | error | real recording solved | error | peak memory | machine | leases (real / prism) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     done = []
     for r in doc.get("rows", []):
@@ -554,18 +556,19 @@ def markdown(doc: dict) -> str:
             f"{'–' if busy is None else f'{busy * 100:.0f} %'} | "
             f"{r.get('predicted_ms') or '–'} | {_pct(r.get('predicted_error'))} | {r.get('emulated_ms') or '–'} | "
             f"{_pct(r.get('emulated_error'))} | {r.get('solved_ms') or '–'} | {_pct(r.get('solved_error'))} | "
-            f"{peak} | {leases(r)} |"
+            f"{peak} | {r.get('machine') or '–'} | {leases(r)} |"
         )
         if r.get("predicted_error") is not None and r.get("emulated_error") is not None:
             done.append(r)
     quiet = [r for r in done if (r.get("real_spread") or 0) < 0.01]
-    if quiet:
+    for kind in sorted({r.get("machine") or "?" for r in quiet}):  # one machine kind's figures apart from another's
+        of_kind = [r for r in quiet if (r.get("machine") or "?") == kind]
         for key in ("predicted", "emulated"):
-            errs = [abs(r[f"{key}_error"]) for r in quiet]
+            errs = [abs(r[f"{key}_error"]) for r in of_kind]
             lines.append("")
             lines.append(
-                f"{key.capitalize()}: average |error| {statistics.fmean(errs) * 100:.2f} %, worst {max(errs) * 100:.2f} % "
-                f"over the {len(quiet)} case(s) whose real runs spread under 1 %."
+                f"{kind}, {key}: average |error| {statistics.fmean(errs) * 100:.2f} %, worst {max(errs) * 100:.2f} % "
+                f"over the {len(of_kind)} case(s) whose real runs spread under 1 %."
             )
     return "\n".join(lines) + "\n"
 
@@ -597,10 +600,10 @@ def main(argv: list[str] | None = None) -> int:
         "not the issue thread's); rows say so (prism.issue_thread)",
     )
     ap.add_argument(
-        "--native-lane",
+        "--python-path",
         action="store_true",
-        help="prism runs with PRISM_NATIVE_LANE=1 (the emulated sandbox's pruned calls through the native lane); "
-        "rows say so (prism.native_lane)",
+        help="prism runs with PRISM_NATIVE_LANE=0 (the emulated sandbox's and the slices' pruned calls through the "
+        "Python path, not the native lane, the default on GPUs); rows say which (prism.native_lane)",
     )
     ap.add_argument(
         "--head-start",

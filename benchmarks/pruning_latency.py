@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -149,6 +150,8 @@ class Bench:
             "iters": a.iters,
             "ahead_ms": a.ahead,
             "rounds": a.rounds,
+            # the emulated sandbox's path: the native lane (auto: on GPUs) or Python (docs/internals/pruning.md)
+            "native_lane": os.environ.get("PRISM_NATIVE_LANE", "auto"),
             "commit": commit(),
             "measured": "latency of rank 0's calls: CUDA events around each call on the current stream"
             + (f", the host {a.ahead:g} ms ahead of the device (every timed call enqueued first)" if a.ahead else "")

@@ -77,6 +77,9 @@ class ChildEnv:
     check_tensors: str | None = None  # recorded outputs the sandbox's pruned calls are compared with
     check_out: str | None = None  # where the comparison is written
     head_start: HeadStart | None = None  # prism time's GPU slices: overhead | iteration (comm.headstart)
+    # record natively and issue the pruned calls through the native lane (the launcher's reading of
+    # PRISM_NATIVE_LANE for its devices: native_lane_setting)
+    native_lane: bool | None = None
     # read NCCL's device time of each asynchronous call (prism time's slices: their timed graph's
     # transfers), which holds the call's Work, and its tensors, until its device completes
     transfer_durations: bool | None = None
@@ -237,7 +240,7 @@ USER_SETTINGS: dict[str, str] = {
     "of its own, off the program's (docs/internals/pruning.md); 0: on the program's thread; all: a CPU sandbox's too",
     "PRISM_NATIVE_LANE": "1: an emulated sandbox rank records natively and issues its pruned calls through the "
     "native lane, with no Python on the way once a call's signature was seen (docs/internals/pruning.md); "
-    "0 (the default): the Python path",
+    "0: the Python path; auto (the default): the lane on GPUs (NCCL), the Python path on the CPU (gloo)",
     "PRISM_RDZV_TOKEN": "the token every host of a multi-host emulation shares (`prism emulate --rdzv-endpoint`), "
     "where no --rdzv-token-file is given",
     "PRISM_HOST_COMPLETION": "'wait' makes the Python recorder read a CPU call's completion at its "
@@ -245,12 +248,19 @@ USER_SETTINGS: dict[str, str] = {
 }
 
 
-def native_lane_setting() -> bool:
-    """``PRISM_NATIVE_LANE``: whether an emulated sandbox rank (a slice's too) runs the native lane."""
-    setting = user_setting("PRISM_NATIVE_LANE", "0")
-    if setting not in ("0", "1"):
-        raise PrismError(f"PRISM_NATIVE_LANE={setting!r}: 0 (the default: the Python path) or 1 (the native lane)")
-    return setting == "1"
+def native_lane_setting(on_gpu: bool) -> bool:
+    """``PRISM_NATIVE_LANE``: whether an emulated sandbox rank (a slice's too) runs the native lane,
+    where its small groups are NCCL (``on_gpu``) or gloo. ``auto`` (the default): on GPUs, where
+    the lane's sandbox peaks at the real rank's memory to the byte and its host time a call is a
+    few microseconds (docs/benchmarks.md, the GPU suite); the Python path on the CPU, whose
+    figures were measured through it."""
+    setting = user_setting("PRISM_NATIVE_LANE", "auto")
+    if setting not in ("auto", "0", "1"):
+        raise PrismError(
+            f"PRISM_NATIVE_LANE={setting!r}: auto (the default: the lane on GPUs), 0 (the Python path) or 1 "
+            "(the native lane)"
+        )
+    return on_gpu if setting == "auto" else setting == "1"
 
 
 def head_start_for(choice: str, native_lane: bool) -> HeadStart | None:

@@ -26,11 +26,15 @@ def test_the_default_head_start_is_none_where_the_slices_run_the_native_lane(mon
     assert head_start_for("off", native_lane=False) is None
     with pytest.raises(PrismError, match="^--head-start 'always': expected one of auto, overhead"):
         head_start_for("always", native_lane=False)
+    monkeypatch.delenv("PRISM_NATIVE_LANE", raising=False)
+    assert native_lane_setting(on_gpu=True) and not native_lane_setting(on_gpu=False)  # auto: the lane on NCCL
     monkeypatch.setenv("PRISM_NATIVE_LANE", "1")
-    assert native_lane_setting()
+    assert native_lane_setting(on_gpu=False)
+    monkeypatch.setenv("PRISM_NATIVE_LANE", "0")
+    assert not native_lane_setting(on_gpu=True)
     monkeypatch.setenv("PRISM_NATIVE_LANE", "yes")
-    with pytest.raises(PrismError, match="^PRISM_NATIVE_LANE='yes': 0"):
-        native_lane_setting()
+    with pytest.raises(PrismError, match="^PRISM_NATIVE_LANE='yes': auto"):
+        native_lane_setting(on_gpu=True)
 
 
 def test_a_run_whose_slices_would_run_another_way_is_another_job(monkeypatch):

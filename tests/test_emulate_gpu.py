@@ -114,12 +114,7 @@ def test_losses_and_pruned_outputs_equal_the_real_run(layout, tmp_path):
     assert_same_peak(res, 0, manifest)
 
 
-# Known gap (docs/internals/pruning.md, "The native lane"): with asynchronous pruned calls the lane's
-# sandbox peaks higher than the real rank (+232,960 B here on an H100, lease 26)
-_LANE_PEAK_GAP = pytest.mark.xfail(strict=True, reason="the native lane's peak memory with asynchronous calls")
-
-
-@pytest.mark.parametrize("layout", ["tp2", "pp2", pytest.param("dp2_distopt", marks=_LANE_PEAK_GAP)])
+@pytest.mark.parametrize("layout", ["tp2", "pp2", "dp2_distopt"])
 def test_the_native_lane_keeps_losses_and_peak_memory(layout, tmp_path, monkeypatch):
     """PRISM_NATIVE_LANE=1 on NCCL: the pruned calls after the first of each signature go through
     the lane's templates (NCCL's pre-multiplied sum, the padding in the same batch), the pipeline's

@@ -61,7 +61,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from prismllm import pruning as C
-from prismllm.childenv import ChildEnv, native_lane_setting, user_setting, variable
+from prismllm.childenv import ChildEnv, user_setting, variable
 from prismllm.comm import scratch, solo, solo_objects
 from prismllm.comm.graphcheck import GraphExpectation
 from prismllm.comm.native.replay import red_name
@@ -153,11 +153,11 @@ def prepare(rank: int, child: ChildEnv) -> None:
 
 def native_lane(child: ChildEnv) -> bool:
     """Whether this sandbox rank's groups record natively and its pruned groups run the native
-    lane (``PRISM_NATIVE_LANE=1``; ``prismllm/comm/native/pruned_lane.h``): a call whose small
-    call has a template goes from the program to the small communicator with no Python on the way.
-    Not with the output check (its comparisons are Python's) nor with a head start (``prism time``'s
-    slices: the Python recorder gives it)."""
-    return native_lane_setting() and not child.check_tensors and not child.head_start
+    lane (``PRISM_NATIVE_LANE``, read by the launcher; ``prismllm/comm/native/pruned_lane.h``): a
+    call whose small call has a template goes from the program to the small communicator with no
+    Python on the way. Not with the output check (its comparisons are Python's) nor with a head
+    start (``prism time``'s slices: the Python recorder gives it)."""
+    return bool(child.native_lane) and not child.check_tensors and not child.head_start
 
 
 def lane() -> Any:

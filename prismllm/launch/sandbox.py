@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from prismllm.childenv import ChildEnv
+from prismllm.childenv import ChildEnv, native_lane_setting
 from prismllm.errors import InputError, PrismError, RequirementError
 from prismllm.fromfields import FromFields
 from prismllm.launch.environment import gpu_ids
@@ -144,6 +144,7 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
         check_out=str(out.resolve()) if spec.check else None,
         spin=json.dumps(spec.spin) if spec.spin else None,
         head_start=spec.head_start,
+        native_lane=native_lane_setting(on_gpu=cuda) or None,
         transfer_durations=spec.transfer_durations or None,
     ).to_env()
     env: dict[str, str | None] = {

@@ -35,7 +35,7 @@ from prismllm.errors import PrismError
 from prismllm.fromfields import FromFields
 from prismllm.fsutil import read_json, write_file_atomically
 from prismllm.launch import LineSink
-from prismllm.launch.sandbox import ON_THE_CPU
+from prismllm.launch.sandbox import ON_THE_CPU, sandbox_devices
 from prismllm.layout import Layout
 from prismllm.outdir import writing
 from prismllm.outputs import (
@@ -105,8 +105,8 @@ class RunOptions(FromFields):
 
     def time_job(self) -> dict[str, Any]:
         """What decides the timed graph and the calibration, beyond the capture: the slices' lane
-        and head start as they ran (``auto`` follows PRISM_NATIVE_LANE)."""
-        lane = native_lane_setting()
+        and head start as they run (``auto`` follows PRISM_NATIVE_LANE for the devices)."""
+        lane = native_lane_setting(on_gpu=sandbox_devices(self.devices, 2, self.cuda_on_cpu).kind == "cuda")
         head_start = head_start_for(self.head_start, lane) or "off"
         return {**self.capture_job(), "inputs": self.inputs, "parallel": self.parallel, "head_start": head_start,
                 "native_lane": lane}  # fmt: skip

@@ -396,8 +396,6 @@ def _time_slices(
     world = int(manifest["world_size"])
     if opts.parallel is not None and opts.parallel < 1:
         raise PrismError(f"--parallel must be at least 1, not {opts.parallel}")
-    # "auto" settled once, before any launch (a bad choice or PRISM_NATIVE_LANE fails here)
-    opts = dataclasses.replace(opts, head_start=head_start_for(opts.head_start, native_lane_setting()) or "off")
     if not os.path.isfile(opts.script):
         raise PrismError(f"script not found: {opts.script}")
     check_program(manifest, opts.script, opts.args, world)  # the graph's program, or refuse
@@ -414,6 +412,9 @@ def _time_slices(
     slices = plan_slices(ranks, opts.slice_size)
     tensors = recorded_inputs(graph, opts.tensors, opts.inputs, opts.verify)  # the virtual ranks' inputs, if recorded
     devices = check_time_devices(opts, len(slices), cuda_on_cpu)
+    # "auto" settled once, before any launch (a bad choice or PRISM_NATIVE_LANE fails here)
+    lane = native_lane_setting(on_gpu=devices[0].kind == "cuda")
+    opts = dataclasses.replace(opts, head_start=head_start_for(opts.head_start, lane) or "off")
     out = Path(opts.out)
     state = {
         "graph": str(graph.resolve()),
