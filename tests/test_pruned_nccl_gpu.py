@@ -2,7 +2,8 @@
 each): padded to the logical group's bytes in one NCCL group (``allreduce_coalesced``), a
 pre-multiplied sum with each side's factor, the padding in the arena's shared unread buffer.
 The program's tensor must come back as the logical result the sandbox is shown (generated
-virtual inputs: the real member's sum scaled to the group), however many calls are in flight."""
+virtual inputs: the real member's sum scaled to the group), however many calls are in flight,
+the sandbox's asynchronous, the proxy's synchronous (on its current stream)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs"),
 ]
 
-N, SHAPE, CALLS = 4, (1000, 37), 6  # 37,000 floats a call: padded to the 4-member ring's bytes
+N, SHAPE, CALLS = 4, (1000, 37), 6
+_TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2])  # 37,000 floats a call: padded to the 4-member ring's bytes
 
 
 def _sandbox(pg, p: C.Plan, dev: torch.device) -> tuple:
@@ -42,10 +44,17 @@ def _sandbox(pg, p: C.Plan, dev: torch.device) -> tuple:
 
 
 def _proxy(pg, p: C.Plan, dev: torch.device) -> tuple:
-    """Generated inputs, contributed with factor 0."""
+    """Generated inputs, contributed with factor 0, each call synchronous on the current stream as
+    the assistant issues it on a GPU (no Work from torch 2.8 on: the stream orders the calls)."""
     bufs = GeneratedBuffers(dev)
     for _ in range(CALLS):
-        C.run(pg, generated_proxy_call(p, bufs, coalesce=True, premul=True))
+        call = generated_proxy_call(p, bufs, coalesce=True, premul=True)
+        works = C.issue(pg, call, sync=True)
+        if _TORCH >= (2, 8):
+            assert works == [], f"a synchronous NCCL call answered with {works}"
+        for w in works:
+            w.wait()
+        call.finish()
     torch.cuda.synchronize()
     return None, 0
 

@@ -350,7 +350,7 @@ class Assistant:
         """A group's worker: enter each job (a call, or the calls of one coalesced batch) on the
         small group in order, without waiting for the one before (a completer thread waits, at
         most ``IN_FLIGHT`` calls behind); ``real`` timing: not before it is due (``self.clock``)."""
-        inflight: queue.Queue[tuple[int, list[_Job], list[C.SmallCall], list] | None] = queue.Queue(self.in_flight)
+        inflight: queue.Queue[tuple[int, list[_Job], list[C.SmallCall], list, Any] | None] = queue.Queue(self.in_flight)
         completer = None
         try:
             if self.device is not None:  # the worker thread's current device
@@ -398,7 +398,10 @@ class Assistant:
                     clock.enter(slot, first_of_group=not grp.entered)
                 grp.entered = True
                 t0 = self._now()
-                works = C.issue(grp.pg, calls[0]) if len(calls) == 1 else C.issue_batch(grp.pg, calls)
+                # on a GPU a call goes on this thread's stream, right after its entry (synchronous:
+                # no hop to NCCL's own stream and back between the clock's kernels and the call's)
+                on_gpu = self.device is not None
+                works = C.issue(grp.pg, calls[0], sync=on_gpu) if len(calls) == 1 else C.issue_batch(grp.pg, calls)
                 self._launched(jobs)
                 grp.issued += len(calls)
                 if isinstance(clock, DeviceClock):
@@ -407,7 +410,11 @@ class Assistant:
                     clock.completed(slot)
                 elif clock is not None:
                     clock.issue_ns += (self._now() - t0 - clock.issue_ns) // 8  # running mean (a rough figure)
-                inflight.put((slot, jobs, calls, works))  # blocks while IN_FLIGHT calls are outstanding
+                issued = None
+                if on_gpu:  # what the completer waits for: a synchronous NCCL call has no Work
+                    issued = torch.cuda.Event()
+                    issued.record()
+                inflight.put((slot, jobs, calls, works, issued))  # blocks while IN_FLIGHT calls are outstanding
                 self._stage(grp, jobs[-1].event.instance)
                 if isinstance(clock, HostClock):
                     # the group's next call waits for this one's real end: a virtual rank cannot
@@ -431,10 +438,10 @@ class Assistant:
             item = inflight.get()
             if item is None:
                 return
-            slot, jobs, calls, works = item
+            slot, jobs, calls, works, issued = item
             grp.waiting = (jobs, time.monotonic())
             try:
-                self._finish(grp, slot, jobs, calls, works)
+                self._finish(grp, slot, calls, works, issued)
                 grp.waiting = None
             except BaseException as e:  # noqa: BLE001
                 self._done.put(
@@ -447,11 +454,16 @@ class Assistant:
             finally:
                 inflight.task_done()
 
-    def _finish(self, grp: _Group, slot: int, jobs: list[_Job], calls: list[C.SmallCall], works: list) -> None:
-        """Wait for one entered job, run its post steps; ``real`` timing on the host: pin or move
-        the clock (a DeviceClock stamps completions on the device itself)."""
+    def _finish(
+        self, grp: _Group, slot: int, calls: list[C.SmallCall], works: list, issued: torch.cuda.Event | None
+    ) -> None:
+        """Wait for one entered job (its Works, and on a GPU the worker's stream after it: ``issued``),
+        run its post steps; ``real`` timing on the host: pin or move the clock (a DeviceClock
+        stamps completions on the device itself)."""
         for w in works:
             w.wait()
+        if issued is not None:
+            torch.cuda.current_stream(self.device).wait_event(issued)
         for c in calls:
             c.finish()
         if self.device is not None:  # done on the device, as this thread's stream now waits on it

@@ -206,7 +206,7 @@ SHARED: dict[str, Option] = {
             "timing) for the emulation layer's host time until the host's next wait, as the last iteration "
             "spent it (overhead: the program's own host pace), about one iteration (iteration: the device's work "
             "alone, for a device-bound program on a slower host), or not at all (off); auto (the default): off "
-            "where the slices run the native lane (PRISM_NATIVE_LANE=1), else overhead (`prism docs time`)",
+            "where the slices run the native lane (PRISM_NATIVE_LANE; the default on GPUs), else overhead (`prism docs time`)",
         },
     ),
     # dest "verify": a stage's options take it by name (FromFields)

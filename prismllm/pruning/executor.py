@@ -46,43 +46,57 @@ def _call_redop(call: SmallCall) -> Any:
     return _torch_redop(call.reduce_op)
 
 
-def issue(pg: Any, call: SmallCall) -> list:
+def issue(pg: Any, call: SmallCall, sync: bool = False) -> list:
     """Issue ``call`` on a ``ProcessGroup`` object (the small communicator) through its own
-    methods; returns the Work objects (wait on all, then ``call.finish()``)."""
+    methods; returns the Work objects (wait on all, then ``call.finish()``). ``sync``: as a
+    program's ``async_op=False`` call, which a ProcessGroupNCCL (torch 2.8 on) runs on the current
+    stream and answers with no Work (none in the list), where an asynchronous call goes through
+    the group's own stream, with an event each way."""
+
+    def opts(o: Any) -> Any:
+        if hasattr(o, "asyncOp"):  # torch 2.7 on
+            o.asyncOp = not sync
+        return o
 
     op = call.op
     if op == "all_reduce":
-        o = dist.AllreduceOptions()
+        o = opts(dist.AllreduceOptions())
         o.reduceOp = _call_redop(call)
         if call.parts:
             if _nccl(pg):  # one NCCL group, issued by one call (a batch of two is four: ~2x the host time)
-                oc = dist.AllreduceCoalescedOptions()
+                oc = opts(dist.AllreduceCoalescedOptions())
                 oc.reduceOp = o.reduceOp
-                return [pg.allreduce_coalesced(call.parts, oc)]
-            return [pg.allreduce([t], o) for t in call.parts]  # gloo has no batches: one after the other
-        return [pg.allreduce([call.input], o)]
-    if op == "reduce_scatter":
-        o = dist.ReduceScatterOptions()
+                works = [pg.allreduce_coalesced(call.parts, oc)]
+            else:
+                works = [pg.allreduce([t], o) for t in call.parts]  # gloo has no batches: one after the other
+        else:
+            works = [pg.allreduce([call.input], o)]
+    elif op == "reduce_scatter":
+        o = opts(dist.ReduceScatterOptions())
         o.reduceOp = _call_redop(call)
-        return [pg._reduce_scatter_base(call.output, call.input, o)]
-    if op == "all_gather":
-        return [pg._allgather_base(call.output, call.input)]
-    if op == "broadcast":
-        o = dist.BroadcastOptions()
+        works = [pg._reduce_scatter_base(call.output, call.input, o)]
+    elif op == "all_gather":
+        works = [pg._allgather_base(call.output, call.input, opts(torch._C._distributed_c10d.AllgatherOptions()))]
+    elif op == "broadcast":
+        o = opts(dist.BroadcastOptions())
         o.rootRank, o.rootTensor = call.root, 0
-        return [pg.broadcast([call.input], o)]
-    if op == "reduce":
-        o = dist.ReduceOptions()
+        works = [pg.broadcast([call.input], o)]
+    elif op == "reduce":
+        o = opts(dist.ReduceOptions())
         o.rootRank, o.rootTensor = call.root, 0
         o.reduceOp = _torch_redop(call.reduce_op)
-        return [pg.reduce([call.input], o)]
-    if op == "all_to_all":
-        return [pg.alltoall_base(call.output, call.input, call.out_splits, call.in_splits, dist.AllToAllOptions())]
-    if op == "p2p":
-        return issue_batch(pg, [call])
-    if op == "barrier":
-        return [pg.barrier(dist.BarrierOptions())]
-    raise PruningError(f"cannot issue {op!r}")
+        works = [pg.reduce([call.input], o)]
+    elif op == "all_to_all":
+        works = [
+            pg.alltoall_base(call.output, call.input, call.out_splits, call.in_splits, opts(dist.AllToAllOptions()))
+        ]
+    elif op == "p2p":
+        works = issue_batch(pg, [call])
+    elif op == "barrier":
+        works = [pg.barrier(opts(dist.BarrierOptions()))]
+    else:
+        raise PruningError(f"cannot issue {op!r}")
+    return [w for w in works if w is not None]
 
 
 # the small calls the native lane issues again from a template

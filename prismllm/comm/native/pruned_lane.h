@@ -153,24 +153,28 @@ class PrunedLane : public Backend {
 
   // ---- the calls that can take the fast lane ----
   intrusive_ptr<Work> allreduce(std::vector<at::Tensor>& ts, const c10d::AllreduceOptions& o) override {
-    LaneCall c(A_ALLREDUCE, ts);
-    if (auto w = fast(c)) return w;
+    LaneCall c(A_ALLREDUCE, ts, is_sync(o));
+    intrusive_ptr<Work> w;
+    if (fast(c, w)) return w;
     return python("allreduce", c, ts, o);
   }
   intrusive_ptr<Work> _allgather_base(at::Tensor& out, at::Tensor& in, const c10d::AllgatherOptions& o) override {
-    LaneCall c(A_AG_BASE, {out, in});
-    if (auto w = fast(c)) return w;
+    LaneCall c(A_AG_BASE, {out, in}, is_sync(o));
+    intrusive_ptr<Work> w;
+    if (fast(c, w)) return w;
     return python("_allgather_base", c, out, in, o);
   }
   intrusive_ptr<Work> _reduce_scatter_base(at::Tensor& out, at::Tensor& in,
                                            const c10d::ReduceScatterOptions& o) override {
-    LaneCall c(A_RS_BASE, {out, in});
-    if (auto w = fast(c)) return w;
+    LaneCall c(A_RS_BASE, {out, in}, is_sync(o));
+    intrusive_ptr<Work> w;
+    if (fast(c, w)) return w;
     return python("_reduce_scatter_base", c, out, in, o);
   }
   intrusive_ptr<Work> broadcast(std::vector<at::Tensor>& ts, const c10d::BroadcastOptions& o) override {
-    LaneCall c(A_BROADCAST, ts, static_cast<int32_t>(o.rootRank));
-    if (auto w = fast(c)) return w;
+    LaneCall c(A_BROADCAST, ts, is_sync(o), static_cast<int32_t>(o.rootRank));
+    intrusive_ptr<Work> w;
+    if (fast(c, w)) return w;
     return python("broadcast", c, ts, o);
   }
 
@@ -257,10 +261,11 @@ class PrunedLane : public Backend {
     std::vector<CallRow> rows = logged_rows();
     int16_t api = -1;
     std::vector<at::Tensor> prog;
+    bool sync = false;  // the program's async_op=False: the small call too (set_sync)
     int32_t root = -1;
     LaneCall() = default;
-    LaneCall(int16_t api, std::vector<at::Tensor> prog, int32_t root = -1)
-        : api(api), prog(std::move(prog)), root(root) {}
+    LaneCall(int16_t api, std::vector<at::Tensor> prog, bool sync, int32_t root = -1)
+        : api(api), prog(std::move(prog)), sync(sync), root(root) {}
   };
   static std::vector<CallRow> logged_rows() {
     std::vector<CallRow> out;
@@ -324,31 +329,32 @@ class PrunedLane : public Backend {
     return e.op == r.op && e.inb == r.inb && e.outb == r.outb && (r.peer < 0 || e.root == r.peer);
   }
 
-  // The call on the small communicator from its template, or nothing (then Python plans it).
-  intrusive_ptr<Work> fast(LaneCall& c) {
+  // The call on the small communicator from its template, into ``w`` (no Work for a synchronous
+  // call on NCCL, as the real backend returns none), or false (then Python plans it).
+  bool fast(LaneCall& c, intrusive_ptr<Work>& w) {
     if (c.api < 0 || scope_ > 0 || c.rows.size() != 1 ||
         c.rows[0].red == static_cast<int8_t>(c10d::ReduceOp::PREMUL_SUM))
-      return {};
+      return false;
     for (auto& t : c.prog)
-      if (!t.is_contiguous()) return {};
+      if (!t.is_contiguous()) return false;
     Template tp;
     intrusive_ptr<Backend> small;
     {
       std::lock_guard<std::mutex> g(mu_);
-      if (!small_) return {};
+      if (!small_) return false;
       small = small_;
       number(c.rows);
-      if (!expected_here(c.rows[0])) return {};
+      if (!expected_here(c.rows[0])) return false;
       auto it = templates_.find(key_of(c));
-      if (it == templates_.end()) return {};
+      if (it == templates_.end()) return false;
       tp = it->second;
     }
     // on gloo the host clock is the rank's device clock: the lane's own time (the check and the
     // template) is left out of it, as the Python path leaves out its parts; the call itself stays
     if (!coalescing_ok_) the_log().exclude(steady_ns() - c.t0);
-    auto w = issue(*small, tp, c.prog);
+    w = issue(*small, tp, c.prog, c.sync);
     done(c, true);
-    return w;
+    return true;
   }
 
   c10d::ReduceOp reduce_op(const Template& t) const {
@@ -365,8 +371,9 @@ class PrunedLane : public Backend {
     return prog[r.arg].view({-1}).narrow(0, r.offset, r.numel);
   }
 
-  // As prismllm.pruning.executor.issue issues these small calls (default options).
-  intrusive_ptr<Work> issue(Backend& small, const Template& t, std::vector<at::Tensor>& prog) {
+  // As prismllm.pruning.executor.issue issues these small calls, synchronous where the program's
+  // call is (``sync``).
+  intrusive_ptr<Work> issue(Backend& small, const Template& t, std::vector<at::Tensor>& prog, bool sync) {
     switch (t.op) {
       case ALL_REDUCE: {
         std::vector<at::Tensor> v{place(t.in, prog)};
@@ -374,20 +381,25 @@ class PrunedLane : public Backend {
           v.push_back(t.pad);
           c10d::AllreduceCoalescedOptions o;
           o.reduceOp = reduce_op(t);
+          set_sync(o, sync);
           return small.allreduce_coalesced(v, o);
         }
         c10d::AllreduceOptions o;
         o.reduceOp = reduce_op(t);
+        set_sync(o, sync);
         return small.allreduce(v, o);
       }
       case ALL_GATHER: {
         at::Tensor out = place(t.out, prog), in = place(t.in, prog);
-        return small._allgather_base(out, in, c10d::AllgatherOptions());
+        c10d::AllgatherOptions o;
+        set_sync(o, sync);
+        return small._allgather_base(out, in, o);
       }
       case REDUCE_SCATTER: {
         at::Tensor out = place(t.out, prog), in = place(t.in, prog);
         c10d::ReduceScatterOptions o;
         o.reduceOp = reduce_op(t);
+        set_sync(o, sync);
         return small._reduce_scatter_base(out, in, o);
       }
       default: {  // BROADCAST
@@ -395,6 +407,7 @@ class PrunedLane : public Backend {
         c10d::BroadcastOptions o;
         o.rootRank = t.root;
         o.rootTensor = 0;
+        set_sync(o, sync);
         return small.broadcast(v, o);
       }
     }

@@ -658,8 +658,6 @@ class RecordedWork : public ForwardingWork {
 };
 
 
-#include "pruned_lane.h"
-
 template <typename T, typename = void>
 struct has_async_op : std::false_type {};
 template <typename T>
@@ -675,6 +673,16 @@ static bool is_sync(const Opts& o) {
     return false;
   }
 }
+
+// Asks for the call as the program asked for its own (``is_sync``), where this torch has the option:
+// since torch 2.8 a ProcessGroupNCCL runs a synchronous call on the caller's current stream and
+// returns no Work, where an asynchronous one goes through its own stream, with an event each way.
+template <typename Opts>
+static void set_sync(Opts& o, bool sync) {
+  if constexpr (has_async_op<Opts>::value) o.asyncOp = !sync;
+}
+
+#include "pruned_lane.h"
 
 static int64_t nbytes(const std::vector<at::Tensor>& ts) {
   int64_t n = 0;
