@@ -81,6 +81,10 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log
 ls .whl/megatron_core-*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/megatron_core-*.whl >>"$OUT/install.log" 2>&1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv >"$OUT/gpus.csv" 2>&1
 
+# the parts that measure the Python path's host (its issue thread, its parts): the lane, the default on
+# GPUs, issues on the program's thread with no Python on the way; PRISM_NATIVE_LANE=1 runs them on it
+case "$PART" in threads|gil|hostprof|parts|hostcost|issue-ab) export PRISM_NATIVE_LANE=${PRISM_NATIVE_LANE:-0} ;; esac
+
 SMALL="--layers 2 --hidden 512 --heads 8 --seq 256 --vocab 4096 --micro-batch 2 --global-batch 8 --iters 6"
 # the GPU suite's DDP job (benchmarks/fidelity_gpu.py's ddp-2), which the diagnostic parts below run
 P=benchmarks/programs/torch_parallel.py

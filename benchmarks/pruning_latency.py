@@ -213,10 +213,21 @@ class Bench:
     def emulate(self, n: int, graph: Path, args: list[str], tag: str) -> dict:
         devices = "cuda:0,1" if self.a.devices == "cuda" else "cpu"
         cmd = [*PRISM, "emulate", "--graph", str(graph), "--sandbox", "0", "--devices", devices]
-        cmd += ["--inputs", "generated", "--out", str(self.work / f"emu{n}"), "--force"]
-        return parse(
-            self._run(f"emulate N={n}{tag}", n, [*cmd, "--timeout", str(self.a.timeout), "--", PROGRAM, *args])[1]
-        )
+        out = self.work / f"emu{n}"
+        cmd += ["--inputs", "generated", "--out", str(out), "--force"]
+        text = self._run(f"emulate N={n}{tag}", n, [*cmd, "--timeout", str(self.a.timeout), "--", PROGRAM, *args])[1]
+        self._emulation_summary(out / "emulate.json")
+        return parse(text)
+
+    def _emulation_summary(self, path: Path) -> None:
+        """Beside the run's record: how late the proxy entered its calls against the replay's schedule
+        (``replay.arrivals``) and the sandbox's calls through the native lane and through Python."""
+        if not path.is_file():
+            return
+        doc = json.loads(path.read_text())
+        sandbox = (doc.get("sandbox_results") or {}).get("0") or {}
+        self.res["runs"][-1]["arrivals"] = (doc.get("replay") or {}).get("arrivals")
+        self.res["runs"][-1]["native_lane"] = sandbox.get("emulation_native_lane")
 
     def world(self, n: int, ops: list[str], sizes: list[int]) -> None:
         print(f"N={n}: {len(ops)} op(s), sizes {','.join(map(fmt_size, sizes))}, {self.a.rounds} round(s)", flush=True)
