@@ -78,8 +78,8 @@ class ChildEnv:
     check_out: str | None = None  # where the comparison is written
     head_start: HeadStart | None = None  # prism time's GPU slices: overhead | iteration (comm.headstart)
     # record natively and issue the pruned calls through the native lane (the launcher's reading of
-    # PRISM_NATIVE_LANE for its devices: native_lane_setting)
-    native_lane: bool | None = None
+    # the user's PRISM_NATIVE_LANE for its devices: native_lane_setting)
+    native_lane_on: bool | None = None
     # read NCCL's device time of each asynchronous call (prism time's slices: their timed graph's
     # transfers), which holds the call's Work, and its tensors, until its device completes
     transfer_durations: bool | None = None
@@ -144,7 +144,8 @@ _CHOICES = {
     for name, hint in get_type_hints(ChildEnv).items()
     if (choices := tuple(a for arg in (hint, *get_args(hint)) for a in get_args(arg) if isinstance(a, str)))
 }
-_BOOLS = ("native", "cuda_on_cpu")
+# every field annotated bool (a "0" read back as a string would be true)
+_BOOLS = tuple(name for name, hint in get_type_hints(ChildEnv).items() if bool in (hint, *get_args(hint)))
 _RANK_LISTS = ("sandbox", "solo_batch")
 _INTS = ("assistants", "assistant_index", "routing_topk")
 

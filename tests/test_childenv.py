@@ -15,6 +15,23 @@ def test_every_choice_of_the_process_contract_is_checked_from_its_annotation():
             ChildEnv.from_env({var: bad})
 
 
+def test_no_variable_of_the_contract_is_a_users_setting():
+    """A parent writes the contract's variables into a child's environment, which also inherits the
+    user's settings: one name for both would hand the child the user's raw value (PRISM_NATIVE_LANE
+    is read by the launcher, which hands the child its decision as PRISM_NATIVE_LANE_ON)."""
+    import dataclasses
+
+    from prismllm.childenv import USER_SETTINGS, variable
+
+    contract = {variable(f.name) for f in dataclasses.fields(ChildEnv)}
+    # PRISM_NATIVE means one thing both ways (record through the native backend), and `prism record`
+    # always hands its ranks its own choice
+    assert contract & set(USER_SETTINGS) == {"PRISM_NATIVE"}, contract & set(USER_SETTINGS)
+    # every bool field reads "0" as false
+    child = ChildEnv.from_env({"PRISM_NATIVE_LANE_ON": "0", "PRISM_TRANSFER_DURATIONS": "1", "PRISM_NATIVE": "0"})
+    assert (child.native_lane_on, child.transfer_durations, child.native) == (False, True, False)
+
+
 def test_the_default_head_start_is_none_where_the_slices_run_the_native_lane(monkeypatch):
     """--head-start auto: the lane's slices run without a head start (it needs the Python
     recorder), the Python path's with the overhead one; an explicit choice stands either way."""

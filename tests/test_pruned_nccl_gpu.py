@@ -27,7 +27,9 @@ pytestmark = [
 ]
 
 N, SHAPE, CALLS = 4, (1000, 37), 6
-_TORCH = tuple(int(x) for x in torch.__version__.split(".")[:2])  # 37,000 floats a call: padded to the 4-member ring's bytes
+_TORCH = tuple(
+    int(x) for x in torch.__version__.split(".")[:2]
+)  # 37,000 floats a call: padded to the 4-member ring's bytes
 
 
 def _sandbox(pg, p: C.Plan, dev: torch.device) -> tuple:

@@ -157,7 +157,7 @@ def native_lane(child: ChildEnv) -> bool:
     call whose small call has a template goes from the program to the small communicator with no
     Python on the way. Not with the output check (its comparisons are Python's) nor with a head
     start (``prism time``'s slices: the Python recorder gives it)."""
-    return bool(child.native_lane) and not child.check_tensors and not child.head_start
+    return bool(child.native_lane_on) and not child.check_tensors and not child.head_start
 
 
 def lane() -> Any:

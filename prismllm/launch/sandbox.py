@@ -144,7 +144,7 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
         check_out=str(out.resolve()) if spec.check else None,
         spin=json.dumps(spec.spin) if spec.spin else None,
         head_start=spec.head_start,
-        native_lane=native_lane_setting(on_gpu=cuda) or None,
+        native_lane_on=native_lane_setting(on_gpu=cuda),  # explicit either way: nothing inherited decides it
         transfer_durations=spec.transfer_durations or None,
     ).to_env()
     env: dict[str, str | None] = {
