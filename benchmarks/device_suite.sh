@@ -47,6 +47,7 @@
 #              issue thread's GPU tests (a pruned NCCL call, the TP2 and DP2 emulations' values; TESTS=0: none); ~9 min
 #   lane-ab    as issue-ab with the native lane on and off (PRISM_NATIVE_LANE=1 / 0), its GPU tests with the lane on
 #   lane-tests the native lane's GPU tests alone, every failure's message in $OUT/lane-tests.log; ~3 min
+#   gpu-tests  every GPU test file on its own (FILES, PER seconds each, default 180), a log each: $OUT/gpu-<file>.log
 #   lane-memory  the native lane's peak-memory gap (the distributed optimizer of its GPU test, last rank; LAYOUT="--pp 2":
 #              the pipeline's): the
 #              peak of plain torchrun, of prism record through the Python recorder (tensors saved: the GPU test's
@@ -70,7 +71,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|lane-memory|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|lane-memory|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -463,6 +464,15 @@ lane-tests)
     PRISM_NATIVE_LANE=1 timeout "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
         tests/test_emulate_gpu.py -k native_lane >"$OUT/lane-tests.log" 2>&1
     echo "lane GPU tests: $(tail -1 "$OUT/lane-tests.log")"; grep -h "^E " "$OUT/lane-tests.log" | head -20 ;;
+gpu-tests)
+    # every GPU-marked test file on its own, each with its own timeout and log ($OUT/gpu-<file>.log, every result
+    # and failure message in it): a file that hangs costs its own timeout and leaves the others' results
+    # FILES: the test files (default: every one with GPU tests); PER: seconds a file (180)
+    for f in ${FILES:-$(grep -l "pytest.mark.gpu" tests/test_*.py)}; do
+        name=$(basename "$f" .py)
+        timeout "${PER:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA "$f" >"$OUT/gpu-$name.log" 2>&1
+        echo "$name: rc $? $(tail -1 "$OUT/gpu-$name.log")"; grep -h "^E " "$OUT/gpu-$name.log" | head -5
+    done ;;
 lane-memory)
     D=out/lane-memory
     rm -rf "$D"; mkdir -p "$D"
