@@ -325,24 +325,28 @@ def test_a_call_beyond_the_graph_on_the_native_lane_is_one_clear_error(setup, tm
 
 def test_a_native_lane_that_cannot_be_built_says_how_to_do_without(setup, tmp_path):
     """PRISM_NATIVE_LANE=1 where the native backend cannot be built (here: a cache directory that
-    cannot be made): the sandbox rank stops with one line naming the way out, nothing left behind."""
+    cannot be made): the emulation stops with one line naming the way out, before it starts any
+    process (the launcher builds it once for its ranks)."""
     graph, _ = setup
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    line = lane_failure(graph, tmp_path / "nolane", SIZES, PRISM_NATIVE_CACHE=str(blocker / "x"))
+    out = tmp_path / "nolane"
+    line = lane_failure(graph, out, SIZES, started=False, PRISM_NATIVE_CACHE=str(blocker / "x"))
     assert "could not be built" in line and "PRISM_NATIVE_LANE=0 emulates through the Python path" in line, line
+    assert not (out / "pids.json").exists(), "a process started before the build failed"
 
 
-def lane_failure(graph: Path, out: Path, args: list[str], **env: str) -> str:
+def lane_failure(graph: Path, out: Path, args: list[str], started: bool = True, **env: str) -> str:
     """`prism emulate` of the TP2 program with PRISM_NATIVE_LANE=1 and ``env``, which must fail: its
-    one line, every process it started gone."""
+    one line, every process it ``started`` gone."""
     cmd = [PRISM, "emulate", "--graph", str(graph), "--sandbox", "1", "--out", str(out), "--timeout", "120",
            "--", GPT3D, *LAYOUTS["tp2"], *args]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PRISM_NATIVE_LANE": "1", **env}
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, env=env)
     assert p.returncode != 0
     line = verdict(p.stderr)
-    assert_all_ended(all_pids(out))
+    if started:
+        assert_all_ended(all_pids(out))
     return line
 
 

@@ -132,6 +132,13 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
     tensors = str(spec.tensors.resolve()) if spec.tensors is not None else None
     # what the capture fixed, the sandbox ranks run the same way; the stage verified the graph
     manifest = read_manifest(spec.graph, verify=False)
+    lane = native_lane_setting(on_gpu=cuda)
+    if lane and run_sandbox:
+        # built here, once, before any rank starts (the ranks load it): a build that fails is one
+        # message before anything runs, not one from each rank
+        from prismllm.comm import native
+
+        native.load(without="PRISM_NATIVE_LANE=0 emulates through the Python path")
     rank_env = ChildEnv(
         mode="emulate",
         sandbox=spec.sandbox,
@@ -144,7 +151,7 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
         check_out=str(out.resolve()) if spec.check else None,
         spin=json.dumps(spec.spin) if spec.spin else None,
         head_start=spec.head_start,
-        native_lane_on=native_lane_setting(on_gpu=cuda),  # explicit either way: nothing inherited decides it
+        native_lane_on=lane,  # explicit either way: nothing inherited decides it
         transfer_durations=spec.transfer_durations or None,
     ).to_env()
     env: dict[str, str | None] = {
