@@ -139,13 +139,14 @@ class ChildEnv:
 
 _CURRENT: ChildEnv | None = None
 # field -> its choices: every field annotated with a Literal (optional or not)
+_HINTS = get_type_hints(ChildEnv)
 _CHOICES = {
     name: choices
-    for name, hint in get_type_hints(ChildEnv).items()
+    for name, hint in _HINTS.items()
     if (choices := tuple(a for arg in (hint, *get_args(hint)) for a in get_args(arg) if isinstance(a, str)))
 }
 # every field annotated bool (a "0" read back as a string would be true)
-_BOOLS = tuple(name for name, hint in get_type_hints(ChildEnv).items() if bool in (hint, *get_args(hint)))
+_BOOLS = tuple(name for name, hint in _HINTS.items() if bool in (hint, *get_args(hint)))
 _RANK_LISTS = ("sandbox", "solo_batch")
 _INTS = ("assistants", "assistant_index", "routing_topk")
 

@@ -87,7 +87,7 @@ _LIKE_ME = False
 _ISSUE: IssueThread | None = None  # asynchronous pruned calls issued off the program's thread (PRISM_ISSUE_THREAD)
 # the issue thread serves CUDA calls; PRISM_ISSUE_THREAD=all gloo's too (the CPU tests of its order)
 _ISSUE_ON_CPU = False
-_LANE: Any = None  # the native module, when the pruned groups run through its lane (native_lane)
+_LANE: Any = None  # the native module, when the pruned groups run through its lane (ChildEnv.native_lane_on)
 
 
 def _close_small_groups() -> None:
@@ -137,8 +137,11 @@ def prepare(rank: int, child: ChildEnv) -> None:
         messages = solo_objects.CapturedMessages.of_graph(child.graph)
         if messages is not None:
             _receive_captured_objects(messages)
-    if native_lane(child):
-        from prismllm.comm import native  # builds the C++ extension the first time
+    # the native lane (prismllm/comm/native/pruned_lane.h), as the launcher decided (launch_sandbox):
+    # a call whose small call has a template goes from the program to the small communicator with no
+    # Python on the way
+    if child.native_lane_on:
+        from prismllm.comm import native  # the launcher built it
 
         global _LANE
         _LANE = native.load(without="PRISM_NATIVE_LANE=0 emulates through the Python path")
@@ -151,17 +154,8 @@ def prepare(rank: int, child: ChildEnv) -> None:
     _ISSUE, _ISSUE_ON_CPU = (IssueThread(), issue == "all") if issue != "0" else (None, False)
 
 
-def native_lane(child: ChildEnv) -> bool:
-    """Whether this sandbox rank's groups record natively and its pruned groups run the native
-    lane (``PRISM_NATIVE_LANE``, read by the launcher; ``prismllm/comm/native/pruned_lane.h``): a
-    call whose small call has a template goes from the program to the small communicator with no
-    Python on the way. Not with the output check (its comparisons are Python's) nor with a head
-    start (``prism time``'s slices: the Python recorder gives it)."""
-    return bool(child.native_lane_on) and not child.check_tensors and not child.head_start
-
-
 def lane() -> Any:
-    """The native module when the native lane runs (:func:`native_lane`), else None."""
+    """The native module when the native lane runs (ChildEnv.native_lane_on), else None."""
     return _LANE
 
 

@@ -132,10 +132,13 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
     tensors = str(spec.tensors.resolve()) if spec.tensors is not None else None
     # what the capture fixed, the sandbox ranks run the same way; the stage verified the graph
     manifest = read_manifest(spec.graph, verify=False)
-    lane = native_lane_setting(on_gpu=cuda)
+    check = tensors if spec.check else None
+    # the native lane: not with the output check (its comparisons are Python's) nor with a head
+    # start (prism time's GPU slices: the Python recorder gives it)
+    lane = native_lane_setting(on_gpu=cuda) and not check and not spec.head_start
     if lane and run_sandbox:
         # built here, once, before any rank starts (the ranks load it): a build that fails is one
-        # message before anything runs, not one from each rank
+        # message before anything runs, not one from each rank; none where no rank runs the lane
         from prismllm.comm import native
 
         native.load(without="PRISM_NATIVE_LANE=0 emulates through the Python path")
@@ -147,7 +150,7 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
         **child_fields(manifest.get("routing")),  # the graph's routing, forced again
         inputs="recorded" if tensors else "generated",
         spool=str(ranklogs.resolve()),
-        check_tensors=tensors if spec.check else None,
+        check_tensors=check,
         check_out=str(out.resolve()) if spec.check else None,
         spin=json.dumps(spec.spin) if spec.spin else None,
         head_start=spec.head_start,
