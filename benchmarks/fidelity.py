@@ -633,7 +633,9 @@ def run_case(case: Case, opts, ab: dict | None, base: Path) -> dict:
                     for r in sandbox
                 },
                 "rank_compute_ns": {
-                    str(r): steady_median((sr.get(str(r)) or {}).get("compute_ns", []), opts.warmup) for r in sandbox
+                    # null on a GPU (the emulation times its iterations on the device, not its spans)
+                    str(r): steady_median((sr.get(str(r)) or {}).get("compute_ns") or [], opts.warmup)
+                    for r in sandbox
                 },
                 "virtual_ranks_ns": (emu.get("replay") or {}).get("median_steady_iteration_ns"),
                 "printed_iter_time_ms": pr_e["iter_time_ms"],

@@ -128,6 +128,8 @@ def test_the_native_lane_keeps_losses_and_peak_memory(layout, tmp_path, monkeypa
     assert_same_peak(res, 1, manifest)
     lane = res.sandbox_results[1]["emulation_native_lane"]
     assert lane["fast"] > 0, lane
+    # device time at the iteration boundaries only: no timing event on the program's stream a call
+    assert res.sandbox_results[1]["compute_ns"] is None and res.sandbox_results[1]["iteration_ns"]
 
 
 def assert_same_peak(res, rank: int, manifest: dict) -> None:
@@ -231,4 +233,5 @@ def test_whole_pipeline_on_gpu(tmp_path):
     assert rec["ok"] and rec["timing"] == "real", rec["message"]
     its = rec["sandbox_results"]["1"]["iteration_ns"]
     assert len(its) >= 2 and all(t > 0 for t in its), rec["sandbox_results"]
+    assert rec["sandbox_results"]["1"]["compute_ns"] is None  # iterations timed on the device, not spans
     assert rec["prediction"]["predicted_iteration_ns"] > 0

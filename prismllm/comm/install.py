@@ -136,9 +136,13 @@ def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder 
             _record_natively()
 
     if not reads_transfer_durations(mode, child):
+        # an emulation's rank log is its measurement, not a timed graph: no transfer read, and
+        # device time only at the iteration boundaries (Recorder.all_points_on_device)
         _REC.durations_ok = False
+        _REC.all_points_on_device = False
         if _NATIVE is not None:
             _NATIVE.set_durations(False)
+            _NATIVE.set_all_points_on_device(False)
 
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _create_pg, extended_api=True, devices=["cpu", "cuda"])
@@ -558,7 +562,7 @@ def collect(rec: Recorder) -> RankLog:
         rank=rec.rank,
         world_size=rec.world_size,
         device=device,
-        clock="cuda" if rec.cuda else "host",
+        clock=rec.clock,
         nodes=node_rows(rec),
         groups=groups,
         iterations=iteration_rows(rec),

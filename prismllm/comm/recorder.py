@@ -129,6 +129,10 @@ class Recorder:
         self.world_size = world_size
         self.cuda = False  # device-side timing (set when a group uses NCCL on CUDA)
         self.cuda_live = False  # ... and CUDA is initialised: points record events
+        # every point on the device (a recording, a slice's timed graph), or only the iteration
+        # boundaries (prism emulate: each point is a timing event on the program's stream, ~3 µs
+        # of the device's time between two kernels on an H200, which the real run does not spend)
+        self.all_points_on_device = True
         self.started = False
         self.finished = False
         self.groups: list[Any] = []  # the recorded groups, in creation order
@@ -261,14 +265,27 @@ class Recorder:
         """The host point where a backend call returned."""
         return self._host_point(self.host_now())
 
-    def point(self) -> int:
+    def point(self, boundary: bool = False) -> int:
+        """A point now: on the device where the rank's clock is CUDA's (with
+        ``all_points_on_device`` off, only an iteration ``boundary``), else on the host."""
         t = self.host_now()
         if not self.cuda_live:
             if not self.cuda or not torch.cuda.is_initialized():
                 return self._host_point(t)
             _cuda.bind()
             self.cuda_live = True
+        if not (boundary or self.all_points_on_device):
+            return self._host_point(t)
         return self._cuda_point(t)
+
+    @property
+    def clock(self) -> str:
+        """The rank log's clock: ``cuda`` (every point a CUDA event mapped onto the host clock),
+        ``cuda-iterations`` (the iteration boundaries so, every other point on the host) or
+        ``host``."""
+        if not self.cuda:
+            return "host"
+        return "cuda" if self.all_points_on_device else "cuda-iterations"
 
     def _cuda_point(self, t: int) -> int:
         dev = _cuda.get_device()
@@ -527,7 +544,7 @@ class Recorder:
         if self.native is not None:
             self.native.start()
             return
-        p = self.point()
+        p = self.point(boundary=True)
         self.span_start = p
         self.iter_start = p
 
@@ -886,7 +903,7 @@ class Recorder:
             return
         if self.pending_sync is not None:
             self._demote_sync()
-        p = self.point()
+        p = self.point(boundary=True)
         if self.comm_points == 0 and self.iterations:
             # Nothing communicated since the last boundary (a second optimizer, or step()
             # right after an optimizer step): extend the previous iteration instead.
@@ -935,7 +952,7 @@ class Recorder:
             return
         if self.pending_sync is not None:
             self._demote_sync()
-        self._close_span(self.point())
+        self._close_span(self.point(boundary=True))
         if self.cuda:
             try:
                 torch.cuda.synchronize()

@@ -34,7 +34,9 @@ class RankLog:
     rank: int
     world_size: int
     device: str  # "cpu" or the GPU's name
-    clock: str  # "host" (wall clock) or "cuda" (CUDA events mapped to the host clock)
+    # "host" (wall clock), "cuda" (CUDA events mapped to the host clock) or "cuda-iterations"
+    # (the iteration boundaries so, every other point on the host: prism emulate on a GPU)
+    clock: str
     nodes: list[dict[str, Any]]
     groups: list[GroupInfo]
     iterations: list[dict[str, Any]]  # {"iteration", "start_ns", "end_ns", "label"}

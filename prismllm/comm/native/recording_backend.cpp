@@ -125,12 +125,13 @@ enum Api : int16_t { A_ALLREDUCE, A_ALLREDUCE_COAL, A_ALLGATHER, A_AG_BASE, A_AG
 class Log {
  public:
   // ---- points ------------------------------------------------------------------------
-  // A point: host time, and on CUDA an event on the current stream (resolved later).
-  int64_t point(bool device) {
+  // A point: host time, and on CUDA an event on the current stream (resolved later); with
+  // all_points_on_device_ off (prism emulate), the event only at an iteration boundary.
+  int64_t point(bool device, bool boundary = false) {
     int64_t pid = static_cast<int64_t>(p_host_.size());
     p_host_.push_back(host_ns());
     int32_t dev = -1, slot = -1;
-    if (device && cuda_live()) {
+    if (device && (boundary || all_points_on_device_) && cuda_live()) {
       auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
       dev = impl->getDevice().index();
       slot = take_event(dev);
@@ -401,7 +402,7 @@ class Log {
     int64_t t0 = steady_ns();
     std::lock_guard<std::mutex> g(mu);
     last_sync_ = -1;
-    add(E_BOUNDARY, explicit_ ? 1 : 0, 0, 0, -1, point(true));
+    add(E_BOUNDARY, explicit_ ? 1 : 0, 0, 0, -1, point(true, true));
     if (cuda_live_) cv_.notify_one();
     ++self.boundaries;
     self.boundary_ns += steady_ns() - t0;
@@ -444,7 +445,7 @@ class Log {
 
   void finish() {
     std::unique_lock<std::mutex> lk(mu);
-    add(E_FINISH, 0, 0, 0, -1, point(true));
+    add(E_FINISH, 0, 0, 0, -1, point(true, true));
     lk.unlock();
     free_buried(true);
     lk.lock();
@@ -516,6 +517,7 @@ class Log {
 
   std::mutex mu;  // the program's thread(s): main, and autograd's device threads in backward
   bool cuda_ = false;
+  bool all_points_on_device_ = true;
   bool cuda_live_ = false;
   bool bwd_queued_ = false;
   bool durations_ok_ = true;
@@ -1019,10 +1021,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_cuda", [](bool on) { the_log().cuda_ = on; });
   // off: no async Work is held to read NCCL's time of it (prism emulate; see comm/install.py)
   m.def("set_durations", [](bool on) { the_log().durations_ok_ = on; });
+  // off: CUDA events at the iteration boundaries only (prism emulate: each is device time between
+  // two of the program's kernels that its real run does not spend)
+  m.def("set_all_points_on_device", [](bool on) { the_log().all_points_on_device_ = on; });
   m.def("start", [] {
     auto& log = the_log();
     std::lock_guard<std::mutex> g(log.mu);
-    log.add(E_START, 0, 0, 0, -1, log.point(true));
+    log.add(E_START, 0, 0, 0, -1, log.point(true, true));
   });
   m.def("boundary", [](bool explicit_) { the_log().boundary(explicit_); });
   m.def("mark", [](const std::string& label) {

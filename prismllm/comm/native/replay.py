@@ -73,6 +73,7 @@ class ReplayRecorder(Recorder):
         super().__init__(live.rank, live.world_size)
         self.cuda = live.cuda
         self.durations_ok = live.durations_ok  # off: the log holds no NCCL time (prism emulate)
+        self.all_points_on_device = live.all_points_on_device  # off: device points at boundaries only
         self.groups = live.groups
         self.explicit_steps = False
         self._log_host = log["p_host"]
@@ -99,7 +100,7 @@ class ReplayRecorder(Recorder):
             self._made[lp] = pid
         return pid
 
-    def point(self) -> int:
+    def point(self, boundary: bool = False) -> int:  # the log already holds where it was taken
         if not self._pts:
             raise NativeLogError(f"rank {self.rank}: the Recorder takes a point the log lacks")
         return self._materialize(self._pts.popleft())
