@@ -48,6 +48,9 @@
 #   lane-ab    as issue-ab with the native lane on and off (PRISM_NATIVE_LANE=1 / 0), its GPU tests with the lane on
 #   lane-tests the native lane's GPU tests alone, every failure's message in $OUT/lane-tests.log; ~3 min
 #   gpu-tests  every GPU test file on its own (FILES, PER seconds each, default 180), a log each: $OUT/gpu-<file>.log
+#   timestamps what a point of the recorder costs the device (benchmarks/programs/timestamp_cost.py: no point, a
+#              plain event, a timing event, a timing event on a side stream, a global-timer stamp kernel between
+#              tiny kernels); one GPU is enough; $OUT/timestamp_cost.json; ~1 min
 #   lane-memory  the native lane's peak-memory gap (the distributed optimizer of its GPU test, last rank; LAYOUT="--pp 2":
 #              the pipeline's): the
 #              peak of plain torchrun, of prism record through the Python recorder (tensors saved: the GPU test's
@@ -71,7 +74,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|lane-memory|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -473,6 +476,8 @@ gpu-tests)
         timeout "${PER:-180}" python3 -m pytest -q -p no:cacheprovider -m gpu -rA "$f" >"$OUT/gpu-$name.log" 2>&1
         echo "$name: rc $? $(tail -1 "$OUT/gpu-$name.log")"; grep -h "^E " "$OUT/gpu-$name.log" | head -5
     done ;;
+timestamps)
+    timeout 240 python3 benchmarks/programs/timestamp_cost.py --json "$OUT/timestamp_cost.json" 2>&1 | tail -30 ;;
 lane-memory)
     D=out/lane-memory
     rm -rf "$D"; mkdir -p "$D"
