@@ -722,6 +722,36 @@ def test_a_gpu_list_is_a_pool(monkeypatch):
         _parallel_and_devices(CaptureOptions(world=8, out="o", script="s", devices="cuda:0", parallel=2))
 
 
+def test_every_visible_gpu_runs_a_rank_or_a_slice_by_default(monkeypatch):
+    """Without --parallel, `cuda` and `auto` use every GPU the machine has: capture a rank on
+    each, time a slice (sandbox GPUs and the assistant's) on each slice's worth. One at a time, a
+    32-rank demo took 2 min 50 s on four H100s against 49 s on a 2-core VM (a rank's CUDA and
+    NCCL start-up is seconds). No GPU, a graph captured with --cuda-on-cpu, or --devices cpu:
+    one at a time."""
+    import prismllm.capture.common as common
+    import prismllm.capture.solo as solo
+    import prismllm.time.slices as slices
+
+    for gpus in (4, 0):
+        monkeypatch.setattr(common, "cuda_info", lambda n=gpus: (n > 0, n))
+        monkeypatch.setattr(solo, "cuda_info", lambda n=gpus: (n > 0, n))
+        monkeypatch.setattr(slices, "cuda_count", lambda n=gpus: n)
+        for devices in ("auto", "cuda"):
+            opts = CaptureOptions(world=32, out="o", script="s", devices=devices)
+            if gpus:
+                assert solo._parallel_and_devices(opts) == (4, "cuda", [0, 1, 2, 3])
+            elif devices == "auto":
+                assert solo._parallel_and_devices(opts) == (1, "cpu", "cpu")
+            t = slices.TimeOptions(graph="g", out="o", script="s", devices=devices)
+            assert slices._parallel(t) == (2 if gpus else 1)
+            assert slices._parallel(dataclasses.replace(t, slice_size=3)) == 1  # 3 sandbox GPUs + 1 a slice
+            assert slices._parallel(t, cuda_on_cpu=True) == 1
+        cpu = CaptureOptions(world=32, out="o", script="s", devices="cpu")
+        assert solo._parallel_and_devices(cpu) == (1, "cpu", "cpu")
+        assert solo._parallel_and_devices(dataclasses.replace(cpu, devices="auto", cuda_on_cpu=True))[0] == 1
+        assert slices._parallel(slices.TimeOptions(graph="g", out="o", script="s", devices="cpu")) == 1
+
+
 def test_the_rank_that_runs_out_of_memory_first_in_the_program_is_named(tmp_path):
     """Two solo ranks run out of memory: rank 0 in its second iteration, at once, rank 1 in its
     first, two seconds later. Rank 1 is named, with the calls each had made (a real run, whose

@@ -87,7 +87,8 @@ SHARED: dict[str, Option] = {
             "type": _count,
             "default": None,
             "metavar": "K",
-            "help": "how many run at a time: ranks (capture) or slices (time); default: one per listed GPU, else 1",
+            "help": "how many run at a time: ranks (capture) or slices (time); default: one per GPU (listed, or every "
+            "visible one with cuda or auto), else 1",
         },
     ),
     "timeout": Option(

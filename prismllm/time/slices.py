@@ -70,7 +70,7 @@ class TimeOptions(FromFields):
     # slices at a time, slice by slice; a GPU listed twice is shared); see :func:`slice_devices`
     devices: str = "auto"
     slice_size: int = 1  # sandbox ranks per slice
-    parallel: int | None = None  # slices at a time; None: as many as a GPU list holds, else 1
+    parallel: int | None = None  # slices at a time; None: as many as the listed (cuda, auto: visible) GPUs hold, else 1
     tensors: str | os.PathLike | None = None  # recorded inputs (default: GRAPH/tensors)
     inputs: str = "auto"  # recorded | generated | auto (recorded where the graph has them)
     every_rank: bool = False  # time DP replicas too instead of their representative
@@ -166,18 +166,23 @@ def check_time_devices(opts: TimeOptions, n_slices: int, cuda_on_cpu: bool = Fal
     """The devices of the slices run together to time ``n_slices`` slices; a PrismError before
     anything runs when the listed ones cannot hold them (``prism run`` asks before its capture,
     which may take minutes)."""
-    return slice_devices(opts, min(_parallel(opts), n_slices), cuda_on_cpu)
+    return slice_devices(opts, min(_parallel(opts, cuda_on_cpu), n_slices), cuda_on_cpu)
 
 
-def _parallel(opts: TimeOptions) -> int:
-    """Slices at a time: --parallel, else one per slice's worth of listed GPUs, else 1."""
+def _parallel(opts: TimeOptions, cuda_on_cpu: bool = False) -> int:
+    """Slices at a time: --parallel, else one per slice's worth of the listed GPUs (``cuda`` and
+    ``auto``: of the visible ones; a graph captured with ``cuda_on_cpu`` runs on the CPU), else 1."""
     if opts.parallel is not None:
         return opts.parallel
     try:
-        gpus = parse_devices(opts.devices).gpus
+        dev = parse_devices(opts.devices)
     except ValueError:
         return 1  # slice_devices says what is wrong with the list
-    return max(1, len(gpus) // (opts.slice_size + 1)) if gpus else 1
+    if dev.gpus is not None:
+        gpus = len(dev.gpus)
+    else:  # a slice's CUDA and NCCL start-up is seconds: every GPU the machine has
+        gpus = cuda_count() if dev.kind in ("auto", "cuda") and not cuda_on_cpu else 0
+    return max(1, gpus // (opts.slice_size + 1))
 
 
 def _for_slice(dev: DeviceSpec, slice_size: int, n_ranks: int) -> DeviceSpec:
