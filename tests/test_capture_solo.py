@@ -730,12 +730,12 @@ def test_every_visible_gpu_runs_a_rank_or_a_slice_by_default(monkeypatch):
     one at a time."""
     import prismllm.capture.common as common
     import prismllm.capture.solo as solo
+    import prismllm.launch.sandbox as sandbox
     import prismllm.time.slices as slices
 
     for gpus in (4, 0):
         monkeypatch.setattr(common, "cuda_info", lambda n=gpus: (n > 0, n))
-        monkeypatch.setattr(solo, "cuda_info", lambda n=gpus: (n > 0, n))
-        monkeypatch.setattr(slices, "cuda_count", lambda n=gpus: n)
+        monkeypatch.setattr(sandbox, "cuda_count", lambda n=gpus: n)
         for devices in ("auto", "cuda"):
             opts = CaptureOptions(world=32, out="o", script="s", devices=devices)
             if gpus:

@@ -34,7 +34,6 @@ from prismllm.capture.common import (
     build_manifest,
     check_importable,
     check_save_tensors,
-    cuda_info,
     keep_messages,
     program_of,
     resolve_devices,
@@ -56,6 +55,7 @@ from prismllm.launch import (
     launch,
     says_out_of_memory,
 )
+from prismllm.launch.sandbox import spread_gpus
 from prismllm.layout import DIMS, Layout, ReplicaPlan, replica_plan
 from prismllm.outdir import writing
 from prismllm.outputs import LOGS_DIR
@@ -215,16 +215,7 @@ def _parallel_and_devices(opts: CaptureOptions) -> tuple[int, str, str | list[in
         dev = parse_devices(opts.devices)
     except ValueError as e:
         raise PrismError(str(e)) from None
-    if opts.parallel is not None:
-        g = opts.parallel
-    elif dev.gpus is not None:
-        g = len(dev.gpus)
-    elif dev.kind in ("auto", "cuda") and not opts.cuda_on_cpu:
-        # every GPU the machine has: a rank's CUDA and NCCL start-up is seconds, one at a time
-        # made a 32-rank demo's capture on four H100s 3.5 times a 2-core VM's
-        g = max(1, cuda_info()[1])
-    else:
-        g = 1
+    g = opts.parallel if opts.parallel is not None else max(1, spread_gpus(dev, opts.cuda_on_cpu))
     if g < 1:
         raise PrismError(f"--parallel must be at least 1, not {g}")
     if opts.cuda_on_cpu:

@@ -302,6 +302,16 @@ def cuda_count() -> int:
     return torch.cuda.device_count()
 
 
+def spread_gpus(devices: DeviceSpec, cuda_on_cpu: bool = False) -> int:
+    """The GPUs a stage spreads its processes over when not told how many run at a time
+    (``--parallel``): those listed, else with ``cuda`` or ``auto`` every visible one (a rank's
+    CUDA and NCCL start-up is seconds: one at a time made a 32-rank demo on four H100s 3.5 times a
+    2-core VM's); none on the CPU or for a graph captured with ``cuda_on_cpu``."""
+    if devices.gpus is not None:
+        return len(devices.gpus)
+    return cuda_count() if devices.kind in ("auto", "cuda") and not cuda_on_cpu else 0
+
+
 def gpus_of(devices: DeviceSpec, n_sandbox: int, n_assistants: int) -> tuple[list[int], list[int]]:
     """GPU indices of a run's sandbox ranks and assistants: ``cuda`` gives each its own GPU in
     that order (sandbox ranks first); ``cuda:G,G,...`` lists them in that order, a GPU named twice
@@ -451,4 +461,5 @@ __all__ = [
     "pids_by_role",
     "recorded_inputs",
     "sandbox_devices",
+    "spread_gpus",
 ]

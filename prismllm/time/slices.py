@@ -46,6 +46,7 @@ from prismllm.launch.sandbox import (
     launch_sandbox,
     recorded_inputs,
     sandbox_devices,
+    spread_gpus,
 )
 from prismllm.layout import Layout, replica_plan
 from prismllm.outdir import writing
@@ -178,11 +179,7 @@ def _parallel(opts: TimeOptions, cuda_on_cpu: bool = False) -> int:
         dev = parse_devices(opts.devices)
     except ValueError:
         return 1  # slice_devices says what is wrong with the list
-    if dev.gpus is not None:
-        gpus = len(dev.gpus)
-    else:  # a slice's CUDA and NCCL start-up is seconds: every GPU the machine has
-        gpus = cuda_count() if dev.kind in ("auto", "cuda") and not cuda_on_cpu else 0
-    return max(1, gpus // (opts.slice_size + 1))
+    return max(1, spread_gpus(dev, cuda_on_cpu) // (opts.slice_size + 1))
 
 
 def _for_slice(dev: DeviceSpec, slice_size: int, n_ranks: int) -> DeviceSpec:
