@@ -56,7 +56,8 @@
 #              peak of plain torchrun, of prism record through the Python recorder (tensors saved: the GPU test's
 #              reference) and through the native one, of prism emulate through the Python path and the lane; ~3 min
 #   prune-all  pruned latency of every collective kind and send/recv against real 2- and 4-GPU runs (WORLDS, default
-#              2,4: four GPUs), 64 KB - 8 GB (issue 36); writes $OUT/pruning_latency_<gpu>x<gpus>.json; ~5 min
+#              2,4: four GPUs; OPS: some kinds only), 64 KB - 8 GB (issue 36); writes $OUT/pruning_latency_<gpu>x<gpus>.json;
+#              ~100 s at N = 2
 #   fidelity-gpu [CASES]  the GPU fidelity suite (benchmarks/fidelity_gpu.py) for DEADLINE s (540); resumes
 #              from $OUT/fidelity_gpu.json or benchmarks/results/fidelity_gpu.json (carry the last one back);
 #              FID_ARGS: more options, e.g. --concurrent on four GPUs, --record (the real job recorded and solved),
@@ -505,7 +506,7 @@ prune-all)
     gpus=$(nvidia-smi --query-gpu=name --format=csv,noheader | wc -l)
     # WORLDS: the logical world sizes (default 2,4: real N = 4 needs four GPUs)
     timeout "${PRUNE_TIMEOUT:-580}" python3 benchmarks/pruning_latency.py --devices cuda --worlds "${WORLDS:-2,4}" \
-        --rounds "${ROUNDS:-1}" --json "$OUT/pruning_latency_${gpu}x${gpus}.json" --timeout 240 2>&1 \
+        --rounds "${ROUNDS:-1}" ${OPS:+--ops "$OPS"} --json "$OUT/pruning_latency_${gpu}x${gpus}.json" --timeout 240 2>&1 \
         | tee "$OUT/prune-all.log" | tail -70 ;;
 fidelity-gpu)
     J=${FID_NAME:-fidelity_gpu}  # another name keeps an A/B's rows apart from the suite's

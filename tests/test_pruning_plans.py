@@ -527,8 +527,8 @@ def test_generated_inputs_answer_as_if_every_member_held_the_real_ones(n, real, 
 
 def test_generated_inputs_of_gathers_broadcasts_and_exchanges():
     """all_gather: every virtual slot holds the member's own input where it is an integer (counts,
-    sizes: values that decide shapes); where it is a float, what the real member gave the last
-    all_gather of that size (zeros in the first: on a GPU, matrix products over zeros run faster
+    sizes: values that decide shapes); where it is a float, what the real member gave the first
+    all_gather of that size (zeros in that one: on a GPU, matrix products over zeros run faster
     than over real data, so a slice of FSDP2 fed zeros ran faster than the real job); a
     broadcast from a virtual root leaves the member's own copy (uninitialised values cleaned),
     virtual members send zeros (all_to_all, recv)."""
@@ -545,6 +545,8 @@ def test_generated_inputs_of_gathers_broadcasts_and_exchanges():
     bufs = C.GeneratedBuffers()
     _close(_pruned_generated(ag, ag_program, bufs)[1], torch.cat([zero, x, zero, zero]), exact=True)
     first, x = x, rnd(ROWS, COLS)
+    _close(_pruned_generated(ag, ag_program, bufs)[1], torch.cat([first, x, first, first]), exact=True)
+    x = rnd(ROWS, COLS)  # echoed once a buffer: a third call still sees the first's
     _close(_pruned_generated(ag, ag_program, bufs)[1], torch.cat([first, x, first, first]), exact=True)
     # one virtual member, the program's output gathered in place: the same
     ag2 = C.plan_all_gather(2, (0,), (ROWS, COLS), dtype=F64)
@@ -979,3 +981,17 @@ def test_generated_buffers_keep_at_most_their_limit():
     assert bufs.nbytes == 3 * 1024 * 8
     assert bufs.kept("zeros", 1024, F64, 0) is a
     assert torch.equal(a, torch.zeros(1024, dtype=F64))
+
+
+def test_a_kept_buffer_is_claimed_once_until_it_is_made_again():
+    """``claim`` answers True once a kept buffer (the float all_gather's echo runs once), and again
+    once the buffer went past the limit and was made anew (zeros again)."""
+    bufs = C.GeneratedBuffers(limit_bytes=2 * 1024 * 8)
+    assert not bufs.claim("in", 1024, F64, 0)  # nothing kept yet: nothing to claim
+    bufs.kept("in", 1024, F64, 0)
+    assert bufs.claim("in", 1024, F64, 0)
+    assert not bufs.claim("in", 1024, F64, 0)
+    bufs.kept("b", 1024, F64)
+    bufs.kept("c", 1024, F64)  # "in" goes
+    bufs.kept("in", 1024, F64, 0)
+    assert bufs.claim("in", 1024, F64, 0)

@@ -7,14 +7,16 @@ identity, or on NCCL a PREMUL_SUM factor of 0), zeros where the proxy's data rea
 (broadcast, all_to_all, point-to-point), and for an integer all_gather its own input in every
 virtual slot.
 
-A float all_gather's virtual slots hold what a real member contributed to the last all_gather of
-the same size on the group (zeros in the first): the proxy's kept input is refreshed from its
-output once each call completed (an echo, on the proxy's device; a later call already in flight
-may read it half refreshed, every element then a real member's value of one call or the other).
-The values are a real member's, not the virtual members' own, but of their kind: a GPU's matrix
-multiplications run faster on zeros than on such data (their power draw is lower), and with
-FSDP2's parameters gathered half zeros (N = 2) or three quarters (N = 4), slices and emulations
-ran 6.6 % and 9.7 % faster than the real jobs on four H100s.
+A float all_gather's virtual slots hold what a real member contributed to the first all_gather of
+the same size on the group (zeros in that first one): the proxy's kept input is filled from its
+output once that call completed (an echo, on the proxy's device; a call already in flight may
+read it half filled, every element then zero or a real member's value). The values are a real
+member's, not the virtual members' own, but of their kind: a GPU's matrix multiplications run
+faster on zeros than on such data (their power draw is lower), and with FSDP2's parameters
+gathered half zeros (N = 2) or three quarters (N = 4), slices and emulations ran 6.6 % and 9.7 %
+faster than the real jobs on four H100s. Once per kept buffer, not after every call: the echo
+copies the whole input, and after every call back-to-back all_gathers of 1-8 GB waited for it
+on the proxy's device (7-12 % over the real calls on two H200s).
 
 Reuse: a buffer the small call never writes (a send payload, a reduce-scatter or all-gather input,
 a broadcast root's tensor) or whose contents no longer matter (an output the proxy never reads,
@@ -61,6 +63,7 @@ class GeneratedBuffers:
         self.device = device
         self.limit_bytes = limit_bytes
         self._kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._claimed: set[tuple] = set()
 
     def kept(self, role: str, numel: int, dtype: torch.dtype, fill: Any = None) -> torch.Tensor:
         """A buffer made once: filled with ``fill`` (or left as allocated, for one never read)."""
@@ -73,9 +76,18 @@ class GeneratedBuffers:
         if fill is not None:
             t.fill_(fill)
         self._kept[key] = t
+        self._claimed.discard(key)
         while self.nbytes > self.limit_bytes and len(self._kept) > 1:
-            self._kept.popitem(last=False)
+            self._claimed.discard(self._kept.popitem(last=False)[0])
         return t
+
+    def claim(self, role: str, numel: int, dtype: torch.dtype, fill: Any = None) -> bool:
+        """True the first time it is asked for the kept buffer of these keys since it was made:
+        for a step each buffer needs once (the float all_gather's echo)."""
+        key = (role, int(numel), dtype, fill)
+        first = key in self._kept and key not in self._claimed
+        self._claimed.add(key)
+        return first
 
     def fresh(self, numel: int, dtype: torch.dtype, fill: Any) -> torch.Tensor:
         return torch.full((int(numel),), fill, dtype=dtype, device=self.device)
@@ -111,7 +123,8 @@ def generated_proxy_call(p: Plan, bufs: GeneratedBuffers, coalesce: bool = False
         virtual, c = len(G.virtual), p.numel
         buf = bufs.kept("all_gather.in", virtual * c, dt, 0)
         out = bufs.kept("all_gather.out", G.size * p.slot, dt)
-        if not (dt.is_floating_point or dt.is_complex):  # the sandbox puts its own integers there
+        if not (dt.is_floating_point or dt.is_complex) or not bufs.claim("all_gather.in", virtual * c, dt, 0):
+            # integers: the sandbox puts its own there; floats: echoed once a buffer (module docstring)
             return SmallCall("all_gather", i, input=buf, output=out)
         real = G.small(G.real[0]) * p.slot
         heard = out[real : real + c]
