@@ -18,6 +18,9 @@ unmodified by torchrun, by `prism record`, by `prism capture` and by `prism emul
                       two of the above (S/2 each) in one ``_coalescing_manager`` batch, as FSDP2
                       and Megatron-core's distributed optimizer issue them (gloo, which has no
                       coalescing: one after the other)
+    all_reduce_premul NCCL's pre-multiplied sum by 1.0, in place on S: what a pruned sum costs
+                      against a plain one (a sandbox with generated inputs issues its sums so);
+                      NCCL only, not in the default sweep
 
 Per op and size: a barrier, ``--warmup`` untimed calls, then ``--iters`` timed ones. On GPU each
 call is timed on the device (a CUDA event before and after it on the current stream, which waits
@@ -70,6 +73,7 @@ OPS = (
     "all_gather_coalesced",
     "reduce_scatter_coalesced",
 )
+EXTRA_OPS = ("all_reduce_premul",)  # asked by name only
 SLEEP_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep spins SM cycles: ~2 GHz on an H100 / H200
 
 
@@ -118,6 +122,11 @@ def make_op(op: str, nbytes: int, world: int, rank: int, device, dtype) -> Calla
     if op == "all_reduce":
         x = zeros(numel)
         return lambda: dist.all_reduce(x)
+    if op == "all_reduce_premul":
+        if device.type != "cuda":
+            raise ValueError("all_reduce_premul: NCCL only (gloo has no pre-multiplied sum)")
+        x, premul = zeros(numel), dist._make_nccl_premul_sum(1.0)
+        return lambda: dist.all_reduce(x, op=premul)
     if op == "all_gather":
         out, inp = zeros(part), zeros(part // world)
         return lambda: dist.all_gather_into_tensor(out, inp)
@@ -152,7 +161,7 @@ def make_op(op: str, nbytes: int, world: int, rank: int, device, dtype) -> Calla
                         dist.reduce_scatter_tensor(s, b)
 
         return batch
-    raise ValueError(f"unknown op {op!r} (one of {', '.join(OPS)})")
+    raise ValueError(f"unknown op {op!r} (one of {', '.join(OPS + EXTRA_OPS)})")
 
 
 def time_calls(call: Callable[[], None], iters: int, cuda: bool, ahead_ms: float) -> tuple[list[float], float]:
@@ -179,7 +188,7 @@ def time_calls(call: Callable[[], None], iters: int, cuda: bool, ahead_ms: float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="collective latency per op and size")
-    ap.add_argument("--ops", default="all_reduce", help=f"comma list of: {', '.join(OPS)}")
+    ap.add_argument("--ops", default="all_reduce", help=f"comma list of: {', '.join(OPS + EXTRA_OPS)}")
     ap.add_argument("--sizes", default=None, help="comma list, e.g. 64KB,16MB,1GB (default: by device)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
@@ -195,9 +204,9 @@ def main() -> None:
     if a.iters < 1 or a.warmup < 0:
         ap.error("--iters must be >= 1 and --warmup >= 0")
     ops = [o for o in a.ops.split(",") if o]
-    bad = [o for o in ops if o not in OPS]
+    bad = [o for o in ops if o not in OPS + EXTRA_OPS]
     if bad:
-        ap.error(f"--ops: unknown {', '.join(bad)} (one of {', '.join(OPS)})")
+        ap.error(f"--ops: unknown {', '.join(bad)} (one of {', '.join(OPS + EXTRA_OPS)})")
 
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
