@@ -320,6 +320,7 @@ def test_the_native_lane_keeps_every_value(layout, tmp_path, gpt3d_recording, mo
     assert_same_losses(real, json.loads(log.read_text()))
     lane = json.loads((out / "emulate.json").read_text())["sandbox_results"]["1"]["emulation_native_lane"]
     assert lane["fast"] > 0 and lane["python"] > 0, lane
+    assert 0 < lane["fast_issue_ns"] < lane["fast_ns"], lane  # the small calls' part of the lane's time
     from prismllm.trace import PrismTrace
     from prismllm.trace.ranklog import ranklog_path, read_ranklog
 

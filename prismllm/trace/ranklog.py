@@ -57,7 +57,8 @@ class RankLog:
     emulation_host_parts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     # emulation's native lane (PRISM_NATIVE_LANE=1), over the whole run: calls issued from a
     # template ("fast") and calls handed to the Python backend ("python"), with their host time
-    # ("fast_ns", "python_ns"); empty where the Python path ran
+    # ("fast_ns", "python_ns"; "fast_issue_ns": the part of fast_ns in the small backend's own
+    # call); empty where the Python path ran
     native_lane: dict[str, int] = dataclasses.field(default_factory=dict)
     # GPU: asynchronous calls whose transfer time came from NCCL's own events ("read"), those
     # whose did not ("missing": their transfers end where the program waited) and the first

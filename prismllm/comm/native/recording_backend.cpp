@@ -1015,7 +1015,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lane_stats", [] {
     auto& s = PrunedLane::stats();
     py::dict d;
-    d["fast"] = s.fast; d["fast_ns"] = s.fast_ns; d["python"] = s.python; d["python_ns"] = s.python_ns;
+    d["fast"] = s.fast; d["fast_ns"] = s.fast_ns; d["fast_issue_ns"] = s.fast_issue_ns;
+    d["python"] = s.python; d["python_ns"] = s.python_ns;
     return d;
   });
   m.def("set_cuda", [](bool on) { the_log().cuda_ = on; });
