@@ -45,4 +45,8 @@ print(f"LANE WORK completed={w.is_completed()}")
 side.works.append(TimedWork())
 w = lane.allreduce([t], dist.AllreduceOptions())
 print(f"LANE WORK completed={w.is_completed()} duration={w._get_duration()}")
+# the Works and the gloo backend go while the interpreter runs: gloo's worker thread drops its
+# reference to a Work after completing it, and a last drop during finalization, without the GIL,
+# aborted the process ("terminate called without an active exception", once in a loaded suite)
+del w, lane, side, t, gloo
 dist.destroy_process_group()
