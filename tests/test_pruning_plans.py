@@ -548,6 +548,14 @@ def test_generated_inputs_of_gathers_broadcasts_and_exchanges():
     _close(_pruned_generated(ag, ag_program, bufs)[1], torch.cat([first, x, first, first]), exact=True)
     x = rnd(ROWS, COLS)  # echoed once a buffer: a third call still sees the first's
     _close(_pruned_generated(ag, ag_program, bufs)[1], torch.cat([first, x, first, first]), exact=True)
+    # a buffer gone past the kept limit is made anew: zeros again, then the echo of its first call
+    small = C.GeneratedBuffers(limit_bytes=9 * ROWS * COLS * 8)  # the call's input (3 chunks) and output (6)
+    _pruned_generated(ag, ag_program, small)
+    small.kept("other", 9 * ROWS * COLS, F64)  # both of the call's buffers go
+    first, x = x, rnd(ROWS, COLS)
+    _close(_pruned_generated(ag, ag_program, small)[1], torch.cat([zero, x, zero, zero]), exact=True)
+    first, x = x, rnd(ROWS, COLS)
+    _close(_pruned_generated(ag, ag_program, small)[1], torch.cat([first, x, first, first]), exact=True)
     # one virtual member, the program's output gathered in place: the same
     ag2 = C.plan_all_gather(2, (0,), (ROWS, COLS), dtype=F64)
 
@@ -981,17 +989,3 @@ def test_generated_buffers_keep_at_most_their_limit():
     assert bufs.nbytes == 3 * 1024 * 8
     assert bufs.kept("zeros", 1024, F64, 0) is a
     assert torch.equal(a, torch.zeros(1024, dtype=F64))
-
-
-def test_a_kept_buffer_is_claimed_once_until_it_is_made_again():
-    """``claim`` answers True once a kept buffer (the float all_gather's echo runs once), and again
-    once the buffer went past the limit and was made anew (zeros again)."""
-    bufs = C.GeneratedBuffers(limit_bytes=2 * 1024 * 8)
-    assert not bufs.claim("in", 1024, F64, 0)  # nothing kept yet: nothing to claim
-    bufs.kept("in", 1024, F64, 0)
-    assert bufs.claim("in", 1024, F64, 0)
-    assert not bufs.claim("in", 1024, F64, 0)
-    bufs.kept("b", 1024, F64)
-    bufs.kept("c", 1024, F64)  # "in" goes
-    bufs.kept("in", 1024, F64, 0)
-    assert bufs.claim("in", 1024, F64, 0)

@@ -63,7 +63,6 @@ class GeneratedBuffers:
         self.device = device
         self.limit_bytes = limit_bytes
         self._kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-        self._claimed: set[tuple] = set()
 
     def kept(self, role: str, numel: int, dtype: torch.dtype, fill: Any = None) -> torch.Tensor:
         """A buffer made once: filled with ``fill`` (or left as allocated, for one never read)."""
@@ -76,18 +75,13 @@ class GeneratedBuffers:
         if fill is not None:
             t.fill_(fill)
         self._kept[key] = t
-        self._claimed.discard(key)
         while self.nbytes > self.limit_bytes and len(self._kept) > 1:
-            self._claimed.discard(self._kept.popitem(last=False)[0])
+            self._kept.popitem(last=False)
         return t
 
-    def claim(self, role: str, numel: int, dtype: torch.dtype, fill: Any = None) -> bool:
-        """True the first time it is asked for the kept buffer of these keys since it was made:
-        for a step each buffer needs once (the float all_gather's echo)."""
-        key = (role, int(numel), dtype, fill)
-        first = key in self._kept and key not in self._claimed
-        self._claimed.add(key)
-        return first
+    def holds(self, role: str, numel: int, dtype: torch.dtype, fill: Any = None) -> bool:
+        """Whether ``kept`` of these keys would hand back a buffer made before (not a new one)."""
+        return (role, int(numel), dtype, fill) in self._kept
 
     def fresh(self, numel: int, dtype: torch.dtype, fill: Any) -> torch.Tensor:
         return torch.full((int(numel),), fill, dtype=dtype, device=self.device)
@@ -121,10 +115,13 @@ def generated_proxy_call(p: Plan, bufs: GeneratedBuffers, coalesce: bool = False
         return SmallCall("reduce", i, reduce_op=p.small_reduce_op, root=p.small_root, input=buf, output=buf, result=buf)
     if op == "all_gather":
         virtual, c = len(G.virtual), p.numel
-        buf = bufs.kept("all_gather.in", virtual * c, dt, 0)
+        kept_in = ("all_gather.in", virtual * c, dt, 0)
+        # integers: the sandbox puts its own there; floats: echoed by the call that makes the
+        # buffer, once a buffer (module docstring)
+        echo = (dt.is_floating_point or dt.is_complex) and not bufs.holds(*kept_in)
+        buf = bufs.kept(*kept_in)
         out = bufs.kept("all_gather.out", G.size * p.slot, dt)
-        if not (dt.is_floating_point or dt.is_complex) or not bufs.claim("all_gather.in", virtual * c, dt, 0):
-            # integers: the sandbox puts its own there; floats: echoed once a buffer (module docstring)
+        if not echo:
             return SmallCall("all_gather", i, input=buf, output=out)
         real = G.small(G.real[0]) * p.slot
         heard = out[real : real + c]
