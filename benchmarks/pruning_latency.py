@@ -49,7 +49,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks" / "programs"))
 
-from collective_sizes import EXTRA_OPS, OPS, fmt_size, parse_sizes  # noqa: E402
+from collective_sizes import ALL_OPS, OPS, fmt_size, parse_sizes  # noqa: E402
 from emulate_bootstrap import run, vanilla_run  # noqa: E402
 from tracing_overhead import machine  # noqa: E402
 
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--devices", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--worlds", default="2,4", help="logical world sizes run for real and emulated")
-    ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of: {', '.join(OPS + EXTRA_OPS)}")
+    ap.add_argument("--ops", default=",".join(OPS), help=f"comma list of: {', '.join(ALL_OPS)}")
     ap.add_argument("--sizes", default=None, help="default: 64KB,...,8GB on cuda; 64KB,1MB,4MB on cpu")
     ap.add_argument("--vanilla", default="", help="world sizes run the vanilla way against the emulation")
     ap.add_argument("--warmup", type=int, default=3)
@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     sizes = parse_sizes(a.sizes or DEFAULT_SIZES[a.devices])
     ops = [o for o in a.ops.split(",") if o]
-    if bad := [o for o in ops if o not in OPS + EXTRA_OPS]:
+    if bad := [o for o in ops if o not in ALL_OPS]:
         ap.error(f"--ops: unknown {', '.join(bad)}")
     worlds = [int(x) for x in a.worlds.split(",") if x]
     vanilla = [int(x) for x in a.vanilla.split(",") if x]

@@ -74,6 +74,7 @@ OPS = (
     "reduce_scatter_coalesced",
 )
 EXTRA_OPS = ("all_reduce_premul",)  # asked by name only
+ALL_OPS = OPS + EXTRA_OPS
 SLEEP_CYCLES_PER_MS = 2_000_000  # torch.cuda._sleep spins SM cycles: ~2 GHz on an H100 / H200
 
 
@@ -161,7 +162,7 @@ def make_op(op: str, nbytes: int, world: int, rank: int, device, dtype) -> Calla
                         dist.reduce_scatter_tensor(s, b)
 
         return batch
-    raise ValueError(f"unknown op {op!r} (one of {', '.join(OPS + EXTRA_OPS)})")
+    raise ValueError(f"unknown op {op!r} (one of {', '.join(ALL_OPS)})")
 
 
 def time_calls(call: Callable[[], None], iters: int, cuda: bool, ahead_ms: float) -> tuple[list[float], float]:
@@ -188,7 +189,7 @@ def time_calls(call: Callable[[], None], iters: int, cuda: bool, ahead_ms: float
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="collective latency per op and size")
-    ap.add_argument("--ops", default="all_reduce", help=f"comma list of: {', '.join(OPS + EXTRA_OPS)}")
+    ap.add_argument("--ops", default="all_reduce", help=f"comma list of: {', '.join(ALL_OPS)}")
     ap.add_argument("--sizes", default=None, help="comma list, e.g. 64KB,16MB,1GB (default: by device)")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
@@ -204,9 +205,9 @@ def main() -> None:
     if a.iters < 1 or a.warmup < 0:
         ap.error("--iters must be >= 1 and --warmup >= 0")
     ops = [o for o in a.ops.split(",") if o]
-    bad = [o for o in ops if o not in OPS + EXTRA_OPS]
+    bad = [o for o in ops if o not in ALL_OPS]
     if bad:
-        ap.error(f"--ops: unknown {', '.join(bad)} (one of {', '.join(OPS + EXTRA_OPS)})")
+        ap.error(f"--ops: unknown {', '.join(bad)} (one of {', '.join(ALL_OPS)})")
 
     rank = int(os.environ["RANK"])
     world = int(os.environ["WORLD_SIZE"])
