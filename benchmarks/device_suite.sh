@@ -58,6 +58,10 @@
 #   prune-all  pruned latency of every collective kind and send/recv against real 2- and 4-GPU runs (WORLDS, default
 #              2,4: four GPUs; OPS: some kinds only), 64 KB - 8 GB (issue 36); writes $OUT/pruning_latency_<gpu>x<gpus>.json;
 #              ~100 s at N = 2
+#   channels   four GPUs: does a 2-member NCCL group move bytes as fast as a 4-rank one? (a pruned call at N = 4
+#              is 11-48 % slower than the real one at 256 MB.) Each real world's channel counts (NCCL_DEBUG), the
+#              2-GPU all_reduce / all_gather with NCCL_MIN/MAX_NCHANNELS forced to CHANNELS, then the pruned N = 4
+#              sweep with the sandbox's and the proxy's NCCL forced to the 4-rank group's count; ~6 min
 #   fidelity-gpu [CASES]  the GPU fidelity suite (benchmarks/fidelity_gpu.py) for DEADLINE s (540); resumes
 #              from $OUT/fidelity_gpu.json or benchmarks/results/fidelity_gpu.json (carry the last one back);
 #              FID_ARGS: more options, e.g. --concurrent on four GPUs, --record (the real job recorded and solved),
@@ -75,7 +79,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|channels|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -508,6 +512,28 @@ prune-all)
     timeout "${PRUNE_TIMEOUT:-580}" python3 benchmarks/pruning_latency.py --devices cuda --worlds "${WORLDS:-2,4}" \
         --rounds "${ROUNDS:-1}" ${OPS:+--ops "$OPS"} --json "$OUT/pruning_latency_${gpu}x${gpus}.json" --timeout 240 2>&1 \
         | tee "$OUT/prune-all.log" | tail -70 ;;
+channels)
+    D=out/channels C=benchmarks/programs/collective_sizes.py S=${SIZES:-64KB,16MB,256MB,1GB}
+    mkdir -p "$D"
+    for n in 2 4; do
+        NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING timeout 120 python3 -m torch.distributed.run --standalone \
+            --nproc-per-node "$n" $C --ops all_reduce,all_gather --sizes "$S" --ahead 50 >"$D/real$n.log" 2>&1
+        echo "N=$n: $(grep -m1 -o '[0-9]* coll channels.*' "$D/real$n.log")"
+        grep -h '^COLLECTIVE ' "$D/real$n.log" | python3 -c "import json,sys; [print(' ', d['op'], d['bytes'], d['median_us'])
+            for d in (json.loads(l.split(' ', 1)[1]) for l in sys.stdin)]"
+    done
+    four=$(grep -m1 -o '[0-9]* coll channels' "$D/real4.log" | grep -o '^[0-9]*')
+    for ch in ${CHANNELS:-16 24 32} $four; do
+        NCCL_MIN_NCHANNELS=$ch NCCL_MAX_NCHANNELS=$ch timeout 90 python3 -m torch.distributed.run --standalone \
+            --nproc-per-node 2 $C --ops all_reduce,all_gather --sizes "$S" --ahead 50 >"$D/real2-ch$ch.log" 2>&1
+        echo "N=2, $ch channels forced:"; grep -h '^COLLECTIVE ' "$D/real2-ch$ch.log" | python3 -c "import json,sys;
+[print(' ', d['op'], d['bytes'], d['median_us']) for d in (json.loads(l.split(' ', 1)[1]) for l in sys.stdin)]"
+    done
+    # the pruned sweep at N = 4, every NCCL group of the run (the real 4-rank one too) at the 4-rank count
+    [ -n "$four" ] && NCCL_MIN_NCHANNELS=$four NCCL_MAX_NCHANNELS=$four timeout 300 python3 benchmarks/pruning_latency.py \
+        --devices cuda --worlds 4 --ops all_reduce,all_gather,reduce_scatter --sizes "$S" --rounds 1 \
+        --json "$OUT/pruning_latency_channels$four.json" --timeout 200 2>&1 | grep -E '^\| 4 \|'
+    tar czf "$OUT/channels-logs.tgz" "$D" ;;
 fidelity-gpu)
     J=${FID_NAME:-fidelity_gpu}  # another name keeps an A/B's rows apart from the suite's
     [ -f "$OUT/$J.json" ] || cp "benchmarks/results/$J.json" "$OUT/" 2>/dev/null

@@ -551,7 +551,8 @@ def test_generated_inputs_of_gathers_broadcasts_and_exchanges():
     # a buffer gone past the kept limit is made anew: zeros again, then the echo of its first call
     small = C.GeneratedBuffers(limit_bytes=9 * ROWS * COLS * 8)  # the call's input (3 chunks) and output (6)
     _pruned_generated(ag, ag_program, small)
-    small.kept("other", 9 * ROWS * COLS, F64)  # both of the call's buffers go
+    small.begin()
+    small.kept("other", 9 * ROWS * COLS, F64)  # another call's: both of the first call's buffers go
     first, x = x, rnd(ROWS, COLS)
     _close(_pruned_generated(ag, ag_program, small)[1], torch.cat([zero, x, zero, zero]), exact=True)
     first, x = x, rnd(ROWS, COLS)
@@ -978,14 +979,32 @@ def test_premul_factors_give_the_logical_result(n, real, op, like_me):
 
 
 def test_generated_buffers_keep_at_most_their_limit():
-    """The proxy keeps its generated buffers for reuse, the least recently used going past the limit."""
+    """The proxy keeps its generated buffers for reuse, the least recently used going past the
+    limit, but never one of the call being made: a call whose own buffers exceed the limit keeps
+    them all, and the next such call finds them (an 8 GB all_gather at N = 4 made its 18 GB anew
+    each call and ran an H200 out of memory with 16 calls in flight)."""
     bufs = C.GeneratedBuffers(limit_bytes=3 * 1024 * 8)
-    a = bufs.kept("zeros", 1024, F64, 0)
-    assert bufs.kept("zeros", 1024, F64, 0) is a  # kept
-    bufs.kept("recv", 1024, F64)
-    bufs.kept("zeros", 1024, F64, 0)  # used again: the most recent
-    bufs.kept("all_gather.out", 1024, F64)
-    bufs.kept("x", 1024, F64)  # a fourth: the least recently used ("recv") goes
+
+    def one_call(role: str, fill=None) -> torch.Tensor:
+        bufs.begin()
+        return bufs.kept(role, 1024, F64, fill)
+
+    a = one_call("zeros", 0)
+    assert one_call("zeros", 0) is a  # kept
+    one_call("recv")
+    one_call("zeros", 0)  # used again: the most recent
+    one_call("all_gather.out")
+    one_call("x")  # a fourth: the least recently used ("recv") goes
     assert bufs.nbytes == 3 * 1024 * 8
-    assert bufs.kept("zeros", 1024, F64, 0) is a
+    assert one_call("zeros", 0) is a
     assert torch.equal(a, torch.zeros(1024, dtype=F64))
+    # one call's input and output, together over the limit: both kept, the others gone
+    big = C.plan_all_gather(4, (0,), (1024,), dtype=F64)  # the proxy's input 3 chunks, output 2 x 3
+    first = C.generated_proxy_call(big, bufs)
+    assert first.post is not None and bufs.nbytes == 9 * 1024 * 8 > bufs.limit_bytes
+    again = C.generated_proxy_call(big, bufs)
+    assert again.input is first.input and again.output is first.output
+    assert again.post is None  # found, so not echoed again
+    bufs.begin()
+    bufs.kept("zeros", 1024, F64, 0)  # a later call's buffer: the big call's go (least recent)
+    assert bufs.nbytes == 1024 * 8

@@ -56,17 +56,29 @@ def identity(op: str, dtype: torch.dtype) -> Any:
 class GeneratedBuffers:
     """One proxy group's kept buffers, by (role, elements, dtype, fill value), at most ``limit_bytes``
     of them: past it the least recently used go (a call in flight holds its own reference, so its
-    memory is freed only once it completed). Seen without a limit: a sweep of sizes up to 8 GB kept
-    every size and ran the assistant's GPU out of memory."""
+    memory is freed only once it completed), never those of the call being made (:meth:`begin`).
+    Seen without a limit: a sweep of sizes up to 8 GB kept every size and ran the assistant's GPU
+    out of memory. Seen when a call's own buffers could go: an 8 GB all_gather at N = 4 (a 6 GB
+    input and a 12 GB output on the proxy, over a limit of 17.5 GB) evicted its input to keep its
+    output and the reverse, so every call made 18 GB anew, and the 16 calls in flight ran the
+    assistant's H200 out of memory."""
 
     def __init__(self, device: Any = None, limit_bytes: int = 8 << 30):
         self.device = device
         self.limit_bytes = limit_bytes
         self._kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+        self._call = 0  # the call being made (begin)
+        self._used: dict[tuple, int] = {}  # the call that last took each kept buffer
+
+    def begin(self) -> None:
+        """A new call: the buffers it takes from now on are kept until the next call begins, even
+        where they alone exceed the limit."""
+        self._call += 1
 
     def kept(self, role: str, numel: int, dtype: torch.dtype, fill: Any = None) -> torch.Tensor:
         """A buffer made once: filled with ``fill`` (or left as allocated, for one never read)."""
         key = (role, int(numel), dtype, fill)
+        self._used[key] = self._call
         t = self._kept.get(key)
         if t is not None:
             self._kept.move_to_end(key)
@@ -75,8 +87,9 @@ class GeneratedBuffers:
         if fill is not None:
             t.fill_(fill)
         self._kept[key] = t
-        while self.nbytes > self.limit_bytes and len(self._kept) > 1:
-            self._kept.popitem(last=False)
+        # the least recently used first; once one of this call's is first, every later one is too
+        while self.nbytes > self.limit_bytes and self._used[next(iter(self._kept))] != self._call:
+            del self._used[self._kept.popitem(last=False)[0]]
         return t
 
     def holds(self, role: str, numel: int, dtype: torch.dtype, fill: Any = None) -> bool:
@@ -95,6 +108,7 @@ def generated_proxy_call(p: Plan, bufs: GeneratedBuffers, coalesce: bool = False
     """The proxy's small call for plan ``p`` with generated virtual inputs (module docstring);
     ``coalesce``, ``premul`` (NCCL): as the real members' call is issued."""
     G, i, op, dt = p.group, p.group.proxy, p.op, p.dtype
+    bufs.begin()
     factors = premul_factors(p, like_me=True) if premul else None
     if op == "all_reduce":
         if factors is not None:  # contributed with factor 0: whatever it holds after a call
