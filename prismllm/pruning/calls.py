@@ -5,7 +5,7 @@ virtual members' inputs (:func:`proxy_call`); ``SmallCall.finish()`` is the sand
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -417,6 +417,24 @@ def _sb_reduce_scatter(
     return premultiplied(call, factors, proxy=False)
 
 
+def copy_runs(at: Sequence[int], c: int) -> list[tuple[int, int, int, bool]]:
+    """Chunks of ``c`` elements to copy to positions 0, 1, ... of an output from offsets ``at``
+    of a source, merged into runs: (first position, chunks, source offset, repeated), a run
+    reading one chunk after the next (``repeated`` False) or the same chunk again (True)."""
+    runs: list[list] = []
+    for r, a in enumerate(at):
+        if runs:
+            first, m, src, rep = runs[-1]
+            if rep is not False and a == src:  # the same chunk again
+                runs[-1][1:] = [m + 1, src, True]
+                continue
+            if rep is not True and a == src + m * c:  # the next chunk of the source
+                runs[-1][1:] = [m + 1, src, False]
+                continue
+        runs.append([r, 1, a, None])
+    return [(first, m, src, bool(rep)) for first, m, src, rep in runs]
+
+
 def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buffers, like_me: bool) -> SmallCall:
     G, c, slot = p.group, p.numel, p.slot
     if input.numel() != c:
@@ -440,21 +458,30 @@ def _sb_all_gather(p: Plan, i: int, output: Any, input: torch.Tensor, bufs: _Buf
 
         return SmallCall("all_gather", i, input=ibuf, output=out_flat, post=fill if like_me else None)
     obuf = bufs.new(G.size * slot, input.dtype)
-    outs = chunks(output, G.n) if out_flat is not None else None
+    # where each member's chunk lies in the small call's output: a real member's slot, a virtual
+    # one's part of the proxy's slot (or, like_me, this member's own)
+    at = [0] * G.n
+    for r in G.real:
+        at[r] = G.small(r) * slot
+    for x, v in enumerate(G.virtual):
+        at[v] = i * slot if like_me else G.proxy * slot + x * c
+    if out_flat is not None:  # one copy per run of chunks (on a GPU a kernel each: a few µs)
+        spans = copy_runs(at, c)
+
+        def post() -> None:
+            for first, m, src, repeated in spans:
+                dst = out_flat[first * c : (first + m) * c]
+                if repeated:
+                    dst.view(m, c).copy_(obuf[src : src + c].expand(m, c))
+                else:
+                    dst.copy_(obuf[src : src + m * c])
+
+        return SmallCall("all_gather", i, input=ibuf, output=obuf, post=post)
 
     def post() -> None:
-        dst = outs if outs is not None else [None] * G.n
-        src = {}
-        for r in G.real:
-            src[r] = obuf[G.small(r) * slot : G.small(r) * slot + c]
-        base = G.proxy * slot
-        for x, v in enumerate(G.virtual):
-            src[v] = obuf[i * slot : i * slot + c] if like_me else obuf[base + x * c : base + (x + 1) * c]
-        if outs is not None:
-            for r in range(G.n):
-                dst[r].copy_(src[r])
-        elif isinstance(output, torch.Tensor):  # non-contiguous output tensor
-            output.copy_(torch.cat([src[r] for r in range(G.n)]).view(output.shape))
+        src = [obuf[a : a + c] for a in at]
+        if isinstance(output, torch.Tensor):  # non-contiguous output tensor
+            output.copy_(torch.cat(src).view(output.shape))
         else:
             for r in range(G.n):
                 output[r].copy_(src[r].view(output[r].shape))
