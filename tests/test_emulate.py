@@ -70,6 +70,11 @@ def assert_all_ended(pids) -> None:
     assert not alive, f"processes left behind: {alive}"
 
 
+# an emulation's seconds before it counts as hung: ~15 s alone; a sandbox on a 2-core machine
+# shared with three other torch processes had not started its program after 120 s
+TIMEOUT = 300
+
+
 def run_emulation(graph: Path, out: Path, layout: str, sandbox: str, **kw):
     log = out.with_suffix(".json")
     res = emulate(
@@ -79,7 +84,7 @@ def run_emulation(graph: Path, out: Path, layout: str, sandbox: str, **kw):
             out=out,
             script=GPT3D,
             args=[*LAYOUTS[layout], *SIZES, "--json-log", str(log)],
-            timeout=120,
+            timeout=TIMEOUT,
             check=True,
             sink=lambda *a: None,
             **kw,
@@ -313,7 +318,7 @@ def test_the_native_lane_keeps_every_value(layout, tmp_path, gpt3d_recording, mo
     res = emulate(
         EmulateOptions(
             graph=graph, sandbox="1", out=out, script=GPT3D,
-            args=[*LAYOUTS[layout], *SIZES, "--json-log", str(log)], timeout=120, sink=lambda *a: None,
+            args=[*LAYOUTS[layout], *SIZES, "--json-log", str(log)], timeout=TIMEOUT, sink=lambda *a: None,
         )
     )  # fmt: skip
     assert_all_ended(res.launch.pids.values())
