@@ -67,18 +67,17 @@ class GeneratedBuffers:
         self.device = device
         self.limit_bytes = limit_bytes
         self._kept: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-        self._call = 0  # the call being made (begin)
-        self._used: dict[tuple, int] = {}  # the call that last took each kept buffer
+        self._this_call: set[tuple] = set()  # the keys the call being made took (begin)
 
     def begin(self) -> None:
         """A new call: the buffers it takes from now on are kept until the next call begins, even
         where they alone exceed the limit."""
-        self._call += 1
+        self._this_call = set()
 
     def kept(self, role: str, numel: int, dtype: torch.dtype, fill: Any = None) -> torch.Tensor:
         """A buffer made once: filled with ``fill`` (or left as allocated, for one never read)."""
         key = (role, int(numel), dtype, fill)
-        self._used[key] = self._call
+        self._this_call.add(key)
         t = self._kept.get(key)
         if t is not None:
             self._kept.move_to_end(key)
@@ -88,8 +87,8 @@ class GeneratedBuffers:
             t.fill_(fill)
         self._kept[key] = t
         # the least recently used first; once one of this call's is first, every later one is too
-        while self.nbytes > self.limit_bytes and self._used[next(iter(self._kept))] != self._call:
-            del self._used[self._kept.popitem(last=False)[0]]
+        while self.nbytes > self.limit_bytes and next(iter(self._kept)) not in self._this_call:
+            self._kept.popitem(last=False)
         return t
 
     def holds(self, role: str, numel: int, dtype: torch.dtype, fill: Any = None) -> bool:
