@@ -80,7 +80,7 @@ SMALL = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--
 ITER_LINES = (
     re.compile(
         r"iteration (\d+)/\d+ \| loss \S+ \| iter time ([\d.]+) ms \| max mem ([\d.]+) (MB|B)"
-        r"(?: \| host wait ([\d.]+) %)?"
+        r"(?: \| host wait ([\d.]+) %)?(?: \| period ([\d.]+) ms)?"
     ),
     re.compile(
         r"iteration\s+(\d+)/\s*\d+ \| elapsed time per iteration \(ms\): ([\d.]+) \|.*?"
@@ -138,7 +138,8 @@ def same_job(a: list[str], b: list[str]) -> bool:
 
 # ---------------------------------------------------------------------- parsing
 def iterations(text: str) -> list[dict]:
-    """The program's per-iteration lines: {iteration, ms, peak_bytes, host_wait}."""
+    """The program's per-iteration lines: {iteration, ms, peak_bytes, host_wait, period_ms}; a line's
+    period (where the program prints one) is the previous iteration's whole turn of the loop."""
     out = []
     for line in text.splitlines():
         for rx in ITER_LINES:
@@ -146,9 +147,10 @@ def iterations(text: str) -> list[dict]:
             if not m:
                 continue
             g = m.groups()
+            period = None
             if rx is ITER_LINES[0]:
                 peak = float(g[2]) * (1e6 if g[3] == "MB" else 1)
-                wait = g[4]
+                wait, period = g[4], g[5]
             else:
                 peak, wait = float(g[2]), g[3]
             out.append(
@@ -157,6 +159,7 @@ def iterations(text: str) -> list[dict]:
                     "ms": float(g[1]),
                     "peak_bytes": int(peak),
                     "host_wait": float(wait) / 100 if wait else None,
+                    "period_ms": float(period) if period else None,
                 }
             )
             break
@@ -164,10 +167,13 @@ def iterations(text: str) -> list[dict]:
 
 
 def steady(its: list[dict]) -> dict:
-    """Median iteration time and host wait over the steady iterations, the peak of the last."""
+    """Median iteration time, period and host wait over the steady iterations, the peak of the last."""
     st = [x for x in its if x["iteration"] > WARMUP] or its
     waits = [x["host_wait"] for x in st if x["host_wait"] is not None]
+    # a line's period is its previous iteration's: the steady iterations' are on the lines after them
+    periods = [x["period_ms"] for x in its if x["iteration"] > WARMUP + 1 and x.get("period_ms")]
     return {
+        "period_ms": round(statistics.median(periods), 3) if periods else None,
         "ms": round(statistics.median(x["ms"] for x in st), 3),
         "iterations": len(its),
         "peak_bytes": its[-1]["peak_bytes"],
@@ -389,8 +395,9 @@ class Suite:
         its = iterations(emu_log)
         if its:
             st = steady(its)
-            p["emulated_ms"], p["emulated_peak_bytes"], p["emulated_host_wait"] = (
+            p["emulated_ms"], p["emulated_period_ms"], p["emulated_peak_bytes"], p["emulated_host_wait"] = (
                 st["ms"],
+                st["period_ms"],
                 st["peak_bytes"],
                 st["host_wait"],
             )
@@ -428,7 +435,8 @@ class Suite:
         rec: dict[str, Any] = {"rc": rc, "lease": LEASE}
         its = iterations(text)
         if rc == 0 and its:
-            rec["recorded_ms"] = steady(its)["ms"]
+            st = steady(its)
+            rec["recorded_ms"], rec["recorded_period_ms"] = st["ms"], st["period_ms"]
             cal = [sys.executable, "-m", "prismllm.cli.main", "calibrate", str(d / "record"), "--force", "--out"]
             crc, _, _ = run_streamed([*cal, str(d / "record-cal")], {}, 300, d / "record-cal.log")
             if crc == 0:
@@ -482,18 +490,24 @@ class Suite:
 DERIVED = (
     "real_mean_ms", "real_spread", "real_host_wait", "busy_share", "real_peak_bytes", "predicted_ms",
     "predicted_error", "emulated_ms", "emulated_error", "recorded_ms", "recorded_error", "solved_ms", "solved_error",
-    "captured_peak_bytes", "emulated_peak_bytes", "captured_peak_equal", "emulated_peak_equal",
+    "captured_peak_bytes", "emulated_peak_bytes", "captured_peak_equal", "emulated_peak_equal", "basis",
+    "real_basis_ms", "emulated_iter_time_error",
 )  # fmt: skip
 
 
 def finish(r: dict) -> None:
-    """The row's figures from its steps."""
-    real = r["real_ms"]
+    """The row's figures from its steps. The prediction is a period (from one iteration boundary of
+    the graph to the next: the whole loop), so it is compared with the real runs' periods where the
+    program prints them (``basis``), as Megatron-LM and torchtitan log a step; else with the iter time."""
     p = r.get("prism") or {}
     for key in DERIVED:  # from this lease's steps only: none of a step set aside stays
         r.pop(key, None)
-    if not real:
+    runs = [x for x in r["real_runs"] if "ms" in x]
+    if not runs:
         return
+    period = all(x.get("period_ms") for x in runs)
+    r["basis"] = "period" if period else "iter time"
+    real = r["real_basis_ms"] = [x["period_ms"] if period else x["ms"] for x in runs]
     mean = statistics.fmean(real)
     r["real_mean_ms"] = round(mean, 3)
     r["real_spread"] = round((max(real) - min(real)) / mean, 5)
@@ -503,15 +517,17 @@ def finish(r: dict) -> None:
     r["busy_share"] = round(statistics.fmean(busy), 3) if busy else None
     peaks = sorted({x["peak_bytes"] for x in r["real_runs"] if x.get("peak_bytes")})
     r["real_peak_bytes"] = peaks
-    for key in ("predicted", "emulated"):
-        v = p.get(f"{key}_ms")
-        r[f"{key}_ms"] = v
-        r[f"{key}_error"] = round((v - mean) / mean, 5) if v else None
+    error = lambda v, of=mean: round((v - of) / of, 5) if v else None  # noqa: E731
     rec = r.get("record") or {}
-    for key in ("recorded_ms", "solved_ms"):
-        v = rec.get(key)
-        r[key] = v
-        r[key.replace("_ms", "_error")] = round((v - mean) / mean, 5) if v else None
+    for key, v in (
+        ("predicted", p.get("predicted_ms")),
+        ("emulated", p.get("emulated_period_ms" if period else "emulated_ms")),
+        ("recorded", rec.get("recorded_period_ms" if period else "recorded_ms")),
+        ("solved", rec.get("solved_ms")),
+    ):
+        r[f"{key}_ms"], r[f"{key}_error"] = v, error(v)
+    if period:  # the emulated sandbox's iter time against the real runs': the program's own measure, like for like
+        r["emulated_iter_time_error"] = error(p.get("emulated_ms"), statistics.fmean(x["ms"] for x in runs))
     r["captured_peak_bytes"] = p.get("captured_peak_bytes")
     r["emulated_peak_bytes"] = p.get("emulated_peak_memory_bytes")
     tol = 10_000 if "gpt3d" in r["stack"] else 0  # gpt3d prints MB to two decimals: equal to that precision
@@ -537,7 +553,8 @@ def markdown(doc: dict) -> str:
     lines = [
         f"Machine: {m.get('gpu')} ×{m.get('gpus')}, {m.get('cpus')} cores, torch {m.get('torch')}. Real: plain "
         "torchrun on N GPUs; prism: `prism run` on two GPUs (sandbox, assistant). Medians of the steady iterations "
-        "as the program prints them; errors against the mean of the real runs.",
+        "as the program prints them: the period (one iteration's start to the next's) where it prints one (`p`), "
+        "else its iter time; errors against the mean of the real runs.",
         "",
         "| case | N | stack | layout | real ms (runs) | real spread | host wait | GPU busy | predicted | "
         "error | emulated | error | real recording solved | error | peak memory | machine | leases (real / prism) |",
@@ -545,7 +562,8 @@ def markdown(doc: dict) -> str:
     ]
     done = []
     for r in doc.get("rows", []):
-        runs = ", ".join(f"{x:.2f}" for x in r.get("real_ms", []))
+        runs = ", ".join(f"{x:.2f}" for x in r.get("real_basis_ms", []))
+        runs += " p" if runs and r.get("basis") == "period" else ""
         peak = "–"
         if r.get("captured_peak_equal") is not None or r.get("emulated_peak_equal") is not None:
             peak = "equal" if r.get("captured_peak_equal") and r.get("emulated_peak_equal") else "differs"

@@ -1263,10 +1263,13 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     log = []
+    last_start = None  # the period: a whole turn of the loop, with what the iter time leaves out (the line printed)
     for it in range(1, cfg.iters + 1):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        period = "" if last_start is None else f" | period {(t0 - last_start) * 1e3:.2f} ms"
+        last_start = t0
         losses = pipeline.run(it)
         if par.last_stage:  # inside the timed step, as Megatron averages losses over DP in its step
             loss = torch.stack(losses).mean().float()
@@ -1291,7 +1294,7 @@ def main(argv: list[str] | None = None) -> int:
             mem_s = f"{mem / 1e6:.2f} MB" if cuda else "n/a"
             print(
                 f"iteration {it}/{cfg.iters} | loss {value:.6f} | iter time {ms:.2f} ms | max mem {mem_s}"
-                f" | host wait {(t2 - t1) / (t2 - t0) * 100:.1f} %",
+                f" | host wait {(t2 - t1) / (t2 - t0) * 100:.1f} %{period}",
                 flush=True,
             )
             log.append(

@@ -157,3 +157,38 @@ def test_harness_smallest_case_fills_every_column(tmp_path):
     assert case["baseline_a"]["compute_from"] == "solo capture"
     md = out.with_suffix(".md").read_text()
     assert "| tp | 2 | TP2 | 1 |" in md and "Whole job" in md
+
+
+def test_gpu_suite_compares_periods_where_the_program_prints_them():
+    """benchmarks/fidelity_gpu.py: the prediction (one graph boundary to the next: the whole loop) is
+    compared with the real runs' periods when every real run printed them, the emulated sandbox's
+    period with them, and its iter time with the real iter time; a line's period is the iteration
+    before it's."""
+    import fidelity_gpu as fg
+
+    def log(times: list[float], periods: list[float] | None) -> str:
+        lines = []
+        for i, ms in enumerate(times, 1):
+            tail = f" | period {periods[i - 2]} ms" if periods and i > 1 else ""
+            lines.append(
+                f"iteration {i}/{len(times)} | loss 10.5 | iter time {ms} ms | max mem 100 B | host wait 70.0 %{tail}"
+            )
+        return "\n".join(lines)
+
+    # iterations 3-6 steady; their periods are on lines 4-7
+    real = fg.steady(fg.iterations(log([500, 120, 97, 97, 98, 97, 99], [130, 121, 98, 98, 99, 98])))
+    assert (real["ms"], real["period_ms"], real["host_wait"]) == (97, 98, 0.7)
+    emu = fg.steady(fg.iterations(log([500, 120, 98, 98, 98, 98, 98], [130, 121, 100, 100, 100, 100])))
+    row = {"stack": "PyTorch DDP", "real_ms": [97.0], "real_runs": [{**real, "peak_bytes": 100}]}
+    row["prism"] = {"predicted_ms": 99.0, "emulated_ms": emu["ms"], "emulated_period_ms": emu["period_ms"]}
+    fg.finish(row)
+    assert row["basis"] == "period" and row["real_basis_ms"] == [98]
+    assert row["predicted_error"] == round(1 / 98, 5) and row["emulated_error"] == round(2 / 98, 5)
+    assert row["emulated_iter_time_error"] == round(1 / 97, 5)
+    assert " 98.00 p |" in fg.markdown({"rows": [{**row, "case": "ddp-2", "world": 2, "layout": "tp=1"}]})
+    # a program that prints no period (Megatron's line): its iter time
+    old = fg.steady(fg.iterations(log([500, 120, 97, 97, 97], None)))
+    assert old["period_ms"] is None
+    row = {"stack": "x", "real_ms": [97.0], "real_runs": [{**old, "peak_bytes": 100}], "prism": {"predicted_ms": 99.0}}
+    fg.finish(row)
+    assert row["basis"] == "iter time" and row["predicted_error"] == round(2 / 97, 5)

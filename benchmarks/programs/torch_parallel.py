@@ -19,10 +19,13 @@ Each iteration: forward, backward, optimizer step, between two ``torch.cuda.sync
 (the program's own iteration time, as training loops time it). Rank ``--report-rank`` (default
 the last) prints one line an iteration:
 
-    iteration 3/10 | loss 10.4 | iter time 51.23 ms | max mem 3456789012 B | host wait 41.2 %
+    iteration 3/10 | loss 10.4 | iter time 51.23 ms | max mem 3456789012 B | host wait 41.2 % | period 51.9 ms
 
 ``host wait``: the share of the iteration the host spent waiting for the device at the closing
 synchronize (high: the host runs ahead of a busy device; near 0: the host is the bottleneck).
+``period`` (from the second iteration on): the time from the previous iteration's start to this
+one's, a whole turn of the loop: the iter time and what it leaves out (the batch's preparation, the
+line printed), as frameworks that log a step's time between two log points measure it.
 """
 
 from __future__ import annotations
@@ -158,11 +161,14 @@ def main() -> None:
             f"seq {a.seq} vocab {a.vocab} batch {a.batch} | {a.dtype}",
             flush=True,
         )
+    last_start = None
     for it in range(1, a.iters + 1):
         g = torch.Generator(device="cpu").manual_seed(a.seed * 1_000_003 + it * 1009 + dp_rank)
         tokens = torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(device)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        period = "" if last_start is None else f" | period {(t0 - last_start) * 1e3:.2f} ms"
+        last_start = t0
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.float().view(-1, a.vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
@@ -179,7 +185,7 @@ def main() -> None:
                 value = float("nan")
             print(
                 f"iteration {it}/{a.iters} | loss {value:.4f} | iter time {ms:.2f} ms | max mem {mem} B"
-                f" | host wait {(t2 - t1) / (t2 - t0) * 100:.1f} %",
+                f" | host wait {(t2 - t1) / (t2 - t0) * 100:.1f} %{period}",
                 flush=True,
             )
     dist.destroy_process_group()
