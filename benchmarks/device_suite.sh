@@ -22,6 +22,9 @@
 #              at N = 4 on one shared GPU (a padded all-reduce in two parts, the device clock); ~3 min
 #   kernels    a DDP job's sandbox rank kernel by kernel (PyTorch profiler): real run, slice, emulation,
 #              at N = 2 and 4 (WORLDS), with the emulation's host under cProfile and a real recording; ~7 min
+#   ddp-tail   the suite's ddp-2 job (batch 16) kernel by kernel at N = 2: its real run, its slice and its emulation under
+#              the PyTorch profiler, summarised by kernel_timeline.py (the tail: what the device ran after the last NCCL
+#              kernel of an iteration, where a slice's timed graph is ~1.7 ms longer than the real run's recording); ~4 min
 #   issue-thread  the issue thread's GPU tests, a DDP job's prism run beside its real run, host cost; ~4 min
 #   threads    a DDP job's rank at N = 2, real, in its slice and emulated: each host thread's CPU time and
 #              context switches at the end (profile_rank.py PROFILE_WITH=threads: nothing during the run);
@@ -79,7 +82,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|channels|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|ddp-tail|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|channels|fidelity-gpu|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -205,6 +208,22 @@ kernels)
     tar czf "$OUT/kernel-graphs.tgz" "$W"/*/time/graph "$W"/*/time-k/graph "$W"/*/rec/graph "$W"/*/cal/summary.json \
         "$W"/*/emu*/emulate.json 2>/dev/null
     ls -la "$OUT" ;;
+ddp-tail)
+    K=benchmarks/programs/profile_rank.py D=out/ddp-tail W=out/ddp-tail/w B="--mode ddp --batch 16 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    mkdir -p "$D"
+    env PROFILE_WITH=kineto PROFILE_RANK=1 PROFILE_OUT="$D" PROFILE_TAG=real timeout 120 python3 -m torch.distributed.run \
+        --standalone --nproc-per-node 2 $K $P $B >"$D/real.log" 2>&1; echo "real kineto: $?"
+    timeout 200 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $P $B \
+        >"$D/prism.log" 2>&1; echo "prism run: $?"
+    for what in slice emu; do
+        if [ $what = slice ]; then cmd=(time --graph "$W/bare" --out "$W/time-k"); else
+            cmd=(emulate --graph "$W/cal/graph" --sandbox 1 --out "$W/emu-k"); fi
+        env PRISM_PROGRAM_CHECK=off PROFILE_WITH=kineto PROFILE_RANK=all PROFILE_OUT="$D" PROFILE_TAG=$what timeout 150 \
+            prism "${cmd[@]}" --devices cuda:0,1 --force -- $K $P $B >"$D/$what.log" 2>&1; echo "$what kineto: $?"
+    done
+    python3 benchmarks/kernel_timeline.py "$D"/rank*.json.gz --json "$OUT/ddp_tail.json" 2>&1 | tail -5
+    grep -h "iter time" "$D/real.log" "$D/emu.log" | tail -4
+    tar czf "$OUT/ddp-tail-logs.tgz" "$D"/*.log "$W"/time-k/graph "$W"/cal/summary.json 2>/dev/null ;;
 issue-thread)
     # the issue thread (the default) on two GPUs (four for the real DDP run beside it): the GPU tests of the
     # pruned all_reduce and of a DP2 emulation's values, a DDP job's prism run beside its real run (GPUs 2, 3),

@@ -85,6 +85,13 @@ def iterations(events: list[dict]) -> list[dict]:
         gaps = [b[0] - a[1] for a, b in zip(sorted(main), sorted(main)[1:]) if b[0] > a[1]]
         t0, t1 = min(k["ts"] for k in ks), max(k["ts"] + k["dur"] for k in ks)
         gemm = sum(k["dur"] for k in ks if "gemm" in k["name"].lower() or "cutlass" in k["name"].lower())
+        # the tail: what the device ran after the iteration's last NCCL kernel (a DDP job's
+        # optimizer step), whose span a slice measured longer than the real run's
+        nccl_end = max((e for _, e in nccl), default=t0)
+        tail = [k for k in ks if k["ts"] >= nccl_end and "nccl" not in k["name"].lower()]
+        tail_gaps = [
+            g for a, b in zip(sorted(main), sorted(main)[1:]) if a[1] >= nccl_end for g in [b[0] - a[1]] if g > 0
+        ]
         out.append(
             {
                 "span_ms": (t1 - t0) / 1e3,
@@ -97,8 +104,21 @@ def iterations(events: list[dict]) -> list[dict]:
                 "main_stream_idle_ms": sum(gaps) / 1e3,
                 "main_stream_gaps_over_50us": sum(1 for g in gaps if g > 50),
                 "kernels": len(ks),
+                "tail_ms": (t1 - nccl_end) / 1e3,
+                "tail_kernels": len(tail),
+                "tail_kernels_ms": sum(k["dur"] for k in tail) / 1e3,
+                "tail_main_stream_idle_ms": sum(tail_gaps) / 1e3,
+                "tail_by_name": by_name(tail),
             }
         )
+    return out
+
+
+def by_name(kernels: list[dict]) -> dict[str, float]:
+    """Kernels' own time in ms by name (its first 60 characters)."""
+    out: dict[str, float] = {}
+    for k in kernels:
+        out[k["name"][:60]] = out.get(k["name"][:60], 0.0) + k["dur"] / 1e3
     return out
 
 
@@ -125,12 +145,15 @@ def summary(path: Path, skip: int, min_kernels: int) -> dict:
     events = load(path)
     its = [x for x in iterations(events) if x["kernels"] >= min_kernels]
     st = its[skip:] or its
-    keys = list(st[0]) if st else []
+    keys = [k for k in st[0] if k != "tail_by_name"] if st else []
     hooks = issuing_hooks(events)
+    names = {n for x in st for n in x["tail_by_name"]}
+    tail = {n: round(statistics.median(x["tail_by_name"].get(n, 0.0) for x in st), 3) for n in names}
     return {
         "trace": path.name,
         "iterations": len(its),
         **{k: round(statistics.median(x[k] for x in st), 3) for k in keys},
+        "tail_top": dict(sorted(tail.items(), key=lambda kv: -kv[1])[:12]),
         "issuing_hooks": len(hooks),
         "issuing_hook_us_median": round(statistics.median(hooks), 1) if hooks else None,
     }
