@@ -215,12 +215,19 @@ ddp-tail)
         --standalone --nproc-per-node 2 $K $P $B >"$D/real.log" 2>&1; echo "real kineto: $?"
     timeout 200 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $P $B \
         >"$D/prism.log" 2>&1; echo "prism run: $?"
+    # which processes hold which GPU while the slice and the emulation run (a second context on the
+    # sandbox's GPU time-slices it: on one shared GPU the slice's AdamW kernels ran 15.2 ms against 6.8)
+    nvidia-smi --query-compute-apps=timestamp,pid,process_name,gpu_bus_id,used_memory --format=csv -l 2 \
+        >"$OUT/ddp-tail-apps.csv" 2>&1 &
+    smi=$!
     for what in slice emu; do
         if [ $what = slice ]; then cmd=(time --graph "$W/bare" --out "$W/time-k"); else
             cmd=(emulate --graph "$W/cal/graph" --sandbox 1 --out "$W/emu-k"); fi
         env PRISM_PROGRAM_CHECK=off PROFILE_WITH=kineto PROFILE_RANK=all PROFILE_OUT="$D" PROFILE_TAG=$what timeout 150 \
             prism "${cmd[@]}" --devices cuda:0,1 --force -- $K $P $B >"$D/$what.log" 2>&1; echo "$what kineto: $?"
     done
+    kill $smi 2>/dev/null
+    nvidia-smi --query-gpu=index,pci.bus_id --format=csv >>"$OUT/ddp-tail-apps.csv" 2>&1
     python3 benchmarks/kernel_timeline.py "$D"/rank*.json.gz --json "$OUT/ddp_tail.json" 2>&1 | tail -5
     grep -h "iter time" "$D/real.log" "$D/emu.log" | tail -4
     tar czf "$OUT/ddp-tail-logs.tgz" "$D"/*.log "$W"/time-k/graph "$W"/cal/summary.json 2>/dev/null ;;
