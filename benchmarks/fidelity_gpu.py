@@ -22,6 +22,12 @@ Per case (a program, a layout, a world size N):
    ``prism calibrate`` (``solved_ms``): the solve's own error on a real run's measurements, apart
    from the slices' (``recorded_ms``: the recorded run's iteration as the program prints it).
 
+A prediction is a period (a graph's iteration runs from the end of one optimizer step to the end of
+the next: the whole loop), so where every real run printed its period (``| period X ms``: the time
+from the previous iteration's start to this one's) the real runs' and the emulated sandbox's periods
+are compared (a row's ``basis``); else the iter time, which leaves out what the program does between
+its timed steps (the batch's preparation, the line printed).
+
 Errors are (x - real) / real against the mean of the real runs' medians; ``real_spread`` is the
 real runs' (max - min) / mean. Raw results go to ``--json`` as ``{"rows": [{"case", "world",
 "machine", "real_ms": [...], "predicted_ms", "emulated_ms", "predicted_error", "emulated_error",
