@@ -82,16 +82,17 @@ def iterations(events: list[dict]) -> list[dict]:
             if "nccl" not in k["name"].lower():
                 streams.setdefault(k.get("args", {}).get("stream"), []).append((k["ts"], k["ts"] + k["dur"]))
         main = max(streams.values(), key=len) if streams else []
-        gaps = [b[0] - a[1] for a, b in zip(sorted(main), sorted(main)[1:]) if b[0] > a[1]]
+        ordered = sorted(main)
+        # the main stream's idle gaps, each with where it starts
+        idle = [(a[1], b[0] - a[1]) for a, b in zip(ordered, ordered[1:]) if b[0] > a[1]]
+        gaps = [g for _, g in idle]
         t0, t1 = min(k["ts"] for k in ks), max(k["ts"] + k["dur"] for k in ks)
         gemm = sum(k["dur"] for k in ks if "gemm" in k["name"].lower() or "cutlass" in k["name"].lower())
         # the tail: what the device ran after the iteration's last NCCL kernel (a DDP job's
         # optimizer step), whose span a slice measured longer than the real run's
         nccl_end = max((e for _, e in nccl), default=t0)
         tail = [k for k in ks if k["ts"] >= nccl_end and "nccl" not in k["name"].lower()]
-        tail_gaps = [
-            g for a, b in zip(sorted(main), sorted(main)[1:]) if a[1] >= nccl_end for g in [b[0] - a[1]] if g > 0
-        ]
+        tail_gaps = [g for start, g in idle if start >= nccl_end]
         out.append(
             {
                 "span_ms": (t1 - t0) / 1e3,
@@ -118,7 +119,8 @@ def by_name(kernels: list[dict]) -> dict[str, float]:
     """Kernels' own time in ms by name (its first 60 characters)."""
     out: dict[str, float] = {}
     for k in kernels:
-        out[k["name"][:60]] = out.get(k["name"][:60], 0.0) + k["dur"] / 1e3
+        name = k["name"][:60]
+        out[name] = out.get(name, 0.0) + k["dur"] / 1e3
     return out
 
 
