@@ -541,19 +541,20 @@ prune-all)
 channels)
     D=out/channels C=benchmarks/programs/collective_sizes.py S=${SIZES:-64KB,16MB,256MB,1GB}
     mkdir -p "$D"
+    # each timed call of collective_sizes.py's LOG: op, bytes, median µs
+    timed() { grep -h '^COLLECTIVE ' "$1" | python3 -c "import json,sys; [print(' ', d['op'], d['bytes'], d['median_us'])
+        for d in (json.loads(l.split(' ', 1)[1]) for l in sys.stdin)]"; }
     for n in 2 4; do
         NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,TUNING timeout 120 python3 -m torch.distributed.run --standalone \
             --nproc-per-node "$n" $C --ops all_reduce,all_gather --sizes "$S" --ahead 50 >"$D/real$n.log" 2>&1
         echo "N=$n: $(grep -m1 -o '[0-9]* coll channels.*' "$D/real$n.log")"
-        grep -h '^COLLECTIVE ' "$D/real$n.log" | python3 -c "import json,sys; [print(' ', d['op'], d['bytes'], d['median_us'])
-            for d in (json.loads(l.split(' ', 1)[1]) for l in sys.stdin)]"
+        timed "$D/real$n.log"
     done
     four=$(grep -m1 -o '[0-9]* coll channels' "$D/real4.log" | grep -o '^[0-9]*')
     for ch in ${CHANNELS:-16 24 32} $four; do
         NCCL_MIN_NCHANNELS=$ch NCCL_MAX_NCHANNELS=$ch timeout 90 python3 -m torch.distributed.run --standalone \
             --nproc-per-node 2 $C --ops all_reduce,all_gather --sizes "$S" --ahead 50 >"$D/real2-ch$ch.log" 2>&1
-        echo "N=2, $ch channels forced:"; grep -h '^COLLECTIVE ' "$D/real2-ch$ch.log" | python3 -c "import json,sys;
-[print(' ', d['op'], d['bytes'], d['median_us']) for d in (json.loads(l.split(' ', 1)[1]) for l in sys.stdin)]"
+        echo "N=2, $ch channels forced:"; timed "$D/real2-ch$ch.log"
     done
     # the pruned sweep at N = 4, every NCCL group of the run (the real 4-rank one too) at the 4-rank count
     [ -n "$four" ] && NCCL_MIN_NCHANNELS=$four NCCL_MAX_NCHANNELS=$four timeout 300 python3 benchmarks/pruning_latency.py \
