@@ -1,12 +1,18 @@
 """Switch-mode capture against the real run: `prism capture --mode switch` with K ranks running at a
-time, and `prism record` of the same command, on this machine's CPU.
+time, and `prism record` of the same command, on this machine's CPU or its GPUs.
 
     .venv/bin/python benchmarks/switch_capture.py [--cases gpt3d8,ddp16,moe8] [--parallel all,2,1] [--out DIR]
+    python3 benchmarks/switch_capture.py --devices cuda:0,1 --cases gpt3d4-gpu,gpt3d16-gpu --parallel 2,4 \
+        --out benchmarks/results/switch_gpu
 
 Per case and K: wall time of each command, the stops of waiting ranks (`capture.switches`) per
 iteration, the peak host memory of the whole process tree (prism and every rank, sampled every
-0.2 s), and whether the captured graph equals the recording (`prism compare`'s structure). Writes
-benchmarks/results/switch_cpu.json and .md.
+0.2 s), and whether the captured graph equals the recording (`prism compare`'s structure). On GPUs
+(K: ranks at a time over all listed GPUs) also what moving a waiting rank's device state out and
+back cost (`capture.swaps`: seconds and bytes a swap) and whether every rank's peak memory equals
+the recording's; the recording shares the GPUs among the N ranks (each NCCL's own host), and a case
+whose real run does not fit there is captured without one (``--no-record``). Writes
+benchmarks/results/switch_cpu.json and .md (or ``--out``).
 """
 
 from __future__ import annotations
@@ -30,12 +36,17 @@ GPT3D = str(ROOT / "examples" / "gpt3d.py")
 DDP = str(ROOT / "tests" / "programs" / "ddp_train.py")
 TINY = ["--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128", "--micro-batch", "1",
         "--global-batch", "8", "--iters", "3"]  # fmt: skip
+GPU_MODEL = ["--layers", "4", "--hidden", "2048", "--heads", "16", "--seq", "1024", "--vocab", "32000",
+             "--micro-batch", "1", "--global-batch", "4", "--iters", "2"]  # fmt: skip
 # name -> (world, program and arguments; {out} is a scratch directory the program may write)
 CASES = {
     "gpt3d8": (8, [GPT3D, "--tp", "2", "--pp", "2", *TINY]),
     "ddp16": (16, [DDP, "{out}", "3"]),
     # routing depends on the values: solo capture without a recording differs from the first all-to-all
     "moe8": (8, [GPT3D, "--tp", "2", "--num-experts", "8", "--topk", "2", "--ep", "4", *TINY]),
+    # GPUs: a model whose state is GBs a rank, so that a swap moves what a real job's would
+    "gpt3d4-gpu": (4, [GPT3D, "--tp", "2", "--pp", "2", *GPU_MODEL]),
+    "gpt3d16-gpu": (16, [GPT3D, "--tp", "2", "--pp", "2", *GPU_MODEL]),
 }
 
 
@@ -84,12 +95,40 @@ def timed(cmd: list[str]) -> dict:
             "stderr_tail": err[-800:] if proc.returncode else ""}  # fmt: skip
 
 
+def _swap_costs(swaps: dict | None) -> dict:
+    """Seconds out and back, and bytes, a swap (switch mode on GPUs)."""
+    if not swaps or not swaps.get("out"):
+        return {}
+    out = {"swaps": swaps, "out_s_each": round(swaps["out_s"] / swaps["out"], 3)}
+    out["back_s_each"] = round(swaps["back_s"] / swaps["back"], 3) if swaps.get("back") else None
+    out["bytes_each"] = swaps["bytes_out"] // swaps["out"] if swaps.get("bytes_out") is not None else None
+    return out
+
+
+def _yes(row: dict, key: str) -> str:
+    return "-" if key not in row else "yes" if row[key] else "NO"
+
+
+def _gpu_names() -> str:
+    try:
+        q = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=30)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return "GPUs unknown"
+    names = [ln.strip() for ln in q.stdout.splitlines() if ln.strip()]
+    return f"{len(names)} x {names[0]}" if names else "GPUs unknown"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--parallel", default="all,2,1", help="K values: a number or 'all'")
     ap.add_argument("--out", type=Path, default=RESULTS / "switch_cpu")
+    ap.add_argument("--devices", default="cpu", help="cpu, or the GPUs the ranks share: cuda:0,1")
+    ap.add_argument("--no-record", default="", help="cases captured without a real run (it does not fit)")
     args = ap.parse_args()
+    gpus = [int(g) for g in args.devices.removeprefix("cuda:").split(",")] if args.devices != "cpu" else []
+    unrecorded = set(filter(None, args.no_record.split(",")))
     from prismllm.trace import PrismTrace
     from prismllm.trace.compare import compare_traces
 
@@ -100,37 +139,57 @@ def main() -> int:
             scratch = Path(tmp) / name
             scratch.mkdir()
             program = [a.replace("{out}", str(scratch)) for a in prog]
-            rec = scratch / "rec"
-            r = timed([PRISM, "record", "--nproc", str(world), "--devices", "cpu", "--out", str(rec), "--", *program])
-            if r["rc"]:
-                raise SystemExit(f"{name}: prism record failed: {r['stderr_tail']}")
-            iterations = len(PrismTrace.load(rec).iterations.column("iteration").unique())
-            rows.append({"case": name, "world": world, "command": "record", "parallel": world, **r})
-            print(rows[-1], flush=True)
+            rec = scratch / "rec" if name not in unrecorded else None
+            if rec is not None:
+                # on GPUs the N real ranks share the listed GPUs, as switch mode's do
+                real = f"cuda:{','.join(str(gpus[r % len(gpus)]) for r in range(world))}" if gpus else "cpu"
+                r = timed(
+                    [PRISM, "record", "--nproc", str(world), "--devices", real, "--out", str(rec), "--", *program]
+                )
+                if r["rc"]:
+                    raise SystemExit(f"{name}: prism record failed: {r['stderr_tail']}")
+                rows.append({"case": name, "world": world, "command": "record", "parallel": world, **r})
+                print(rows[-1], flush=True)
             for k in args.parallel.split(","):
                 cap = scratch / f"switch-{k}"
                 flag = [] if k == "all" else ["--parallel", k]
-                c = timed([PRISM, "capture", "--mode", "switch", "--world", str(world), "--devices", "cpu", *flag,
-                           "--out", str(cap), "--", *program])  # fmt: skip
+                c = timed([PRISM, "capture", "--mode", "switch", "--world", str(world), "--devices", args.devices,
+                           *flag, "--out", str(cap), "--", *program])  # fmt: skip
                 row = {"case": name, "world": world, "command": "capture --mode switch",
                        "parallel": world if k == "all" else int(k), **c}  # fmt: skip
                 if not c["rc"]:
                     g = PrismTrace.load(cap)
+                    iterations = len(g.iterations.column("iteration").unique())
                     row["switches"] = g.manifest["capture"]["switches"]
                     row["switches_per_iteration"] = round(row["switches"] / max(iterations, 1), 1)
-                    row["structure_equal"] = bool(compare_traces(PrismTrace.load(rec), g, timing=False).structure_equal)
+                    row.update(_swap_costs(g.manifest["capture"].get("swaps")))
+                    if rec is not None:
+                        real = PrismTrace.load(rec)
+                        row["structure_equal"] = bool(compare_traces(real, g, timing=False).structure_equal)
+                        if gpus:
+                            row["peak_memory_equal"] = (
+                                g.manifest["peak_memory_bytes"] == real.manifest["peak_memory_bytes"]
+                            )
+                    if gpus:
+                        row["peak_memory_bytes"] = g.manifest["peak_memory_bytes"]
                 rows.append(row)
                 print(row, flush=True)
                 shutil.rmtree(cap, ignore_errors=True)
-    machine = f"{platform.node()} ({os.cpu_count()} CPUs)"
-    args.out.with_suffix(".json").write_text(json.dumps({"machine": machine, "rows": rows}, indent=1) + "\n")
-    lines = [f"machine: {machine}", "", "| case | N | command | K | wall s | peak host memory | stops / iteration | graph = recording |",
-             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    machine = f"{platform.node()} ({os.cpu_count()} CPUs)" + (f", {_gpu_names()}" if gpus else "")
+    args.out.with_suffix(".json").write_text(
+        json.dumps({"machine": machine, "devices": args.devices, "rows": rows}, indent=1) + "\n"
+    )
+    lines = [f"machine: {machine}; devices {args.devices}", "",
+             "| case | N | command | K | wall s | peak host memory | stops / iteration | s out / back a swap "
+             "| GiB a swap | graph = recording | peak memory = recording |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for x in rows:
+        swap = f"{x['out_s_each']} / {x['back_s_each']}" if "out_s_each" in x else "-"
+        size = f"{x['bytes_each'] / 2**30:.2f}" if x.get("bytes_each") is not None else "-"
         lines.append(
             f"| {x['case']} | {x['world']} | {x['command']} | {x['parallel']} | {x['wall_s']} | "
-            f"{x['peak_rss_bytes'] / 2**30:.2f} GiB | {x.get('switches_per_iteration', '-')} | "
-            f"{'yes' if x.get('structure_equal') else ('-' if x['command'] == 'record' else 'NO')} |"
+            f"{x['peak_rss_bytes'] / 2**30:.2f} GiB | {x.get('switches_per_iteration', '-')} | {swap} | {size} | "
+            f"{_yes(x, 'structure_equal')} | {_yes(x, 'peak_memory_equal')} |"
         )
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

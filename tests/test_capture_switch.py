@@ -81,11 +81,11 @@ def test_a_path_set_by_reduced_values_is_the_real_runs(tmp_path):
 @pytest.mark.parametrize(
     "extra, needle",
     [
-        (["--devices", "cuda"], "switch mode runs on the CPU for now"),
+        (["--devices", "cuda:0,1", "--parallel", "3"], "give a multiple of 2"),
         (["--rules", __file__], "--rules with --mode switch"),
     ],
 )
-def test_what_switch_mode_does_not_do_yet_is_one_line(tmp_path, capsys, extra, needle):
+def test_what_switch_mode_refuses_is_one_line(tmp_path, capsys, extra, needle):
     argv = ["capture", "--mode", "switch", "--world", "2", "--out", str(tmp_path / "o"), *extra, "--", VALUE_PATH]
     if "--devices" not in extra:
         argv[5:5] = ["--devices", "cpu"]

@@ -13,13 +13,17 @@ Reductions are the emulation's (``prismllm.pruning.tensors``), member by member 
 (sum, avg, product, min, max, the bitwise ops, premul_sum); an average of integers truncates, as
 NCCL's.
 
-With ``slots`` K, at most K ranks run at a time (the paper's context switching, Appendix A, with
-SIGSTOP and SIGCONT standing for a GPU context's checkpoint and restore): a rank that waits on a
-call the coordinator has not completed is stopped and its slot given to another, chosen by the
-paper's rule: among the ranks that can go on (never run, or a call of theirs completed since
+With ``slots`` K, at most K ranks run at a time (the paper's context switching, Appendix A): a
+rank that waits on a call the coordinator has not completed is stopped and its slot given to
+another, chosen by the paper's rule: among the ranks that can go on (never run, or a call of theirs completed since
 they stopped), the one the most incomplete calls wait for. A rank waits, for the coordinator,
 when it has a call in and its threads have run under 2 ms of CPU time between two looks 20 ms
 apart with none of them runnable: a Future waited on in torch's C++ (DDP's reducer) tells no one else.
+On the CPU a rank is stopped with SIGSTOP and goes on with SIGCONT. On GPUs (``gpus``: each
+rank's GPU) each GPU has its own K/G slots, and a rank stopped there has its device state moved
+to the host first and back before it goes on (``prismllm.capture.gpuswap``): one thread per GPU
+does a GPU's swaps in the order they were decided, so a rank's memory is out before the next
+one's comes in, and the scheduler leaves a rank alone while its swap runs.
 Where no rank can run and every stopped rank was stopped after the last progress, the ranks are
 deadlocked (a program whose ranks part ways): the coordinator says who waits for whom and ends
 them. Where the host's available memory falls under 1 GiB (or a twentieth of it), it ends them
@@ -40,6 +44,7 @@ from typing import Any
 
 import torch
 
+from prismllm.capture.gpuswap import GpuSwap, SwapError
 from prismllm.comm.switch import decode, encode, recv_frame, send_frame
 from prismllm.errors import PrismError
 from prismllm.launch.processes import proc_state
@@ -96,6 +101,8 @@ class _Rank:
     calls: set = dataclasses.field(default_factory=set)  # its calls not yet answered
     stopped_at: int = -1  # the progress count when it was stopped for waiting
     cpu: int = -1  # its threads' CPU time (ns) at the last look
+    gpu: int | None = None  # its GPU (its slots' pool); None on the CPU
+    swapping: bool = False  # going on, its device state on its way back: not looked at
 
 
 def _reduce(flats: list[torch.Tensor], op: str) -> torch.Tensor:
@@ -191,11 +198,17 @@ class Coordinator:
     """Serves the ranks of one switch-mode capture; :meth:`close` ends it. ``address`` and
     ``token`` go to every rank (``ChildEnv.switch_address``/``switch_token``)."""
 
-    def __init__(self, world: int, slots: int | None = None) -> None:
+    def __init__(self, world: int, slots: int | None = None, gpus: list[int] | None = None) -> None:
         # every rank at once still watches: a rank that waits is stopped, so that ranks which all
         # wait on one another are found deadlocked instead of hanging
         self.world, self.slots = world, slots if slots is not None else world
         self._look_s = 0.02 if self.slots < world else 0.1
+        # on GPUs: each rank's GPU, the slots shared out among them, one swap thread each
+        self._gpus = gpus
+        pools = sorted(set(gpus)) if gpus is not None else [None]
+        self._pool_slots = {g: max(1, self.slots // len(pools)) for g in pools}
+        self._swap = GpuSwap() if gpus is not None else None
+        self._swaps: dict[int, queue.SimpleQueue] = {g: queue.SimpleQueue() for g in pools if g is not None}
         self.address = f"prism-switch-{secrets.token_hex(8)}"
         self.token = secrets.token_hex(16)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -216,6 +229,8 @@ class Coordinator:
         self._looks = 0
         self._stuck_since: float | None = None  # when no rank could go on, at progress _stuck_at
         self._stuck_at = -1
+        for g in self._swaps:
+            threading.Thread(target=self._swapper, args=(g,), daemon=True, name=f"prism-swap-gpu{g}").start()
         threading.Thread(target=self._accept, daemon=True, name="prism-coordinator").start()
         threading.Thread(target=self._watch, daemon=True, name="prism-scheduler").start()
 
@@ -341,10 +356,15 @@ class Coordinator:
 
     # -- scheduling (slots) --
     def _arrive(self, conn: _Conn) -> None:
-        """A rank's first message: it runs if a slot is free, else it stops until one is."""
+        """A rank's first message: it runs on if a slot of its pool is free, else it stops until one is."""
         with self._lock:
-            r = self._ranks[conn.rank] = _Rank(conn.pid, state="ready")
-            _signal(r.pid, signal.SIGSTOP)
+            gpu = self._gpus[conn.rank] if self._gpus is not None else None
+            running = sum(r.state == "running" and r.gpu == gpu for r in self._ranks.values())
+            self._ranks[conn.rank] = r = _Rank(conn.pid, state="ready", gpu=gpu)
+            if running < self._pool_slots[gpu] and not self.ended:
+                r.state = "running"
+            else:
+                self._stop(conn.rank, r)
             if self.ended:  # a rank that starts after the capture was ended
                 _signal(r.pid, signal.SIGKILL)
                 _signal(r.pid, signal.SIGCONT)
@@ -352,18 +372,55 @@ class Coordinator:
 
     def _schedule(self) -> None:
         """Give free slots to the ranks that can go on, the most waited-for first (under the lock)."""
-        free = self.slots - sum(r.state == "running" for r in self._ranks.values())
-        while free > 0:
-            ready = [k for k, r in self._ranks.items() if r.state == "ready"]
-            if not ready:
-                if not self._unstick():
-                    return
+        while True:
+            wanted = None
+            for pool, n in self._pool_slots.items():
+                free = n - sum(r.state == "running" and r.gpu == pool for r in self._ranks.values())
+                ready = [k for k, r in self._ranks.items() if r.state == "ready" and r.gpu == pool]
+                if free <= 0 or not ready:
+                    continue
+                wanted = wanted if wanted is not None else self._wanted()
+                for best in sorted(ready, key=lambda k: (-wanted.get(k, 0), k))[:free]:
+                    self._go_on(best, self._ranks[best])
+            if not self._unstick():
+                return
+
+    def _stop(self, k: int, r: _Rank) -> None:
+        """Stop a rank (under the lock); on a GPU its device state goes out first, on its GPU's thread."""
+        if r.gpu is None:
+            _signal(r.pid, signal.SIGSTOP)
+        else:
+            self._swaps[r.gpu].put(("out", k, r))
+
+    def _go_on(self, k: int, r: _Rank) -> None:
+        """Let a rank go on (under the lock); on a GPU once its device state is back."""
+        r.state, r.cpu = "running", -1
+        if r.gpu is None:
+            _signal(r.pid, signal.SIGCONT)
+        else:
+            r.swapping = True
+            self._swaps[r.gpu].put(("back", k, r))
+
+    def _swapper(self, gpu: int) -> None:
+        """One GPU's swaps, in the order decided: a rank's memory is out before the next one's is in.
+        A swap the driver refuses ends the capture, saying which rank and call."""
+        q = self._swaps[gpu]
+        while (item := q.get()) is not None:
+            how, k, r = item
+            if self.ended:
                 continue
-            wanted = self._wanted()
-            best = max(ready, key=lambda k: (wanted.get(k, 0), -k))
-            self._ranks[best].state, self._ranks[best].cpu = "running", -1
-            _signal(self._ranks[best].pid, signal.SIGCONT)
-            free -= 1
+            try:
+                if how == "out":
+                    self._swap.out(r.pid, k, gpu)
+                else:
+                    self._swap.back(r.pid, k)
+            except SwapError as e:
+                with self._lock:
+                    self._end(f"GPU {gpu}: {e}")
+                continue
+            if how == "back":
+                with self._lock:
+                    r.swapping, r.cpu = False, -1
 
     def _unstick(self) -> bool:
         """No rank can go on and no rank runs: the stopped ranks that stopped before the latest
@@ -434,15 +491,15 @@ class Coordinator:
         while not self._closed:
             time.sleep(self._look_s)
             with self._lock:
-                for r in self._ranks.values():
-                    if r.state != "running" or not r.calls:
+                for k, r in self._ranks.items():
+                    if r.state != "running" or not r.calls or r.swapping:
                         continue
                     cpu, runnable = _cpu(r.pid)
                     # a waiting rank's threads still wake now and then (the status board, torch's
                     # own): idle is under a tenth of the time between looks, nothing runnable
                     idle = cpu is not None and r.cpu >= 0 and cpu - r.cpu < IDLE_SHARE * self._look_s * 1e9
                     if idle and not runnable:
-                        _signal(r.pid, signal.SIGSTOP)
+                        self._stop(k, r)
                         r.state, r.stopped_at = "waiting", self._progress
                         self.switches += 1
                     r.cpu = cpu if cpu is not None else -1
@@ -470,7 +527,13 @@ class Coordinator:
             lines.append(f"recv #{k} on group {group!r}: rank {dst} waits for rank {src}'s send")
         return lines
 
+    def swaps(self) -> dict[str, Any] | None:
+        """What moving the GPU ranks' device state out and back cost (None on the CPU)."""
+        return self._swap.summary() if self._swap is not None else None
+
     def close(self) -> None:
+        for q in self._swaps.values():
+            q.put(None)
         with self._lock:
             self._closed = True
             conns = list(self._conns)

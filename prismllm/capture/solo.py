@@ -271,9 +271,7 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
             why_all=("--tensors with expert parallelism: each rank replays its own recorded routing"),
         )
     # switch mode: every rank is started, K of them (--parallel) run at a time
-    g, device, devices = (
-        _parallel_and_devices(opts) if opts.mode == "solo" else (opts.parallel or opts.world, "cpu", "cpu")
-    )
+    g, device, devices = _parallel_and_devices(opts) if opts.mode == "solo" else _switch_devices(opts)
     fp = fingerprint(opts, layout, device)
 
     out = Path(opts.out)
@@ -319,13 +317,39 @@ def plan_capture(opts: CaptureOptions) -> tuple[CapturePlan, dict[str, Any], dic
     )
 
 
-def _check_switch(opts: CaptureOptions) -> None:
-    """What switch mode does not do yet, refused in one line each."""
-    if opts.devices not in ("auto", "cpu") and not opts.cuda_on_cpu:
+def _switch_devices(opts: CaptureOptions) -> tuple[int, str, str | list[int]]:
+    """Switch mode's (K ranks at a time, device kind, the GPUs the ranks share: rank r on the
+    (r mod G)-th). On the CPU every rank runs at once unless told; on G GPUs one rank holds each
+    GPU at a time unless told (--parallel K: K/G each)."""
+    try:
+        dev = parse_devices(opts.devices)
+    except ValueError as e:
+        raise PrismError(str(e)) from None
+    n = spread_gpus(dev, opts.cuda_on_cpu)
+    if n == 0:
+        k = opts.parallel or opts.world
+        if k < 1:
+            raise PrismError(f"--parallel must be at least 1, not {k}")
+        return k, "cpu", "cpu"
+    listed = list(dev.gpus) if dev.gpus is not None else list(range(n))
+    gpus = sorted(set(listed), key=listed.index)
+    k = opts.parallel if opts.parallel is not None else len(listed)  # a GPU listed twice: two ranks on it
+    if k < len(gpus) or k % len(gpus):
         raise PrismError(
-            f"--devices {opts.devices} with --mode switch: switch mode runs on the CPU for now; use --devices cpu "
-            "(or --cuda-on-cpu for a CUDA program), or --mode solo on GPUs"
+            f"--parallel {k} with --mode switch on {len(gpus)} GPU(s): the ranks at a time are shared out "
+            f"evenly among the GPUs, so give a multiple of {len(gpus)}"
         )
+    device, _ = resolve_devices(dev.text if dev.gpus is not None else "cuda", n)  # the GPUs exist
+    return k, device, gpus
+
+
+def rank_gpus(gpus: Sequence[int], ranks: Sequence[int]) -> list[int]:
+    """Each switch-mode rank's GPU: rank r on the (r mod G)-th listed GPU."""
+    return [gpus[r % len(gpus)] for r in ranks]
+
+
+def _check_switch(opts: CaptureOptions) -> None:
+    """What switch mode does not do, refused in one line each."""
     for flag, value in (("--rules", opts.rules), ("--tensors", opts.tensors), ("--routing", opts.routing)):
         if value is not None:
             raise PrismError(f"{flag} with --mode switch: switch mode answers every call with the real values")
@@ -476,7 +500,10 @@ def _capture(
         # torch once a capture runs: the CLI's parsing and its refusals of bad input never load it
         from prismllm.capture.coordinator import Coordinator
 
-        coordinator = Coordinator(plan.world, slots=opts.parallel)
+        on_gpus = isinstance(plan.devices, list)
+        coordinator = Coordinator(
+            plan.world, slots=plan.parallel, gpus=rank_gpus(plan.devices, range(plan.world)) if on_gpus else None
+        )
     if coordinator is not None:
         child = dataclasses.replace(child, switch_address=coordinator.address, switch_token=coordinator.token)
     step = len(pending) if opts.mode == "switch" else plan.parallel
@@ -491,7 +518,13 @@ def _capture(
             # the ranks that run together wait for each other's parts of object collectives
             # (prismllm.comm.solo_objects)
             env={**dataclasses.replace(child, solo_batch=tuple(batch)).to_env(), **opts.env},
-            devices=plan.devices if plan.devices == "cpu" else list(plan.devices)[: len(batch)],
+            devices=(
+                plan.devices
+                if plan.devices == "cpu"
+                else rank_gpus(plan.devices, batch)
+                if opts.mode == "switch"
+                else list(plan.devices)[: len(batch)]
+            ),
             log_dir=out / LOGS_DIR if opts.tee else None,
             settle=FAILURE_SETTLE_S,
         )
@@ -551,6 +584,8 @@ def _capture(
         "parallel": plan.parallel,
         # switch mode: how often a waiting rank was stopped for another (prismllm.capture.coordinator)
         "switches": coordinator.switches if coordinator is not None else None,
+        # switch mode on GPUs: the device state moved out and back (prismllm.capture.gpuswap)
+        "swaps": coordinator.swaps() if coordinator is not None else None,
         "runs": state["runs"],
         "run_wall_s": round(run_wall, 3),
         "run_wall_s_all_runs": round(float(state["run_s"]), 3),

@@ -10,9 +10,10 @@ graph (PrismTrace) to DIR. With --layout only one rank per class of replicas run
 ep, pp) coordinate); the DP replicas are renamed copies. An interrupted or failed capture resumes
 when the same command is run again.
 
-Switch mode (--mode switch) runs every rank at once on the CPU, each collective carried out by a
-coordinator with the members' real values; --save-tensors writes them (DIR/tensors) for time and
-emulate to replay.
+Switch mode (--mode switch) runs every rank, each collective carried out by a coordinator with the
+members' real values; --save-tensors writes them (DIR/tensors) for time and emulate to replay. On
+the CPU every rank runs at once; on GPUs one rank holds each GPU at a time (--parallel K: K/G), a
+waiting rank's device state moved to the host by the CUDA driver's checkpoint API.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ EXAMPLES = r"""
 # the bare graph of 1024 ranks: one rank per replica class run alone, 2 at a time
 prism capture --world 1024 --layout tp=2,pp=8 --parallel 2 --out out/bare \
     -- gpt3d.py --tp 2 --pp 8 --layers 8 --global-batch 128 --micro-batch 1
+# every rank of 16 with the real values, taking turns on two GPUs (a waiting rank's state moved out)
+prism capture --mode switch --world 16 --devices cuda:0,1 --out out/switch \
+    -- gpt3d.py --tp 2 --pp 2 --layers 8 --global-batch 16 --micro-batch 1
 # on two GPUs, one rank each: peak memory per rank, exact
 prism capture --world 1024 --layout tp=2,pp=8 --devices cuda:0,1 --out out/bare-gpu \
     -- gpt3d.py --tp 2 --pp 8 --layers 8 --global-batch 128 --micro-batch 1

@@ -78,7 +78,7 @@ SHARED: dict[str, Option] = {
             "choices": ("solo", "switch"),
             "default": "solo",
             "help": "how the bare graph is captured: solo (default: each rank alone, generated values, a layout's "
-            "replicas once) or switch (every rank at once on the CPU, real values: `prism capture --mode switch`)",
+            "replicas once) or switch (every rank, real values, K at a time: `prism capture --mode switch`)",
         },
     ),
     "parallel": Option(

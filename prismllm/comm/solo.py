@@ -63,6 +63,7 @@ the store's returned tensor is copied from wherever it lives (the store's: the h
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Any
 
@@ -229,29 +230,30 @@ def split_pg(parent, ranks, timeout=None, opts=None, group_name=None, group_desc
 
 
 # ---- the backend ------------------------------------------------------------------------------
-def _done_work(outs: list, device: torch.device | None = None, stream=None):
+def _done_future(value: list, device: torch.device | None = None, stream=None) -> torch.futures.Future:
+    """A completed Future holding ``value``; on a GPU its events recorded on ``stream``."""
     if device is not None and device.type == "cuda":
         fut = torch.futures.Future(devices=[device])
         with torch.cuda.stream(stream):
-            fut.set_result(outs)
+            fut.set_result(value)
     else:
         fut = torch.futures.Future()
-        fut.set_result(outs)
-    return _C._create_work_from_future(fut)
+        fut.set_result(value)
+    return fut
+
+
+def _done_work(outs: list, device: torch.device | None = None, stream=None):
+    return _C._create_work_from_future(_done_future(outs, device, stream))
 
 
 class StashingWork(dist.Work):
     """An async CUDA Work as ProcessGroupNCCL returns it: ``wait()`` makes the current stream
-    wait on the group's stream and releases the stashed tensors; the Future holds ``outs``."""
+    wait on the group's stream (the events of the Futures of its calls, recorded there when their
+    outputs were written) and releases the stashed tensors; its Future holds the outputs."""
 
-    def __init__(self, outs: list, device: torch.device, stream, stash: list):
+    def __init__(self, futs: list[torch.futures.Future], stash: list):
         super().__init__()
-        self._device = device
-        self._event = torch.cuda.Event()
-        self._event.record(stream)
-        self._fut = torch.futures.Future(devices=[device])
-        with torch.cuda.stream(stream):
-            self._fut.set_result(outs)
+        self._futs = futs
         self._stash = stash
 
     def wait(self, timeout=None) -> bool:
@@ -259,13 +261,14 @@ class StashingWork(dist.Work):
         return True
 
     def synchronize(self) -> None:
-        torch.cuda.current_stream(self._device).wait_event(self._event)
+        for f in self._futs:
+            f.wait()  # the host until written (switch mode's answers), then the current stream
         self._stash = None
 
     block_current_stream = synchronize
 
     def is_completed(self) -> bool:
-        return True
+        return all(f.done() for f in self._futs)
 
     def is_success(self) -> bool:
         return True
@@ -274,10 +277,10 @@ class StashingWork(dist.Work):
         return None
 
     def get_future(self):
-        return self._fut
+        return self._futs[-1]
 
     def result(self):
-        return self._fut.value()
+        return self._futs[-1].value()
 
 
 def _is_async(opts) -> bool:
@@ -313,6 +316,7 @@ class GeneratedBackend:
         self._call_ctx: tuple[tuple[int, ...], str] | None = None  # (members, desc), by the first _call
         self._streams: dict[int, Any] = {}
         self._shelf: list[torch.Tensor] | None = None  # open coalescing scope's tensors
+        self._shelf_futs: list[torch.futures.Future] = []  # the scope's calls' Futures (switch mode waits on them)
         self._shelf_async = True
         self._barrier_tensor: torch.Tensor | None = None  # NCCL's, see _hold_barrier_tensor
 
@@ -359,46 +363,48 @@ class GeneratedBackend:
             **kw,
         )  # fmt: skip
 
+    def _write(self, calls: list[Call], device: torch.device | None, stream, value: list) -> torch.futures.Future:
+        """Write the calls' outputs (on ``stream`` on a GPU) and return the Future their Work
+        holds, with ``value``, its events on ``stream``: here the generator's outputs, written at
+        once (switch mode's backend: the coordinator's, the Future completed once they are written)."""
+        with torch.cuda.stream(stream) if device is not None else contextlib.nullcontext():
+            for c in calls:
+                if c.output is not None:
+                    _GEN.fill(c)
+        return _done_future(value, device, stream)
+
     def _run(self, calls: list[Call], ins, outs, opts=None, *, p2p: bool = False):
         """Fill every call's outputs and return the Work (or None) that ProcessGroupNCCL
         would return, holding what it would hold (module docstring); on CPU a completed
         Work, as gloo's."""
-        gen = _GEN
         ins_f, outs_f = _flat(ins), _flat(outs)
         # device.type, not is_cuda (--cuda-on-cpu answers True for CPU tensors), here and in
         # prism's every device test
         dev = next((t.device for t in outs_f + ins_f if t.device.type == "cuda"), None)
         if dev is None:
-            for c in calls:
-                if c.output is not None:
-                    gen.fill(c)
-            return _done_work(outs_f)
+            return _C._create_work_from_future(self._write(calls, None, None, outs_f))
         coalescing = self._shelf is not None
         if not p2p and not _is_async(opts):  # on the current stream, nothing kept
-            for c in calls:
-                if c.output is not None:
-                    gen.fill(c)
+            self._write(calls, dev, torch.cuda.current_stream(dev), []).wait()
             if coalescing:
                 self._shelf_async = False
             return None
         side = self._side_stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):
-            for c in calls:
-                if c.output is not None:
-                    gen.fill(c)
         if p2p:
             for t in ins_f + outs_f:
                 t.record_stream(side)
-            if coalescing:
-                self._shelf_async = True
-                return _done_work([])
-            return _done_work(ins_f + outs_f, dev, side)
+        held = [] if coalescing else ins_f + outs_f if p2p else outs_f
+        fut = self._write(calls, dev, side, held)
         if coalescing:
-            self._shelf.extend(ins_f + outs_f)
+            if not p2p:
+                self._shelf.extend(ins_f + outs_f)
+            self._shelf_futs.append(fut)
             self._shelf_async = True
             return _done_work([])
-        return StashingWork(outs_f, dev, side, ins_f + outs_f)
+        if p2p:
+            return _C._create_work_from_future(fut)
+        return StashingWork([fut], ins_f + outs_f)
 
     # -- all-reduce --
     def allreduce(self, tensors, opts=None):
@@ -596,16 +602,16 @@ class GeneratedBackend:
 
     # -- coalescing --
     def _start_coalescing(self, device):
-        self._shelf, self._shelf_async = [], True
+        self._shelf, self._shelf_futs, self._shelf_async = [], [], True
 
     def _end_coalescing(self, device):
-        shelf, self._shelf = self._shelf or [], None
+        shelf, futs, self._shelf, self._shelf_futs = self._shelf or [], self._shelf_futs, None, []
         dev = torch.device(device) if device is not None else None
         if dev is None or dev.type != "cuda":
             return _done_work([])
         if not self._shelf_async:
             return None
-        return StashingWork([], dev, self._side_stream(dev), shelf)
+        return StashingWork([*futs, _done_future([], dev, self._side_stream(dev))], shelf)
 
     start_coalescing = _start_coalescing
     end_coalescing = _end_coalescing

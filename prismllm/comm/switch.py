@@ -16,13 +16,18 @@ network; the first message carries the run's token), frames of an 8-byte length 
 map, tensors as raw bytes with their dtype and shape (never pickled). A call returns a Work at
 once (its inputs copied out); the coordinator answers when every member's inputs are in (a send:
 at once), and this process's receiver thread writes the outputs into the program's tensors and
-completes the Work's Future. CPU tensors only for now: on a GPU, switch mode needs a rank's device
-state swapped out while it waits (the driver's checkpoint API), not built yet.
+completes the Work's Future. The Works are solo mode's, as ProcessGroupNCCL's hold what they hold
+(``GeneratedBackend._run``): only where the outputs come from differs (``_write``). On a GPU the
+inputs are read and the outputs written on the stream a communicator would use (the current one,
+or the group's), and the Future records its events there once they are written, so ``wait()``
+makes the program's stream wait for them; while the rank waits, the coordinator moves its device
+state out (``prismllm.capture.gpuswap``).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import os
 import socket
@@ -38,7 +43,6 @@ from prismllm.comm.solo import GeneratedBackend, _flat
 from prismllm.errors import PrismError
 from prismllm.generate.generator import Call
 
-_C = torch._C._distributed_c10d
 _LEN = struct.Struct("<Q")
 
 
@@ -71,7 +75,7 @@ def recv_frame(sock: socket.socket) -> dict[str, Any] | None:
 
 def encode(t: torch.Tensor) -> dict[str, Any]:
     """A tensor as bytes with its dtype and shape."""
-    flat = t.detach().contiguous().reshape(-1)
+    flat = t.detach().contiguous().reshape(-1).cpu()
     data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": data}
 
@@ -106,9 +110,41 @@ def _chunks(c: Call) -> list[int]:
     return [t.numel() // n] * n
 
 
+class _Batch:
+    """The calls of one Work (a coalesced batch has several): its Future is completed, with the
+    value the Work holds, once every call's outputs are written; on a GPU they are written on the
+    Work's stream and the Future records its events there, so that waiting on it makes the
+    program's current stream wait for them (torch's Future semantics, as a communicator's Work)."""
+
+    def __init__(self, calls: list[Call], device: torch.device | None, stream: Any, value: list) -> None:
+        self.left = len(calls)
+        self.device, self.stream, self.value = device, stream, value
+        self.fut: torch.futures.Future = torch.futures.Future(devices=[device] if device is not None else None)
+        self.failed = False
+        if not calls:
+            self._complete()
+
+    def on_stream(self) -> Any:
+        return torch.cuda.stream(self.stream) if self.device is not None else contextlib.nullcontext()
+
+    def done(self) -> None:
+        self.left -= 1
+        if self.left == 0 and not self.failed:
+            self._complete()
+
+    def _complete(self) -> None:
+        with self.on_stream():
+            self.fut.set_result(self.value)
+
+    def fail(self, e: Exception) -> None:
+        if not self.failed:
+            self.failed = True
+            self.fut.set_exception(e)
+
+
 class SwitchClient:
-    """This process's connection to the coordinator: :meth:`submit` sends a call's inputs and
-    returns a Future completed (outputs written) when the coordinator answers."""
+    """This process's connection to the coordinator: :meth:`submit` sends a Work's calls with their
+    inputs and returns a Future completed (outputs written) when the coordinator has answered them."""
 
     def __init__(self, address: str, token: str, rank: int) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -118,7 +154,7 @@ class SwitchClient:
             raise SwitchError(f"rank {rank}: cannot reach the switch-mode coordinator ({e.strerror or e})") from None
         self.rank = rank
         self._ids = itertools.count()
-        self._pending: dict[int, tuple[Call, torch.futures.Future]] = {}
+        self._pending: dict[int, tuple[Call, _Batch]] = {}
         self._lock = threading.Lock()
         send_frame(self.sock, {"t": "hello", "rank": rank, "token": token, "pid": os.getpid()})
         self._receiver = threading.Thread(target=self._receive, daemon=True, name="prism-switch")
@@ -136,29 +172,33 @@ class SwitchClient:
         self._receiver.join(timeout=10)
         self.sock.close()
 
-    def submit(self, c: Call) -> torch.futures.Future:
-        fut: torch.futures.Future = torch.futures.Future()
-        outs = c.targets
-        msg = {
-            "t": "call",
-            "op": c.op,
-            "group": c.group_name,
-            "granks": list(c.group_ranks),
-            "grank": c.group_rank,
-            "seq": c.index,
-            "reduce": c.reduce_op,
-            "root": c.root,
-            "peer": c.peer,
-            "in": [encode(t) for t in _tensors(c.input)],
-            "out_numel": sum(t.numel() for t in outs),
-        }
-        if c.op == "all_to_all":
-            msg["chunks"] = _chunks(c)
-        with self._lock:
-            msg["id"] = k = next(self._ids)
-            self._pending[k] = (c, fut)
-            send_frame(self.sock, msg)
-        return fut
+    def submit(self, calls: list[Call], device: torch.device | None, stream: Any, value: list) -> torch.futures.Future:
+        """Send the calls with their inputs (read on ``stream`` on a GPU: where a communicator reads
+        them); the Future is completed, with ``value``, once the coordinator's outputs are written."""
+        batch = _Batch(calls, device, stream, value)
+        for c in calls:
+            with batch.on_stream():
+                ins = [encode(t) for t in _tensors(c.input)]
+            msg = {
+                "t": "call",
+                "op": c.op,
+                "group": c.group_name,
+                "granks": list(c.group_ranks),
+                "grank": c.group_rank,
+                "seq": c.index,
+                "reduce": c.reduce_op,
+                "root": c.root,
+                "peer": c.peer,
+                "in": ins,
+                "out_numel": sum(t.numel() for t in c.targets),
+            }
+            if c.op == "all_to_all":
+                msg["chunks"] = _chunks(c)
+            with self._lock:
+                msg["id"] = i = next(self._ids)
+                self._pending[i] = (c, batch)
+                send_frame(self.sock, msg)
+        return batch.fut
 
     def _receive(self) -> None:
         while True:
@@ -169,32 +209,39 @@ class SwitchClient:
             if msg is None:  # the coordinator is gone: every call still waiting fails
                 with self._lock:
                     waiting, self._pending = list(self._pending.values()), {}
-                for _, fut in waiting:
-                    fut.set_exception(SwitchError(f"rank {self.rank}: the switch-mode coordinator closed"))
+                for _, batch in waiting:
+                    batch.fail(SwitchError(f"rank {self.rank}: the switch-mode coordinator closed"))
                 return
-            with self._lock:
-                c, fut = self._pending.pop(msg["id"])
-            if msg["t"] == "error":
-                fut.set_exception(SwitchError(msg["message"]))
-                continue
-            try:
-                outs = _fill(c, decode(msg["out"]))
-            except (RuntimeError, ValueError) as e:  # the program's call gets it, not this thread
-                fut.set_exception(SwitchError(f"rank {self.rank}: {c.op} #{c.index}: cannot write its outputs: {e}"))
-                continue
-            fut.set_result(outs)
+            self._answered(msg)
+
+    def _answered(self, msg: dict[str, Any]) -> None:
+        """Write one call's outputs. A function of its own so that nothing of the call outlives it:
+        a loop's variables would keep its tensors alive until the next answer, longer than a
+        communicator does (what the allocator sees must be ProcessGroupNCCL's)."""
+        with self._lock:
+            c, batch = self._pending.pop(msg["id"])
+        if msg["t"] == "error":
+            batch.fail(SwitchError(msg["message"]))
+            return
+        try:
+            with batch.on_stream():
+                _fill(c, decode(msg["out"]))
+            batch.done()
+        except (RuntimeError, ValueError) as e:  # the program's call gets it, not this thread
+            batch.fail(SwitchError(f"rank {self.rank}: {c.op} #{c.index}: cannot write its outputs: {e}"))
 
 
-def _fill(c: Call, flat: torch.Tensor) -> list[torch.Tensor]:
+def _fill(c: Call, flat: torch.Tensor) -> None:
     """Write ``flat`` into the call's output tensors, in order. Outside autograd, as a backend's
-    C++ writes them: a receive buffer may be a leaf that requires grad (torch.distributed.pipelining's)."""
-    outs, at = c.targets, 0
+    C++ writes them: a receive buffer may be a leaf that requires grad (torch.distributed.pipelining's).
+    A dtype differing from the output's is converted on the host: a copy that converts onto a GPU
+    would allocate there, which no communicator does."""
+    at = 0
     with torch.no_grad():
-        for t in outs:
+        for t in c.targets:
             n = t.numel()
-            t.copy_(flat[at : at + n].view(t.shape))
+            t.copy_(flat[at : at + n].view(t.shape).to(t.dtype))
             at += n
-    return outs
 
 
 _CLIENT: SwitchClient | None = None
@@ -214,18 +261,8 @@ def prepare(rank: int, child: ChildEnv) -> None:
 class SwitchBackend(GeneratedBackend):
     """Solo's backend with real values: each call's outputs come from the coordinator."""
 
-    def _run(self, calls: list[Call], ins, outs, opts=None, *, p2p: bool = False):
-        if any(t.device.type == "cuda" for t in _tensors(ins) + _tensors(outs)):
-            raise SwitchError(
-                "switch mode runs on the CPU for now (a GPU rank's state would have to be swapped out while it "
-                "waits); capture with --devices cpu, or use --mode solo"
-            )
-        futs = [_CLIENT.submit(c) for c in calls]
-        if len(futs) == 1:
-            fut = futs[0]
-        else:
-            fut = torch.futures.collect_all(futs).then(lambda f: [t for x in f.value() for t in x.value()])
-        return _C._create_work_from_future(fut)
+    def _write(self, calls: list[Call], device: torch.device | None, stream, value: list) -> torch.futures.Future:
+        return _CLIENT.submit(calls, device, stream, value)
 
 
 __all__ = ["SwitchBackend", "SwitchClient", "SwitchError", "decode", "encode", "prepare", "recv_frame", "send_frame"]
