@@ -124,6 +124,37 @@ def test_ranks_that_part_ways_are_found_deadlocked(tmp_path, parallel):
     assert "all_reduce #1 on group" in p.stderr and "in from rank(s) 0,2, waiting for 1" in p.stderr, p.stderr
 
 
+def test_a_waiting_rank_whose_peer_can_come_in_stays_so_a_group_shares_the_slots():
+    """Two slots; TP pairs {0, 1} and {2, 3} started split: ranks 0 and 2 run and each waits on an
+    all-reduce with its peer, which is ready to come in. The paper's rule alone stops both and
+    brings in 1 and 3, and the pairs take turns on one slot each, a stop at every all-reduce; here
+    one of them stays and the other makes room, so that its peer joins it. A waiting rank whose
+    peer runs is not stopped at all (its answer comes without a switch); none whose peer is not
+    ready stays."""
+    from prismllm.capture.coordinator import Coordinator, _Instance, _Part, _Rank
+
+    c = Coordinator(4, slots=2)
+    try:
+        state = {0: "running", 1: "ready", 2: "running", 3: "ready"}
+        c._ranks = {k: _Rank(pid=-1, state=v, calls={0}) for k, v in state.items()}
+
+        def waits(rank: int, peer: int, seq: int) -> None:
+            granks = tuple(sorted((rank, peer)))
+            c._instances[(f"tp{granks[0]}", seq)] = _Instance(
+                "all_reduce", granks, {granks.index(rank): _Part(rank, None, {})}
+            )
+
+        waits(0, 1, 5)
+        waits(2, 3, 5)
+        assert c._to_stop({0, 2}) == [2]  # 2 makes room for 1, which joins 0
+        c._ranks[1].state = "running"  # 1 runs: 0's answer comes without a switch
+        assert c._to_stop({0, 2}) == [2]
+        c._ranks[1].state = c._ranks[3].state = "waiting"  # no peer can come in: both go
+        assert sorted(c._to_stop({0, 2})) == [0, 2]
+    finally:
+        c.close()
+
+
 def test_host_memory_about_to_run_out_ends_the_capture_in_one_line(tmp_path, monkeypatch):
     """The coordinator watches the host's available memory: under a twentieth of the host (or 1 GiB)
     it ends the ranks and says so, before the kernel's OOM killer would pick one of them."""

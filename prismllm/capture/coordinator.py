@@ -16,7 +16,9 @@ NCCL's.
 With ``slots`` K, at most K ranks run at a time (the paper's context switching, Appendix A): a
 rank that waits on a call the coordinator has not completed is stopped and its slot given to
 another, chosen by the paper's rule: among the ranks that can go on (never run, or a call of theirs completed since
-they stopped), the one the most incomplete calls wait for. A rank waits, for the coordinator,
+they stopped), the one the most incomplete calls wait for. Which waiting ranks are stopped is
+:meth:`Coordinator._to_stop`'s: not one whose peer runs, and not one whose peer is ready to take a
+slot another waiting rank gives up (the ranks of a group come to share the slots). A rank waits, for the coordinator,
 when it has a call in and its threads have run under 2 ms of CPU time between two looks 20 ms
 apart with none of them runnable: a Future waited on in torch's C++ (DDP's reducer) tells no one else.
 On the CPU a rank is stopped with SIGSTOP and goes on with SIGCONT. On GPUs (``gpus``: each
@@ -487,26 +489,68 @@ class Coordinator:
     def _watch(self) -> None:
         """Every 20 ms (100 ms with every rank at once): a running rank with a call in that ran (almost)
         no CPU time since the last look, none of its threads runnable, waits for the coordinator:
-        stopped, its slot given on."""
+        stopped (:meth:`_to_stop` says which), its slot given on."""
         while not self._closed:
             time.sleep(self._look_s)
             with self._lock:
+                idle = set()
                 for k, r in self._ranks.items():
                     if r.state != "running" or not r.calls or r.swapping:
                         continue
                     cpu, runnable = _cpu(r.pid)
                     # a waiting rank's threads still wake now and then (the status board, torch's
                     # own): idle is under a tenth of the time between looks, nothing runnable
-                    idle = cpu is not None and r.cpu >= 0 and cpu - r.cpu < IDLE_SHARE * self._look_s * 1e9
-                    if idle and not runnable:
-                        self._stop(k, r)
-                        r.state, r.stopped_at = "waiting", self._progress
-                        self.switches += 1
+                    if (
+                        cpu is not None
+                        and r.cpu >= 0
+                        and cpu - r.cpu < IDLE_SHARE * self._look_s * 1e9
+                        and not runnable
+                    ):
+                        idle.add(k)
                     r.cpu = cpu if cpu is not None else -1
+                for k in self._to_stop(idle):
+                    r = self._ranks[k]
+                    self._stop(k, r)
+                    r.state, r.stopped_at = "waiting", self._progress
+                    self.switches += 1
                 self._looks += 1
                 if self._looks % MEMORY_EVERY == 0:
                     self._memory_check()
                 self._schedule()
+
+    def _to_stop(self, idle: set[int]) -> list[int]:
+        """Of the ranks that wait (``idle``), those to stop (under the lock). A rank stays while a
+        member it waits for runs (its answer comes with no switch: two GPU swaps saved). Where a
+        pool's slots are all taken and a rank is ready to come in, a waiting rank stays whose
+        missing member is among those ready, so that the ranks of a group come to share the slots
+        (else a TP pair that took turns on one slot would switch at every collective): the ranks
+        none of whose members are ready are stopped, or else the one with the fewest of them."""
+        missing = {k: self._missing(k) for k in idle}
+        busy = {k for k, r in self._ranks.items() if r.state == "running" and k not in idle}
+        waiting = [k for k in sorted(idle) if not missing[k] & busy]
+        out = []
+        for pool, n in self._pool_slots.items():
+            ws = [k for k in waiting if self._ranks[k].gpu == pool]
+            ready = {k for k, r in self._ranks.items() if r.state == "ready" and r.gpu == pool}
+            full = sum(r.state == "running" and r.gpu == pool for r in self._ranks.values()) >= n
+            if not (ws and ready and full):
+                out += ws
+                continue
+            # the missing members ready (to come in) of each waiting rank; any pool's
+            all_ready = {k for k, r in self._ranks.items() if r.state == "ready"}
+            score = {k: len(missing[k] & all_ready) for k in ws}
+            none_ready = [k for k in ws if score[k] == 0]
+            out += none_ready or [min(ws, key=lambda k: (score[k], -k))]
+        return out
+
+    def _missing(self, k: int) -> set[int]:
+        """The ranks whose parts the incomplete calls of rank ``k`` wait for."""
+        out: set[int] = set()
+        for inst in self._instances.values():
+            if any(p.rank == k for p in inst.parts.values()):
+                out.update(r for i, r in enumerate(inst.granks) if i not in inst.parts)
+        out.update(src for _, src, dst, _ in self._recvs if dst == k)
+        return out
 
     # -- state --
     def waiting(self) -> list[str]:
