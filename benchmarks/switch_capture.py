@@ -119,6 +119,28 @@ def _gpu_names() -> str:
     return f"{len(names)} x {names[0]}" if names else "GPUs unknown"
 
 
+def _write(args: argparse.Namespace, rows: list[dict], gpus: list[int]) -> str:
+    """The results so far (after every row: a run cut short keeps what it measured); the table."""
+    machine = f"{platform.node()} ({os.cpu_count()} CPUs)" + (f", {_gpu_names()}" if gpus else "")
+    args.out.with_suffix(".json").write_text(
+        json.dumps({"machine": machine, "devices": args.devices, "rows": rows}, indent=1) + "\n"
+    )
+    lines = [f"machine: {machine}; devices {args.devices}", "",
+             "| case | N | command | K | wall s | peak host memory | stops / iteration | s out / back a swap "
+             "| GiB a swap | graph = recording | peak memory = recording |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for x in rows:
+        swap = f"{x['out_s_each']} / {x['back_s_each']}" if "out_s_each" in x else "-"
+        size = f"{x['bytes_each'] / 2**30:.2f}" if x.get("bytes_each") is not None else "-"
+        lines.append(
+            f"| {x['case']} | {x['world']} | {x['command']} | {x['parallel']} | {x['wall_s']} | "
+            f"{x['peak_rss_bytes'] / 2**30:.2f} GiB | {x.get('switches_per_iteration', '-')} | {swap} | {size} | "
+            f"{_yes(x, 'structure_equal')} | {_yes(x, 'peak_memory_equal')} |"
+        )
+    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    return "\n".join(lines)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", default=",".join(CASES))
@@ -150,6 +172,7 @@ def main() -> int:
                     raise SystemExit(f"{name}: prism record failed: {r['stderr_tail']}")
                 rows.append({"case": name, "world": world, "command": "record", "parallel": world, **r})
                 print(rows[-1], flush=True)
+                _write(args, rows, gpus)
             for k in args.parallel.split(","):
                 cap = scratch / f"switch-{k}"
                 flag = [] if k == "all" else ["--parallel", k]
@@ -174,25 +197,9 @@ def main() -> int:
                         row["peak_memory_bytes"] = g.manifest["peak_memory_bytes"]
                 rows.append(row)
                 print(row, flush=True)
+                _write(args, rows, gpus)
                 shutil.rmtree(cap, ignore_errors=True)
-    machine = f"{platform.node()} ({os.cpu_count()} CPUs)" + (f", {_gpu_names()}" if gpus else "")
-    args.out.with_suffix(".json").write_text(
-        json.dumps({"machine": machine, "devices": args.devices, "rows": rows}, indent=1) + "\n"
-    )
-    lines = [f"machine: {machine}; devices {args.devices}", "",
-             "| case | N | command | K | wall s | peak host memory | stops / iteration | s out / back a swap "
-             "| GiB a swap | graph = recording | peak memory = recording |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for x in rows:
-        swap = f"{x['out_s_each']} / {x['back_s_each']}" if "out_s_each" in x else "-"
-        size = f"{x['bytes_each'] / 2**30:.2f}" if x.get("bytes_each") is not None else "-"
-        lines.append(
-            f"| {x['case']} | {x['world']} | {x['command']} | {x['parallel']} | {x['wall_s']} | "
-            f"{x['peak_rss_bytes'] / 2**30:.2f} GiB | {x.get('switches_per_iteration', '-')} | {swap} | {size} | "
-            f"{_yes(x, 'structure_equal')} | {_yes(x, 'peak_memory_equal')} |"
-        )
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(_write(args, rows, gpus))
     return 0
 
 
