@@ -15,17 +15,18 @@ NCCL's.
 
 With ``slots`` K, at most K ranks run at a time (the paper's context switching, Appendix A): a
 rank that waits on a call the coordinator has not completed is stopped and its slot given to
-another, chosen by the paper's rule: among the ranks that can go on (never run, or a call of theirs completed since
-they stopped), the one the most incomplete calls wait for. Which waiting ranks are stopped is
-:meth:`Coordinator._to_stop`'s: not one whose peer runs, and not one whose peer is ready to take a
-slot another waiting rank gives up (the ranks of a group come to share the slots). A rank waits, for the coordinator,
-when it has a call in and its threads have run under 2 ms of CPU time between two looks 20 ms
-apart with none of them runnable: a Future waited on in torch's C++ (DDP's reducer) tells no one else.
-On the CPU a rank is stopped with SIGSTOP and goes on with SIGCONT. On GPUs (``gpus``: each
-rank's GPU) each GPU has its own K/G slots, and a rank stopped there has its device state moved
-to the host first and back before it goes on (``prismllm.capture.gpuswap``): one thread per GPU
-does a GPU's swaps in the order they were decided, so a rank's memory is out before the next
-one's comes in, and the scheduler leaves a rank alone while its swap runs.
+another, chosen by the paper's rule: among the ranks that can go on (never run, or a call of
+theirs completed since they stopped), the one the most incomplete calls wait for. Which waiting
+ranks are stopped is :meth:`Coordinator._to_stop`'s: not one whose peer runs, and not one whose
+peer is ready to take a slot that another waiting rank gives up (the ranks of a group come to
+share the slots). A rank waits, for the coordinator, when it has a call in and its threads have
+run under 2 ms of CPU time between two looks 20 ms apart with none of them runnable: a Future
+waited on in torch's C++ (DDP's reducer) tells no one else. On the CPU a rank is stopped with
+SIGSTOP and goes on with SIGCONT. On GPUs (``gpus``: each rank's GPU) each GPU has its own K/G
+slots, and a rank stopped there has its device state moved to the host first and back before it
+goes on (``prismllm.capture.gpuswap``): one thread per GPU does a GPU's swaps in the order they
+were decided, so a rank's memory is out before the next one's comes in, and the scheduler leaves
+a rank alone while its swap runs.
 Where no rank can run and every stopped rank was stopped after the last progress, the ranks are
 deadlocked (a program whose ranks part ways): the coordinator says who waits for whom and ends
 them. Where the host's available memory falls under 1 GiB (or a twentieth of it), it ends them
@@ -363,10 +364,13 @@ class Coordinator:
             gpu = self._gpus[conn.rank] if self._gpus is not None else None
             running = sum(r.state == "running" and r.gpu == gpu for r in self._ranks.values())
             self._ranks[conn.rank] = r = _Rank(conn.pid, state="ready", gpu=gpu)
-            if running < self._pool_slots[gpu] and not self.ended:
-                r.state = "running"
-            else:
+            if running >= self._pool_slots[gpu] or self.ended:
                 self._stop(conn.rank, r)
+            elif gpu is None:
+                r.state = "running"
+            else:  # held until the swaps its GPU has queued are done: a rank's memory is out first
+                _signal(r.pid, signal.SIGSTOP)
+                self._go_on(conn.rank, r)
             if self.ended:  # a rank that starts after the capture was ended
                 _signal(r.pid, signal.SIGKILL)
                 _signal(r.pid, signal.SIGCONT)
@@ -528,17 +532,15 @@ class Coordinator:
         missing = {k: self._missing(k) for k in idle}
         busy = {k for k, r in self._ranks.items() if r.state == "running" and k not in idle}
         waiting = [k for k in sorted(idle) if not missing[k] & busy]
+        ready = {k for k, r in self._ranks.items() if r.state == "ready"}
         out = []
         for pool, n in self._pool_slots.items():
             ws = [k for k in waiting if self._ranks[k].gpu == pool]
-            ready = {k for k, r in self._ranks.items() if r.state == "ready" and r.gpu == pool}
             full = sum(r.state == "running" and r.gpu == pool for r in self._ranks.values()) >= n
-            if not (ws and ready and full):
+            if not (ws and full and any(self._ranks[k].gpu == pool for k in ready)):
                 out += ws
                 continue
-            # the missing members ready (to come in) of each waiting rank; any pool's
-            all_ready = {k for k, r in self._ranks.items() if r.state == "ready"}
-            score = {k: len(missing[k] & all_ready) for k in ws}
+            score = {k: len(missing[k] & ready) for k in ws}  # its missing members that could come in
             none_ready = [k for k in ws if score[k] == 0]
             out += none_ready or [min(ws, key=lambda k: (score[k], -k))]
         return out
