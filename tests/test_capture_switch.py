@@ -53,6 +53,7 @@ def test_every_collective_kind_gets_the_real_values(tmp_path):
         assert f"COLLECTIVES OK {r}" in p.stdout + p.stderr
     cap = PrismTrace.load(tmp_path / "cap").manifest["capture"]
     assert cap["parallel"] == 2 and cap["switches"] > 0, cap
+    assert f"stops            {cap['switches']} (waiting ranks stopped for others)" in p.stdout, p.stdout[-2000:]
 
 
 def test_a_path_set_by_reduced_values_is_the_real_runs(tmp_path):

@@ -13,6 +13,7 @@ the host.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -31,13 +32,16 @@ PROGRAMS = ROOT / "tests" / "programs"
 
 
 def test_four_ranks_take_turns_on_the_gpus_with_the_real_runs_graph_memory_and_losses(tmp_path):
-    """Two ranks at a time (one a GPU with two, both on one with one): the others wait swapped out."""
+    """Two ranks at a time (on two GPUs one each, on one GPU both): the other two wait with their
+    device state on the host. The summary says what the swaps cost."""
     real_log, switch_log = tmp_path / "real.json", tmp_path / "switch.json"
     shared = ",".join(["0,1" if two_gpus() else "0,0"] * 2)
     prism("record", "--nproc", "4", "--devices", f"cuda:{shared}", "--out", str(tmp_path / "rec"),
           "--timeout", "240", "--", *PROGRAM, "--json-log", str(real_log))  # fmt: skip
-    prism("capture", "--mode", "switch", "--world", "4", "--devices", GPUS, "--parallel", "2",
-          "--out", str(tmp_path / "cap"), "--timeout", "240", "--", *PROGRAM, "--json-log", str(switch_log))  # fmt: skip
+    shown = prism("capture", "--mode", "switch", "--world", "4", "--devices", GPUS, "--parallel", "2",
+                  "--out", str(tmp_path / "cap"), "--timeout", "240", "--", *PROGRAM,
+                  "--json-log", str(switch_log)).stdout  # fmt: skip
+    assert re.search(r"swaps +\d+ out of the GPUs, each out [\d.]+ s, back [\d.]+ s", shown), shown[-2000:]
     same_structure(tmp_path / "rec", tmp_path / "cap")
     rec = json.loads((tmp_path / "rec" / "manifest.json").read_text())
     cap = json.loads((tmp_path / "cap" / "manifest.json").read_text())

@@ -100,6 +100,7 @@ def _summary(res: CaptureResult) -> None:
             ("iterations", count(res.iterations)),
             ("nodes", count(res.nodes)),
             ("output", str(res.out)),
+            *_switches(res.manifest.get("capture") or {}),
             (
                 "wall time",
                 f"{res.wall_s:.1f} s (run {t['run_s']:.1f} s, assemble {t['assemble_s']:.1f} s, "
@@ -108,6 +109,21 @@ def _summary(res: CaptureResult) -> None:
         ],
         "captured",
     )
+
+
+def _switches(cap: dict) -> list[tuple[str, str]]:
+    """Switch mode's stops of waiting ranks and, on GPUs, what moving their device state cost."""
+    if cap.get("switches") is None:
+        return []
+    rows = [("stops", f"{cap['switches']} (waiting ranks stopped for others)")]
+    swaps = cap.get("swaps")
+    if swaps and swaps.get("out"):
+        size = f", {swaps['bytes_out'] / swaps['out'] / 2**30:.2f} GiB" if swaps.get("bytes_out") is not None else ""
+        back = f", back {swaps['back_s'] / swaps['back']:.2f} s" if swaps.get("back") else ""
+        rows.append(
+            ("swaps", f"{swaps['out']} out of the GPUs, each out {swaps['out_s'] / swaps['out']:.2f} s{back}{size}")
+        )
+    return rows
 
 
 def run(args: argparse.Namespace) -> int:
