@@ -208,6 +208,43 @@ def test_build_locks_left_behind_are_removed_and_a_live_one_is_named(tmp_path, m
     assert str(holder.pid) in msg and str(tmp_path / "build.lock") in msg
 
 
+SHARED_BUILD = """
+import os, shutil, sys
+import torch.utils.cpp_extension as ext
+from prismllm.comm import native
+native.load()  # found in the user's cache, or built there first
+tag = native._tag()
+theirs = native.build_directory(tag)
+os.environ["PRISM_NATIVE_CACHE"] = sys.argv[1]
+mine = native.build_directory(tag)
+mine.mkdir(parents=True)
+for name in (tag + ".so", tag + ".built"):
+    shutil.copy(theirs / name, mine / name)
+def refuse(**kw):
+    raise RuntimeError("the builder was asked")
+ext.load = refuse
+native._MOD = None
+print("IMPORTED", native.load().__name__ == tag)
+(mine / (tag + ".built")).unlink()  # not marked finished: the builder is asked
+native._MOD = None
+try:
+    native.load()
+except native.NativeBuildError as e:
+    print("BUILDER", "the builder was asked" in str(e))
+"""
+
+
+def test_a_finished_build_is_imported_without_asking_the_builder_again(tmp_path):
+    """A finished build (marked ``TAG.built`` beside its library) is imported as it is: torch's
+    builder, asked from another environment, finds other include paths in its build file and
+    compiles again (two checkouts used side by side rebuilt each other's, ~40 s each time). A
+    library not marked finished goes through the builder."""
+    p = subprocess.run([sys.executable, "-c", SHARED_BUILD, str(tmp_path / "cache")], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert p.stdout.splitlines()[-2:] == ["IMPORTED True", "BUILDER True"], p.stdout + p.stderr[-2000:]
+
+
 def _prism_record(tmp_path: Path, name: str, *flags: str, env: dict | None = None) -> subprocess.CompletedProcess:
     prog = tmp_path / "one_all_reduce.py"
     prog.write_text(

@@ -3,9 +3,13 @@
 ``load()`` compiles the extension with ``torch.utils.cpp_extension`` (a C++ compiler is
 needed; ~20-40 s once per torch version and source, cached under ``$PRISM_NATIVE_CACHE`` or
 ``~/.cache/prismllm/native``) and returns the module. The build directory is named after the
-torch version and the source's digest, and the build reads a copy of the source kept there:
-installations of prismllm that share the cache (two virtual environments, two checkouts) share
-a build of the same source and never rebuild each other's, and a changed source builds anew.
+torch version and the digest of the source and the Python ABI, and the build reads a copy of the
+source kept there: installations of prismllm that share the cache (two virtual environments, two
+checkouts) share a build of the same source and never rebuild each other's, and a changed source
+builds anew. A finished build is marked (``TAG.built``) and later loads import its library
+directly: torch's builder, asked again from another environment, sees other include paths in
+its build file and compiles again (two checkouts used side by side rebuilt each other's, ~40 s
+each time on two cores, while their ranks waited).
 
 Concurrent ranks build it once: each takes ``build.lock`` in the build directory, a file
 holding its host and pid, before handing over to torch. Torch's own lock there is an empty
@@ -19,10 +23,12 @@ ends the wait with a message naming the file and its holder.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import socket
 import sys
+import sysconfig
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,7 +55,10 @@ def build_directory(tag: str) -> Path:
 
 def _tag() -> str:
 
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (_SRC, *_HEADERS))).hexdigest()[:12]
+    # the Python ABI too: a library built for one Python is not another's, and a finished build is
+    # imported without asking torch's builder (see load)
+    abi = str(sysconfig.get_config_var("SOABI")).encode()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in (_SRC, *_HEADERS)) + abi).hexdigest()[:12]
     return "prism_native_" + torch.__version__.replace(".", "_").replace("+", "_") + "_" + digest
 
 
@@ -145,6 +154,9 @@ def load(without: str = "`prism record --recorder python` records through the Py
 
         tag = _tag()
         directory = build_directory(tag)
+        _MOD = _built(directory, tag)
+        if _MOD is not None:
+            return _MOD
         try:
             directory.mkdir(parents=True, exist_ok=True)
             with _build_lock(directory):
@@ -159,6 +171,7 @@ def load(without: str = "`prism record --recorder python` records through the Py
                     build_directory=str(directory),
                     verbose=False,
                 )
+                (directory / f"{tag}.built").touch()  # the library is whole: later loads import it
         except BuildLockTimeout:
             raise
         except Exception as e:  # no compiler, headers that do not match, an unwritable cache
@@ -166,6 +179,21 @@ def load(without: str = "`prism record --recorder python` records through the Py
                 f"prism: the native recording backend could not be built in {directory} ({_first_line(e)}); {without}"
             ) from None
     return _MOD
+
+
+def _built(directory: Path, tag: str) -> ModuleType | None:
+    """The library of a finished build of ``tag``, imported; None where there is none (or it does
+    not import: then the builder makes it again)."""
+    library = directory / f"{tag}.so"
+    if not ((directory / f"{tag}.built").exists() and library.exists()):
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(tag, library)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception:  # damaged or foreign: build again
+        return None
+    return module
 
 
 def _first_line(e: Exception) -> str:
