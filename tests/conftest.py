@@ -4,8 +4,8 @@ properties of the same run, so each distinct run is made once per test session.
 
 ``gpt3d_recording``: CPU recordings of examples/gpt3d.py with ``prism record``, shared by every
 test that asks for the same command: test_record_gpt3d, test_replay_engine and
-test_capture_solo share the 8-rank TP2·PP2·DP2 recording; test_record_gpt3d, test_emulate_n8
-and test_solo_backend the 8-rank MoE one; test_emulate_n8 and test_solo_backend the 8-rank
+test_capture_solo_programs share the 8-rank TP2·PP2·DP2 recording; test_record_gpt3d,
+test_emulate_n8 and test_solo_backend the 8-rank MoE one; test_emulate_n8 and test_solo_backend the 8-rank
 TP2·PP2·DP2 one without gradient clipping; test_emulate and test_emulate_faults the 2-rank TP2
 one; test_emulate and test_emulate_realtime the 2-rank PP2 one; test_emulate and
 test_emulate_assistants the 4-rank TP2·DP2 one. The cache key is the whole
@@ -20,9 +20,13 @@ fsdp2_train.py (rank logs in their spools), shared by test_recording and test_so
 ``collectives_native``: ``prism record`` of tests/programs/collectives.py on 4 ranks through the
 native recorder, shared by test_native_recording and test_graphcheck.
 
+``recorded_graph``: ``prism record`` of any other program, once per distinct command: the real
+4-rank run of tests/programs/pipeline_train.py that test_capture_solo_programs and
+test_capture_switch both compare their captures with.
+
 Under pytest-xdist (``make test``: ``-n 2 --dist loadfile``) a session fixture is per worker, and
-the files that share a recording often run on different workers: ``gpt3d_recording`` and
-``collectives_native`` therefore keep each distinct run in a directory that every worker of the
+the files that share a recording often run on different workers: ``gpt3d_recording``,
+``collectives_native`` and ``recorded_graph`` therefore keep each distinct run in a directory that every worker of the
 test run sees (beside the workers' base temporaries), made by whichever worker asks first while the
 others wait on its lock (``shared_run``), so each is made once per ``make test``.
 
@@ -188,3 +192,29 @@ def collectives_native(tmp_path_factory) -> tuple[Path, str]:
             (base / "result.json").write_text(json.dumps(made))
     assert made["returncode"] == 0, made["stdout"][-3000:] + made["stderr"][-3000:]
     return out, made["stdout"]
+
+
+# ---- other programs, recorded ---------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def recorded_graph(tmp_path_factory):
+    """``record(nproc, args) -> Path``: the graph of ``prism record --nproc NPROC --devices cpu
+    ARGS`` (ARGS: record options, ``--``, the program and its arguments), made once per test run for
+    each distinct command (shared_run); a failed recording fails every test that asks for it."""
+    done: dict[tuple, tuple[Path, dict]] = {}
+
+    def record(nproc: int, args: list[str]) -> Path:
+        key = (int(nproc), tuple(args))
+        if key not in done:
+            with shared_run(tmp_path_factory, "recorded-graph", key) as (base, made):
+                if made is None:
+                    cmd = [PRISM, "record", "--nproc", str(nproc), "--devices", "cpu", "--out", str(base / "graph"),
+                           *args]  # fmt: skip
+                    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+                    made = {"returncode": p.returncode, "output": p.stdout[-3000:] + p.stderr[-3000:]}
+                    (base / "result.json").write_text(json.dumps(made))
+            done[key] = (base / "graph", made)
+        graph, made = done[key]
+        assert made["returncode"] == 0, made["output"]
+        return graph
+
+    return record

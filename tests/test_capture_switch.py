@@ -2,8 +2,8 @@
 coordinator carries out each collective with the members' real values (issue 38). The graph equals
 the recorded real run's, the program's own checks of every collective's values pass, and a program
 whose path depends on reduced values takes the real run's path, where solo capture's generated
-answers send its ranks different ways. (The 8-rank gpt3d case is in test_capture_solo.py, beside the
-solo capture of the same recording.)"""
+answers send its ranks different ways. (The 8-rank gpt3d case is in
+test_capture_solo_programs.py, beside the solo capture of the same recording.)"""
 
 from __future__ import annotations
 
@@ -171,17 +171,18 @@ def test_host_memory_about_to_run_out_ends_the_capture_in_one_line(tmp_path, mon
         capture(opts)
 
 
-def test_torch_pipelining_with_data_parallel_two_ranks_at_a_time(tmp_path):
+def test_torch_pipelining_with_data_parallel_two_ranks_at_a_time(tmp_path, recorded_graph):
     """torch.distributed.pipelining (interleaved 1F1B, two pipelines side by side): its stages send
     each other their shapes as objects and their activations into receive buffers that require
     grad; switch mode, two of four ranks at a time, captures the real run's graph."""
-    from test_capture_solo import PIPELINE_TRAIN, assert_equals_the_real_runs_structure
+    from test_capture_solo_programs import PIPELINE_TRAIN, assert_equals_the_real_runs_structure
 
     program = [PIPELINE_TRAIN, "--stages-per-rank", "2", "--dp", "2"]
     p = capture("switch", 4, tmp_path / "cap", *program, parallel=2)
     assert p.returncode == 0, p.stderr[-3000:]
     assert "rank 3: iteration 3/3 | loss" in p.stdout + p.stderr
-    assert_equals_the_real_runs_structure(tmp_path / "cap", 4, ["--", *program])
+    # the real run: test_capture_solo_programs' too (the same command)
+    assert_equals_the_real_runs_structure(tmp_path / "cap", recorded_graph(4, ["--", *program]))
 
 
 def test_a_rank_that_crashes_is_named_with_the_calls_left_waiting(tmp_path):

@@ -45,7 +45,7 @@ SIZES = [
 
 # Each layout's full gpt3d command line and `prism record` options. The recordings are shared
 # through conftest.gpt3d_recording with every test that records the same command: TP2·PP2·DP2
-# with test_replay_engine and test_capture_solo (see program()), the MoE layout with
+# with test_replay_engine and test_capture_solo_programs (see program()), the MoE layout with
 # test_emulate_n8 (its command at N = 8, hence its own sizes, 2 iterations, and the saved
 # tensors and parameters that the emulation compares with).
 LAYOUTS = {

@@ -1,4 +1,4 @@
-"""SPMD start-up patterns (tests/test_capture_solo.py): a root broadcasts its config to ranks
+"""SPMD start-up patterns (tests/test_capture_solo_programs.py): a root broadcasts its config to ranks
 holding placeholders; every rank gathers rank-dependent values and checks them; an uneven
 all_to_all_single takes its split sizes as numpy integers (as Megatron's MoE dispatcher
 passes them); a pipeline-style receive buffer is a leaf that requires grad."""
