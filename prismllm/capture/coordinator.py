@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from prismllm.capture.gpuswap import GpuSwap, SwapError
+from prismllm.capture.gpuswap import GpuSwap, SwapError, send_signal
 from prismllm.comm.switch import decode, encode, recv_frame, send_frame
 from prismllm.errors import PrismError
 from prismllm.launch.processes import proc_state
@@ -171,13 +171,6 @@ def _meminfo() -> tuple[int | None, int]:
         return int(fields["MemAvailable"].split()[0]) * 1024, int(fields["MemTotal"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
         return None, 0
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass  # gone: the launcher reports its end
 
 
 def _cpu(pid: int) -> tuple[int | None, bool]:
@@ -362,18 +355,18 @@ class Coordinator:
         """A rank's first message: it runs on if a slot of its pool is free, else it stops until one is."""
         with self._lock:
             gpu = self._gpus[conn.rank] if self._gpus is not None else None
-            running = sum(r.state == "running" and r.gpu == gpu for r in self._ranks.values())
+            running = self._running_on(gpu)
             self._ranks[conn.rank] = r = _Rank(conn.pid, state="ready", gpu=gpu)
             if running >= self._pool_slots[gpu] or self.ended:
                 self._stop(conn.rank, r)
             elif gpu is None:
                 r.state = "running"
             else:  # held until the swaps its GPU has queued are done: a rank's memory is out first
-                _signal(r.pid, signal.SIGSTOP)
+                send_signal(r.pid, signal.SIGSTOP)
                 self._go_on(conn.rank, r)
             if self.ended:  # a rank that starts after the capture was ended
-                _signal(r.pid, signal.SIGKILL)
-                _signal(r.pid, signal.SIGCONT)
+                send_signal(r.pid, signal.SIGKILL)
+                send_signal(r.pid, signal.SIGCONT)
             self._schedule()
 
     def _schedule(self) -> None:
@@ -381,7 +374,7 @@ class Coordinator:
         while True:
             wanted = None
             for pool, n in self._pool_slots.items():
-                free = n - sum(r.state == "running" and r.gpu == pool for r in self._ranks.values())
+                free = n - self._running_on(pool)
                 ready = [k for k, r in self._ranks.items() if r.state == "ready" and r.gpu == pool]
                 if free <= 0 or not ready:
                     continue
@@ -391,10 +384,14 @@ class Coordinator:
             if not self._unstick():
                 return
 
+    def _running_on(self, pool: int | None) -> int:
+        """How many ranks hold a slot of ``pool`` (a GPU; None on the CPU)."""
+        return sum(r.state == "running" and r.gpu == pool for r in self._ranks.values())
+
     def _stop(self, k: int, r: _Rank) -> None:
         """Stop a rank (under the lock); on a GPU its device state goes out first, on its GPU's thread."""
         if r.gpu is None:
-            _signal(r.pid, signal.SIGSTOP)
+            send_signal(r.pid, signal.SIGSTOP)
         else:
             self._swaps[r.gpu].put(("out", k, r))
 
@@ -402,7 +399,7 @@ class Coordinator:
         """Let a rank go on (under the lock); on a GPU once its device state is back."""
         r.state, r.cpu = "running", -1
         if r.gpu is None:
-            _signal(r.pid, signal.SIGCONT)
+            send_signal(r.pid, signal.SIGCONT)
         else:
             r.swapping = True
             self._swaps[r.gpu].put(("back", k, r))
@@ -459,8 +456,8 @@ class Coordinator:
         self.ended = [why, *self._waiting_lines()]
         for r in self._ranks.values():
             if r.state != "done":
-                _signal(r.pid, signal.SIGCONT)
-                _signal(r.pid, signal.SIGKILL)
+                send_signal(r.pid, signal.SIGCONT)
+                send_signal(r.pid, signal.SIGKILL)
 
     def _memory_check(self) -> None:
         """Host memory about to run out (the ranks' own and the inputs held here): the capture ends
@@ -536,7 +533,7 @@ class Coordinator:
         out = []
         for pool, n in self._pool_slots.items():
             ws = [k for k in waiting if self._ranks[k].gpu == pool]
-            full = sum(r.state == "running" and r.gpu == pool for r in self._ranks.values()) >= n
+            full = self._running_on(pool) >= n
             if not (ws and full and any(self._ranks[k].gpu == pool for k in ready)):
                 out += ws
                 continue
@@ -585,7 +582,7 @@ class Coordinator:
             conns = list(self._conns)
             for r in self._ranks.values():  # none is left stopped
                 if r.state != "done":
-                    _signal(r.pid, signal.SIGCONT)
+                    send_signal(r.pid, signal.SIGCONT)
         for c in conns:
             c.close()
         for s in [self.sock, *(c.sock for c in conns)]:

@@ -96,7 +96,7 @@ class GpuSwap:
             self._check(self._cuda.cuCheckpointProcessCheckpoint(pid, ctypes.byref(_Args())), "checkpoint", rank)
         elif state == FAILED:
             raise SwapError(f"rank {rank}'s CUDA state is failed (an earlier checkpoint or restore went wrong)")
-        _kill(pid, signal.SIGSTOP)
+        send_signal(pid, signal.SIGSTOP)
         with self._lock:
             self.outs += 1
             self.out_s += time.monotonic() - t0
@@ -105,7 +105,7 @@ class GpuSwap:
     def back(self, pid: int, rank: int) -> None:
         """Continue the process and move its device state back onto its GPU."""
         t0 = time.monotonic()
-        _kill(pid, signal.SIGCONT)
+        send_signal(pid, signal.SIGCONT)
         state = self.state(pid)
         if state == CHECKPOINTED:
             self._check(self._cuda.cuCheckpointProcessRestore(pid, ctypes.byref(_Args())), "restore", rank)
@@ -162,11 +162,12 @@ def _nvml_index(gpu: int) -> int:
     return int(ids[gpu]) if gpu < len(ids) and ids[gpu].isdigit() else gpu
 
 
-def _kill(pid: int, sig: int) -> None:
+def send_signal(pid: int, sig: int) -> None:
+    """Signal a rank's process; one that is gone is left to the launcher, which reports its end."""
     try:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass  # gone: the launcher reports its end
 
 
-__all__ = ["GpuSwap", "SwapError"]
+__all__ = ["GpuSwap", "SwapError", "send_signal"]

@@ -230,6 +230,11 @@ def split_pg(parent, ranks, timeout=None, opts=None, group_name=None, group_desc
 
 
 # ---- the backend ------------------------------------------------------------------------------
+def on_stream(device: torch.device | None, stream: Any) -> Any:
+    """``stream`` made current on a GPU; nothing on the CPU."""
+    return torch.cuda.stream(stream) if device is not None else contextlib.nullcontext()
+
+
 def _done_future(value: list, device: torch.device | None = None, stream=None) -> torch.futures.Future:
     """A completed Future holding ``value``; on a GPU its events recorded on ``stream``."""
     if device is not None and device.type == "cuda":
@@ -367,7 +372,7 @@ class GeneratedBackend:
         """Write the calls' outputs (on ``stream`` on a GPU) and return the Future their Work
         holds, with ``value``, its events on ``stream``: here the generator's outputs, written at
         once (switch mode's backend: the coordinator's, the Future completed once they are written)."""
-        with torch.cuda.stream(stream) if device is not None else contextlib.nullcontext():
+        with on_stream(device, stream):
             for c in calls:
                 if c.output is not None:
                     _GEN.fill(c)

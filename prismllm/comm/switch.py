@@ -27,7 +27,6 @@ state out (``prismllm.capture.gpuswap``).
 from __future__ import annotations
 
 import atexit
-import contextlib
 import itertools
 import os
 import socket
@@ -39,7 +38,7 @@ import msgpack
 import torch
 
 from prismllm.childenv import ChildEnv
-from prismllm.comm.solo import GeneratedBackend, _flat
+from prismllm.comm.solo import GeneratedBackend, _flat, on_stream
 from prismllm.errors import PrismError
 from prismllm.generate.generator import Call
 
@@ -125,7 +124,7 @@ class _Batch:
             self._complete()
 
     def on_stream(self) -> Any:
-        return torch.cuda.stream(self.stream) if self.device is not None else contextlib.nullcontext()
+        return on_stream(self.device, self.stream)
 
     def done(self) -> None:
         self.left -= 1
