@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -136,24 +137,38 @@ def test_a_waiting_rank_whose_peer_can_come_in_stays_so_a_group_shares_the_slots
 
     c = Coordinator(4, slots=2)
     try:
-        state = {0: "running", 1: "ready", 2: "running", 3: "ready"}
-        c._ranks = {k: _Rank(pid=-1, state=v, calls={0}) for k, v in state.items()}
+        with c._lock:  # as the scheduler calls it; its own looks wait (these ranks have no process)
+            state = {0: "running", 1: "ready", 2: "running", 3: "ready"}
+            c._ranks = {k: _Rank(pid=-1, state=v, calls={0}) for k, v in state.items()}
 
-        def waits(rank: int, peer: int, seq: int) -> None:
-            granks = tuple(sorted((rank, peer)))
-            c._instances[(f"tp{granks[0]}", seq)] = _Instance(
-                "all_reduce", granks, {granks.index(rank): _Part(rank, None, {})}
-            )
+            def waits(rank: int, peer: int, seq: int) -> None:
+                granks = tuple(sorted((rank, peer)))
+                c._instances[(f"tp{granks[0]}", seq)] = _Instance(
+                    "all_reduce", granks, {granks.index(rank): _Part(rank, None, {})}
+                )
 
-        waits(0, 1, 5)
-        waits(2, 3, 5)
-        assert c._to_stop({0, 2}) == [2]  # 2 makes room for 1, which joins 0
-        c._ranks[1].state = "running"  # 1 runs: 0's answer comes without a switch
-        assert c._to_stop({0, 2}) == [2]
-        c._ranks[1].state = c._ranks[3].state = "waiting"  # no peer can come in: both go
-        assert sorted(c._to_stop({0, 2})) == [0, 2]
+            waits(0, 1, 5)
+            waits(2, 3, 5)
+            assert c._to_stop({0, 2}) == [2]  # 2 makes room for 1, which joins 0
+            c._ranks[1].state = "running"  # 1 runs: 0's answer comes without a switch
+            assert c._to_stop({0, 2}) == [2]
+            c._ranks[1].state = c._ranks[3].state = "waiting"  # no peer can come in: both go
+            assert sorted(c._to_stop({0, 2})) == [0, 2]
     finally:
+        with c._lock:
+            for r in c._ranks.values():
+                r.state = "done"
         c.close()
+
+
+def test_a_pid_that_is_not_a_process_is_never_signalled():
+    """os.kill(-1, sig) signals every process the user may signal, os.kill(0, sig) the caller's
+    group: the coordinator's signals go to one rank's process or nowhere."""
+    from prismllm.capture.gpuswap import send_signal
+
+    for pid in (-1, 0):
+        with pytest.raises(ValueError, match="not a rank's process id"):
+            send_signal(pid, signal.SIGCONT)
 
 
 def test_host_memory_about_to_run_out_ends_the_capture_in_one_line(tmp_path, monkeypatch):

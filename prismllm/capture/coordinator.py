@@ -228,7 +228,8 @@ class Coordinator:
         for g in self._swaps:
             threading.Thread(target=self._swapper, args=(g,), daemon=True, name=f"prism-swap-gpu{g}").start()
         threading.Thread(target=self._accept, daemon=True, name="prism-coordinator").start()
-        threading.Thread(target=self._watch, daemon=True, name="prism-scheduler").start()
+        self._watcher = threading.Thread(target=self._watch, daemon=True, name="prism-scheduler")
+        self._watcher.start()
 
     # -- connections --
     def _accept(self) -> None:
@@ -491,9 +492,11 @@ class Coordinator:
         """Every 20 ms (100 ms with every rank at once): a running rank with a call in that ran (almost)
         no CPU time since the last look, none of its threads runnable, waits for the coordinator:
         stopped (:meth:`_to_stop` says which), its slot given on."""
-        while not self._closed:
+        while True:
             time.sleep(self._look_s)
             with self._lock:
+                if self._closed:
+                    return
                 idle = set()
                 for k, r in self._ranks.items():
                     if r.state != "running" or not r.calls or r.swapping:
@@ -583,6 +586,8 @@ class Coordinator:
             for r in self._ranks.values():  # none is left stopped
                 if r.state != "done":
                     send_signal(r.pid, signal.SIGCONT)
+        if self._watcher is not threading.current_thread():
+            self._watcher.join()  # no look after the close (at a rank it no longer serves)
         for c in conns:
             c.close()
         for s in [self.sock, *(c.sock for c in conns)]:

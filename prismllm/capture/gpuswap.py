@@ -164,6 +164,8 @@ def _nvml_index(gpu: int) -> int:
 
 def send_signal(pid: int, sig: int) -> None:
     """Signal a rank's process; one that is gone is left to the launcher, which reports its end."""
+    if pid <= 0:  # os.kill would signal a process group, or every process this user may signal
+        raise ValueError(f"not a rank's process id: {pid}")
     try:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
