@@ -9,6 +9,8 @@ with ``ast``: nothing is imported to check it.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -256,9 +258,24 @@ def test_the_cycle_check_finds_a_cycle(tmp_path):
     assert import_cycles(pkg) == [["prismllm.comm.a", "prismllm.comm.b"]]
 
 
-if __name__ == "__main__":  # python tests/test_layering.py [PACKAGE_DIR]: the checks, printed
-    import sys
+def test_a_rank_that_reads_only_the_schema_loads_no_assembly():
+    """Solo and sandbox ranks read the graph's schema only: the package's other names are loaded
+    on first use (each rank process would pay ~0.1 s for assembly and pyarrow.compute), and
+    ``validate``/``assemble`` stay the functions once their submodules are loaded."""
+    code = (
+        "import sys, prismllm.comm.solo\n"
+        "print(sorted(m for m in ('prismllm.trace.assemble', 'prismllm.trace.validate', 'pyarrow.compute') "
+        "if m in sys.modules))\n"
+        "import prismllm.trace.validate, prismllm.trace.assemble\n"
+        "from prismllm.trace import PrismTrace, assemble, validate\n"
+        "print(callable(validate) and callable(assemble) and PrismTrace.__name__)\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split("\n")[:2] == ["[]", "PrismTrace"], p.stdout
 
+
+if __name__ == "__main__":  # python tests/test_layering.py [PACKAGE_DIR]: the checks, printed
     root = Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else ROOT
     for line in layering_violations(root):
         print("layering:", line)
