@@ -54,6 +54,23 @@ GPT3D = str(ROOT / "examples" / "gpt3d.py")
 COLLECTIVES = str(ROOT / "tests" / "programs" / "collectives.py")
 
 
+def gpt3d_sizes(
+    *, layers: int = 2, seq: int = 16, vocab: int = 128, global_batch: int | None = None, iters: int = 3,
+    bucket_mb: str | None = None,
+) -> list[str]:  # fmt: skip
+    """A tiny gpt3d model's arguments (hidden 32, 4 heads, micro-batch 1: a rank runs in seconds on
+    two cores). The list is part of a shared recording's key (``gpt3d_recording``): the same
+    sizes give the same list."""
+    args = ["--layers", str(layers), "--hidden", "32", "--heads", "4", "--seq", str(seq), "--vocab", str(vocab),
+            "--micro-batch", "1"]  # fmt: skip
+    if global_batch is not None:
+        args += ["--global-batch", str(global_batch)]
+    args += ["--iters", str(iters)]
+    if bucket_mb is not None:
+        args += ["--bucket-mb", bucket_mb]
+    return args
+
+
 @contextlib.contextmanager
 def shared_run(tmp_path_factory, name: str, key):
     """``with shared_run(f, name, key) as (base, result):``: a directory for the run named by

@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import GPT3D, PRISM
+from conftest import GPT3D, PRISM, gpt3d_sizes
 
 from prismllm.calibrate import calibrate, solve, summarize
 from prismllm.errors import ExitCode
@@ -34,24 +34,7 @@ from prismllm.trace.ranklog import GroupInfo, RankLog
 from prismllm.trace.synth import synthetic_logs
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = [
-    "--layers",
-    "2",
-    "--hidden",
-    "32",
-    "--heads",
-    "4",
-    "--seq",
-    "16",
-    "--vocab",
-    "128",
-    "--micro-batch",
-    "1",
-    "--global-batch",
-    "8",
-    "--iters",
-    "5",
-]
+SIZES = gpt3d_sizes(global_batch=8, iters=5)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 # predicted vs recorded steady iteration time of a real CPU recording (see the docstring)
 LOW, HIGH = -0.30, 0.10

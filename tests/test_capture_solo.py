@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -469,3 +470,34 @@ def test_every_visible_gpu_runs_a_rank_or_a_slice_by_default(monkeypatch):
         assert solo._parallel_and_devices(cpu) == (1, "cpu", "cpu")
         assert solo._parallel_and_devices(dataclasses.replace(cpu, devices="auto", cuda_on_cpu=True))[0] == 1
         assert slices._parallel(slices.TimeOptions(graph="g", out="o", script="s", devices="cpu")) == 1
+
+
+def test_a_roots_small_broadcast_is_kept_for_its_members_and_the_replicas(tmp_path):
+    """The root of a small broadcast keeps it in the capture's spool; a member reads it (the root
+    ran before it), and after the capture, the graph's copy answers a replica's group through the
+    representatives' (``capture.replica_of``). A tensor over the bound is not kept, and a member
+    of that size does not wait for one."""
+    import torch
+
+    from prismllm.comm.solo_objects import KEPT_BROADCAST_BYTES, CapturedMessages, SharedObjects
+    from prismllm.generate.generator import Call
+
+    def call(rank: int, index: int, t: torch.Tensor) -> Call:
+        return Call(rank=rank, op="broadcast", api="broadcast", group_ranks=(2, 3), group_desc="",
+                    group_name="tp", group_rank=rank - 2, index=index, label="", root=2, is_root=rank == 2,
+                    input=t if rank == 2 else None, output=None if rank == 2 else t)  # fmt: skip
+
+    ids = torch.arange(6, dtype=torch.int64).reshape(2, 3) * 11
+    big = torch.ones(KEPT_BROADCAST_BYTES // 4 + 1)
+    root = SharedObjects(str(tmp_path), (2,), wait_s=30.0)
+    root.keep_broadcast(call(2, 4, ids))
+    root.keep_broadcast(call(2, 5, big))
+    member = SharedObjects(str(tmp_path), (3,), wait_s=30.0)  # its root ran in an earlier batch
+    assert torch.equal(member.broadcast(call(3, 4, torch.empty(2, 3, dtype=torch.int64))), ids)
+    beside = SharedObjects(str(tmp_path), (2, 3), wait_s=30.0)  # its root runs beside it: would wait
+    t0 = time.monotonic()
+    assert beside.broadcast(call(3, 5, torch.empty_like(big))) is None and time.monotonic() - t0 < 5  # none so big
+    assert member.broadcast(call(3, 6, torch.empty(2, 3, dtype=torch.int64))) is None  # kept none: no wait
+    graph = CapturedMessages(tmp_path / "objects", replica_of=[0, 1, 2, 3, 0, 1, 2, 3])
+    assert torch.equal(graph.broadcast((6, 7), 4, 6), ids)  # replicas 6, 7 of 2, 3
+    assert graph.broadcast((3, 7), 4, 3) is None  # a group across replicas: no capture ran it

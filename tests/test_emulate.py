@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import GPT3D, PRISM
+from conftest import GPT3D, PRISM, gpt3d_sizes
 from listeners import is_loopback
 
 from prismllm.emulate import EmulateOptions, emulate
@@ -31,24 +31,7 @@ from prismllm.errors import ExitCode, PrismError
 from prismllm.specs import parse_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = [
-    "--layers",
-    "2",
-    "--hidden",
-    "32",
-    "--heads",
-    "4",
-    "--seq",
-    "16",
-    "--vocab",
-    "128",
-    "--micro-batch",
-    "1",
-    "--global-batch",
-    "4",
-    "--iters",
-    "3",
-]
+SIZES = gpt3d_sizes(global_batch=4, iters=3)
 LAYOUTS = {"tp2": ["--tp", "2"], "pp2": ["--pp", "2"], "dp2_distopt": ["--dist-opt"]}
 RTOL = 1e-5
 

@@ -21,31 +21,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_emulate import GPT3D, PRISM
+from conftest import GPT3D, PRISM, gpt3d_sizes
 
 # PRISM_EMULATE_WORLD=32: the same on a 32-rank world (the acceptance's N = 32 run, on a
 # machine with 32 cores: a real CPU run with more ranks than cores measures oversubscription)
 WORLD = int(os.environ.get("PRISM_EMULATE_WORLD", "8"))
-SIZES = [
-    "--layers",
-    "4",
-    "--hidden",
-    "32",
-    "--heads",
-    "4",
-    "--vocab",
-    "64",
-    "--seq",
-    "8",
-    "--micro-batch",
-    "1",
-    "--global-batch",
-    str(WORLD),
-    "--iters",
-    "2",
-    "--bucket-mb",
-    "0.002",
-]
+SIZES = gpt3d_sizes(layers=4, seq=8, vocab=64, global_batch=WORLD, iters=2, bucket_mb="0.002")
 LAYOUTS = {
     # no gradient clipping: its world-wide sum of squares has 8 terms, which the small ring adds
     # in another order (last-bit differences, docs/accuracy.md); every other group has 2 members

@@ -18,30 +18,13 @@ import json
 import subprocess
 
 import pytest
-from conftest import PRISM
+from conftest import PRISM, gpt3d_sizes
 
 from prismllm.trace import PrismTrace, validate
 
 ITERS = 3
 # Tiny sizes: the cost is starting 8 processes on a 2-core machine.
-SIZES = [
-    "--layers",
-    "4",
-    "--hidden",
-    "32",
-    "--heads",
-    "4",
-    "--seq",
-    "16",
-    "--vocab",
-    "128",
-    "--micro-batch",
-    "1",
-    "--iters",
-    str(ITERS),
-    "--bucket-mb",
-    "0.01",
-]
+SIZES = gpt3d_sizes(layers=4, iters=ITERS, bucket_mb="0.01")
 
 # Each layout's full gpt3d command line and `prism record` options. The recordings are shared
 # through conftest.gpt3d_recording with every test that records the same command: TP2·PP2·DP2

@@ -188,3 +188,27 @@ def test_the_report_of_a_real_run_opens_clean_and_fast(ran, browser):  # noqa: F
         o.check_clean()
     finally:
         o.close()
+
+
+def test_a_virtual_roots_small_broadcast_is_what_the_capture_kept(tmp_path, capsys):
+    """A program whose second rank of a pair receives token ids its root builds (Megatron's data
+    path), run with no tensor store: the solo capture keeps the root's broadcasts with the graph,
+    and the time slice and the emulation where rank 1 runs with rank 0 virtual receive them; the
+    same emulation from the graph without them gets rank 1's own buffer (what a model then
+    learns from: zeros)."""
+    program = str(ROOT / "tests" / "programs" / "root_broadcast.py")
+    out = tmp_path / "run"
+    argv = ["run", "--world", "2", "--sandbox", "1", "--devices", "cpu", "--out", str(out), "--", program]
+    assert main(argv) == 0, capsys.readouterr().err
+    kept = sorted(p.name for p in (out / "bare" / "objects").glob("broadcast-*.tensor"))
+    assert len(kept) == 3, kept  # one per iteration, from rank 0
+    slice_log = next((out / "time" / "slices").glob("slice-*1.log")).read_text()
+    for log in (slice_log, (out / "logs" / "emulate.log").read_text()):
+        assert [f"rank 1: iteration {i}: ids as built" in log for i in range(3)] == [True] * 3, log
+    for p in (out / "bare" / "objects").glob("broadcast-*.tensor"):
+        p.unlink()
+    capsys.readouterr()
+    emu = ["emulate", "--graph", str(out / "cal" / "graph"), "--sandbox", "1", "--devices", "cpu"]
+    assert main([*emu, "--out", str(tmp_path / "emu"), "--", program]) == 0
+    printed = capsys.readouterr()
+    assert "rank 1: iteration 0: ids not as built" in printed.out + printed.err

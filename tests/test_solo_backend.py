@@ -17,6 +17,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import GPT3D, gpt3d_sizes
 
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
@@ -30,28 +31,8 @@ from prismllm.trace.schema import TENSORS_DIR  # noqa: E402
 pytestmark = pytest.mark.skipif(not dist.is_gloo_available(), reason="needs gloo")
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT = str(ROOT / "examples" / "gpt3d.py")
 COLL = ROOT / "tests" / "programs" / "collectives.py"
-TINY = [
-    "--layers",
-    "4",
-    "--hidden",
-    "32",
-    "--heads",
-    "4",
-    "--vocab",
-    "64",
-    "--seq",
-    "8",
-    "--micro-batch",
-    "1",
-    "--global-batch",
-    "8",
-    "--iters",
-    "2",
-    "--bucket-mb",
-    "0.002",
-]
+TINY = gpt3d_sizes(layers=4, seq=8, vocab=64, global_batch=8, iters=2, bucket_mb="0.002")
 # gpt3d's arguments per layout. The dense TP2·PP2·DP2 and the MoE ones are test_emulate_n8's
 # commands at N = 8 (the layout first, then TINY; no gradient clipping in the dense one: its
 # all-reduce on the default group is in the two others), so their real runs are the session's
@@ -184,7 +165,7 @@ def gpt_records(tmp, gpt3d_recording):
             outputs = ["--json-log", str(tmp / f"{name}-solo.json"), "--save-params", str(tmp / f"{name}-params")]
             out[name] = (graph_log(trace, SOLO_RANK), rec.out / TENSORS_DIR, [*args, *outputs])
         else:
-            record(GPT, 8, args, tmp / f"{name}-rec")
+            record(GPT3D, 8, args, tmp / f"{name}-rec")
             out[name] = (read_ranklog(ranklog_path(tmp / f"{name}-rec", SOLO_RANK)), None, args)
     return out
 
@@ -208,7 +189,7 @@ def test_gpt3d_solo_rank_matches_real_run(tmp, gpt_records, name):
     if "moe" in name:  # the recorded routing counts: an exact replay
         env = {"PRISM_TENSOR_STORE": str(store)}
     spool = tmp / f"{name}-solo"
-    p = solo(GPT, 8, SOLO_RANK, args, spool, env=env)
+    p = solo(GPT3D, 8, SOLO_RANK, args, spool, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
     mine = read_ranklog(ranklog_path(spool, SOLO_RANK))
     assert sum(n["kind"] == "comm" for n in mine.nodes) > 10
@@ -221,7 +202,7 @@ def test_gpt3d_moe_defaults_give_consistent_balanced_splits(tmp, gpt_records):
     consistent with what it sends and receives; only the split sizes differ from the real run."""
     real, _, args = gpt_records["tp2dp4_moe_ep4"]
     spool = tmp / "moe-defaults"
-    p = solo(GPT, 8, SOLO_RANK, args, spool)
+    p = solo(GPT3D, 8, SOLO_RANK, args, spool)
     assert p.returncode == 0, p.stderr[-3000:]
     mine = read_ranklog(ranklog_path(spool, SOLO_RANK))
     skip = ("in_bytes", "out_bytes", "in_splits", "out_splits", "shape")
@@ -242,7 +223,7 @@ def test_solo_world_1024_is_fast(tmp):
     args = ["--tp", "2", "--pp", "8", "--layers", "8", "--hidden", "32", "--heads", "4",
             "--vocab", "64", "--seq", "8", "--micro-batch", "1", "--global-batch", "64",
             "--iters", "2"]  # fmt: skip
-    p = solo(GPT, 1024, 3, args, spool)
+    p = solo(GPT3D, 1024, 3, args, spool)
     assert p.returncode == 0, p.stderr[-3000:]
     log = read_ranklog(ranklog_path(spool, 3))
     assert log.world_size == 1024
@@ -278,7 +259,7 @@ def test_user_rule_answers_token_broadcast(tmp):
     rules.write_text(GOOD_RULE)
     hits = tmp / "hits.txt"
     p = solo(
-        GPT, 8, 1, [*TINY, "--tp", "2", "--pp", "2"], tmp / "good", env={"PRISM_RULES": str(rules), "HITS": str(hits)}
+        GPT3D, 8, 1, [*TINY, "--tp", "2", "--pp", "2"], tmp / "good", env={"PRISM_RULES": str(rules), "HITS": str(hits)}
     )
     assert p.returncode == 0, p.stderr[-3000:]
     assert int(hits.read_text()) == 2 * 4  # 2 iterations x 4 micro-batches on TP rank 1
@@ -287,7 +268,7 @@ def test_user_rule_answers_token_broadcast(tmp):
 def test_bad_rule_is_one_clear_line(tmp):
     rules = tmp / "bad_rules.py"
     rules.write_text(BAD_RULE)
-    p = solo(GPT, 8, 1, [*TINY, "--tp", "2", "--pp", "2"], tmp / "bad", env={"PRISM_RULES": str(rules)})
+    p = solo(GPT3D, 8, 1, [*TINY, "--tp", "2", "--pp", "2"], tmp / "bad", env={"PRISM_RULES": str(rules)})
     assert p.returncode == 3
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1, p.stderr

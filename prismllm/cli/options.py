@@ -132,7 +132,8 @@ SHARED: dict[str, Option] = {
             "default": "auto",
             "help": "the virtual ranks' inputs: recorded (a tensor store), generated (every "
             "virtual rank taken to hold what the real ranks hold: a sum is scaled to the group, "
-            "a virtual broadcast root sends the real rank's own copy, other data are zeros), "
+            "a virtual broadcast root sends what the capture kept of it where it is small, else the "
+            "real rank's own copy, other data are zeros), "
             "or auto (the default): recorded where the graph has a store",
         },
     ),

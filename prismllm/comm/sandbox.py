@@ -84,6 +84,9 @@ _EXPECT: Any = None  # this rank's calls in the graph (GraphExpectation): a devi
 # the virtual ranks' inputs are generated: every virtual member is taken to hold what this rank
 # holds (pruning.sandbox_call's like_me: all_gather slots, sums scaled to the group's)
 _LIKE_ME = False
+# generated inputs: what the capture kept of what ranks sent (object lists, roots' small
+# broadcasts), answering a sandbox rank whose sender or root is virtual
+_MESSAGES: solo_objects.CapturedMessages | None = None
 _ISSUE: IssueThread | None = None  # asynchronous pruned calls issued off the program's thread (PRISM_ISSUE_THREAD)
 # the issue thread serves CUDA calls; PRISM_ISSUE_THREAD=all gloo's too (the CPU tests of its order)
 _ISSUE_ON_CPU = False
@@ -137,6 +140,8 @@ def prepare(rank: int, child: ChildEnv) -> None:
         messages = solo_objects.CapturedMessages.of_graph(child.graph)
         if messages is not None:
             _receive_captured_objects(messages)
+            global _MESSAGES
+            _MESSAGES = messages
     # the native lane (prismllm/comm/native/pruned_lane.h), as the launcher decided (launch_sandbox):
     # a call whose small call has a template goes from the program to the small communicator with no
     # Python on the way
@@ -717,7 +722,10 @@ class PrunedBackend(solo.GeneratedBackend):
         if op == "broadcast":
             t = _one(c.input if c.is_root else c.output, "broadcast")
             p = C.plan_once(C.plan_broadcast, n, G, t.shape, self.global_ranks.index(c.root), dtype=t.dtype)
-            return p, self._sandbox_call(p, tensor=t)
+            sc = self._sandbox_call(p, tensor=t)
+            if _MESSAGES is not None and not c.is_root and c.root not in _SANDBOX:
+                self._take_kept_broadcast(c, t, sc)
+            return p, sc
         if op == "reduce":
             t = _one(c.input, "reduce")
             root = self.global_ranks.index(c.root)
@@ -776,6 +784,16 @@ class PrunedBackend(solo.GeneratedBackend):
             p = C.plan_once(C.plan_barrier, n, G)
             return p, self._sandbox_call(p)
         raise EmulateError(f"{c.where()}: {op} is not supported in emulation")
+
+    @staticmethod
+    def _take_kept_broadcast(c: Call, t: torch.Tensor, sc: C.SmallCall) -> None:
+        """A virtual root's broadcast that the capture kept (a micro-batch's token ids from a
+        virtual tensor-parallel rank 0): once the small call completed, ``t`` holds it, in place of
+        this rank's own copy (zeros where ``t`` was uninitialised: a model then learns label 0)."""
+        kept = _MESSAGES.broadcast(c.group_ranks, c.index, c.root)
+        if kept is None or kept.shape != t.shape or kept.dtype != t.dtype:
+            return
+        sc.post = lambda: t.copy_(kept)
 
     def _plans(self, calls: list[Call], tag: int) -> tuple[list[C.SmallCall], list]:
         """Each call's small call, and the (call, outputs) pairs to compare with the recording."""

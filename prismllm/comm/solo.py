@@ -376,6 +376,8 @@ class GeneratedBackend:
             for c in calls:
                 if c.output is not None:
                     _GEN.fill(c)
+                else:
+                    _GEN.sent(c)
         return _done_future(value, device, stream)
 
     def _run(self, calls: list[Call], ins, outs, opts=None, *, p2p: bool = False):

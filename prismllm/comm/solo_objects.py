@@ -6,6 +6,11 @@ capture contributed to the call (:class:`SharedObjects`), else the local object(
 store (``--tensors``) like any receive, else what its sender sent, where the sender is a solo
 rank that ran before it or beside it.
 
+A root's small tensor broadcast (``dist.broadcast``: a micro-batch's token ids, flags, seeds) is
+kept the same way (:meth:`SharedObjects.keep_broadcast`): it answers the capture's other members,
+and goes with the graph (``objects/broadcast-*``), where a sandbox rank whose root is virtual
+receives it in emulation and in ``prism time``'s slices (:class:`CapturedMessages`).
+
 Each wrapper takes the keywords a newer torch adds and passes them on (2.13: ``use_batch``,
 which pipelining's metadata exchange sets)."""
 
@@ -18,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -65,6 +71,31 @@ class SharedObjects:
         with open(tmp, "wb") as f:
             f.write(payload.numpy().tobytes())
         os.replace(tmp, path)  # a reader never sees half a payload
+
+    # -- a root's small broadcast (token ids, flags, seeds): kept, it answers the capture's other
+    # -- members (the root ran before, or beside them), and in emulation a sandbox rank whose root
+    # -- is virtual (:meth:`CapturedMessages.broadcast`)
+    def keep_broadcast(self, call: Call) -> None:
+        """Called on the root of ``call``: its tensor, where it is small, written for the others."""
+        t = call.input
+        if self.dir is None or not isinstance(t, torch.Tensor) or _nbytes(t) > KEPT_BROADCAST_BYTES:
+            return
+        os.makedirs(self.dir, exist_ok=True)
+        path = os.path.join(self.dir, broadcast_file(call.group_ranks, call.index, call.rank))
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            f.write(msgpack.packb(encode(t)))
+        os.replace(tmp, path)  # a reader never sees half a tensor
+
+    def broadcast(self, call: Call) -> torch.Tensor | None:
+        """What the root of ``call`` broadcast (waiting for a root of this batch), or None where it
+        kept nothing (a later batch, a replica that never runs, a tensor over the bound)."""
+        ts = call.targets
+        if self.dir is None or call.root == call.rank or len(ts) != 1 or _nbytes(ts[0]) > KEPT_BROADCAST_BYTES:
+            return None  # (the root keeps none of this size: no wait)
+        path = os.path.join(self.dir, broadcast_file(call.group_ranks, call.index, call.root))
+        _wait_for(path, time.monotonic() + (self.wait_s if call.root in self.batch else 0.0))
+        return read_tensor(path)
 
     def _wait_for_batch(self, call: Call, ranks: list[int]) -> None:
         """Peers running in this batch publish soon: wait for them (at most ``wait_s``)."""
@@ -168,6 +199,46 @@ def message_file(group_ranks: Any, src: int, dst: int, k: int) -> str:
     return f"p2p-{_group_key(group_ranks)}-{src}-{dst}-{k}.obj"
 
 
+# A broadcast root's tensor is kept up to this size: what programs broadcast to keep their ranks on
+# one path (a micro-batch's token ids, flags, seeds, shapes) fits; parameters and activations do
+# not, and stay the receiver's own copy.
+KEPT_BROADCAST_BYTES = 1 << 20
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def broadcast_file(group_ranks: Any, index: int, root: int) -> str:
+    """The file name of what global rank ``root`` broadcast in call ``index`` of the group."""
+    return f"broadcast-{_group_key(group_ranks)}-{index}-r{root}.tensor"
+
+
+def encode(t: torch.Tensor) -> dict[str, Any]:
+    """A tensor as bytes with its dtype and shape (msgpack's map: no pickle)."""
+    flat = t.detach().contiguous().reshape(-1).cpu()
+    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": data}
+
+
+def decode(d: dict[str, Any]) -> torch.Tensor:
+    """The flat tensor of :func:`encode`'s map (a fresh, writable one)."""
+    dtype = getattr(torch, d["dtype"])
+    if not d["data"]:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(bytearray(d["data"]), dtype=torch.uint8).view(dtype)
+
+
+def read_tensor(path: str | os.PathLike) -> torch.Tensor | None:
+    """The tensor :meth:`SharedObjects.keep_broadcast` wrote to ``path``, or None where there is none."""
+    try:
+        with open(path, "rb") as f:
+            d = msgpack.unpackb(f.read())
+    except (OSError, ValueError):
+        return None
+    return decode(d).reshape(d["shape"])
+
+
 def keep_sent_messages(spool: str) -> None:
     """Record mode: every object list this rank sends (``send_object_list``) is also written to
     the spool, as a solo capture's are, and kept with the graph: in emulation without recorded
@@ -222,6 +293,16 @@ class CapturedMessages:
             group_ranks, src, dst = [rep[r] for r in group_ranks], rep[src], rep[dst]
         return SharedObjects._read(str(self.dir / message_file(group_ranks, src, dst, k)))
 
+    def broadcast(self, group_ranks: Any, index: int, root: int) -> torch.Tensor | None:
+        """What ``root`` broadcast in call ``index`` of the group, as the capture kept it (a
+        replica's: its representative's, in the representative's group); None where it kept none."""
+        rep = self.replica_of
+        if rep is not None:
+            group_ranks, root = [rep[r] for r in group_ranks], rep[root]
+            if len(set(group_ranks)) != len(group_ranks):  # a group across replicas: no capture ran it
+                return None
+        return read_tensor(self.dir / broadcast_file(group_ranks, index, root))
+
 
 def object_payload(objects: list, group: Any) -> list[torch.Tensor]:
     """What ``send_object_list(objects)`` sends: the objects' sizes, then their bytes."""
@@ -235,6 +316,7 @@ def install(generator: TensorGenerator, child: ChildEnv) -> None:
     global _GEN, _SHARED
     _GEN = generator
     _SHARED = SharedObjects(child.spool, child.solo_batch, float(user_setting("PRISM_SOLO_OBJECT_WAIT", "120")))
+    generator.peers = _SHARED
     if _ORIG:
         return
     for name, fn in (("broadcast_object_list", _broadcast_object_list),

@@ -39,6 +39,7 @@ import torch
 
 from prismllm.childenv import ChildEnv
 from prismllm.comm.solo import GeneratedBackend, _flat, on_stream
+from prismllm.comm.solo_objects import decode, encode
 from prismllm.errors import PrismError
 from prismllm.generate.generator import Call
 
@@ -70,21 +71,6 @@ def recv_frame(sock: socket.socket) -> dict[str, Any] | None:
         return None
     body = _recv_exact(sock, _LEN.unpack(head)[0])
     return None if body is None else msgpack.unpackb(body, raw=False, strict_map_key=False)
-
-
-def encode(t: torch.Tensor) -> dict[str, Any]:
-    """A tensor as bytes with its dtype and shape."""
-    flat = t.detach().contiguous().reshape(-1).cpu()
-    data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": data}
-
-
-def decode(d: dict[str, Any]) -> torch.Tensor:
-    """The flat tensor of :func:`encode`'s map (a fresh, writable one)."""
-    dtype = getattr(torch, d["dtype"])
-    if not d["data"]:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(bytearray(d["data"]), dtype=torch.uint8).view(dtype)
 
 
 # ---- the rank's client ----------------------------------------------------------------------

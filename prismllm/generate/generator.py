@@ -15,7 +15,10 @@ all_gather          every slot holds the local input (object sizes/bytes: see be
 reduce_scatter      the local chunk (group rank's) x size for sum, the chunk otherwise
 all_to_all          output chunk j = the first rows of what this rank sends to j (zero rows
                     beyond); even splits: an exact copy
-broadcast (non-src) the local buffer kept: a rank's own copy of replicated state is what the
+broadcast (non-src) what the root sent, where it is a solo rank of the same capture that ran
+                    before or beside this one and the tensor is small (1 MiB at most:
+                    token ids, flags, seeds; ``comm.solo_objects``); else
+                    the local buffer kept: a rank's own copy of replicated state is what the
                     source sends (DDP's parameter-shape check, its initial parameter sync
                     and bucket order; seeds, flags). Except what uninitialised memory holds
                     (a ``torch.empty`` receive buffer, e.g. token ids from TP rank 0):
@@ -205,6 +208,9 @@ class TensorGenerator:
         self.store = store
         self.payload: _Payload | None = None
         self.answered = {"store": 0, "rule": 0, "default": 0}
+        # the capture's other ranks (comm.solo_objects.SharedObjects): a root's small broadcast,
+        # kept by :meth:`sent`, answers the members that receive it
+        self.peers: Any = None
 
     @classmethod
     def for_rank(cls, rank: int, rules: str | None = None, tensors: str | None = None) -> TensorGenerator:
@@ -243,7 +249,18 @@ class TensorGenerator:
             self.answered["rule"] += 1
             return
         self.answered["default"] += 1
+        if call.op == "broadcast" and self.peers is not None:
+            sent = self.peers.broadcast(call)
+            if sent is not None and [(t.shape, t.dtype) for t in call.targets] == [(sent.shape, sent.dtype)]:
+                call.targets[0].copy_(sent)
+                return
         default_fill(call, self.payload)
+
+    def sent(self, call: Call) -> None:
+        """A call whose outputs are not this rank's to fill (a broadcast's root): what it sends
+        is kept for the capture's other ranks."""
+        if call.op == "broadcast" and self.peers is not None:
+            self.peers.keep_broadcast(call)
 
     def _copy_saved(self, call: Call, saved: list[torch.Tensor]) -> None:
         ts = call.targets
