@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -184,6 +185,48 @@ def test_host_memory_about_to_run_out_ends_the_capture_in_one_line(tmp_path, mon
                           timeout=120, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
     with pytest.raises(PrismError, match=r"switch-mode capture: host memory is about to run out \(0\.10 of 24\.0 GiB"):
         capture(opts)
+
+
+def test_a_swap_the_driver_refuses_ends_the_capture_in_one_line(tmp_path, monkeypatch):
+    """On GPUs a rank that waits is swapped out by the driver's checkpoint API; where the driver
+    refuses (here a stand-in for it refuses the second checkpoint, the ranks running on the CPU
+    as if on GPU 0), the capture ends every rank and says which GPU, rank and call."""
+    from prismllm.capture import coordinator
+    from prismllm.capture.gpuswap import SwapError, send_signal
+    from prismllm.capture.solo import CaptureOptions, capture
+    from prismllm.errors import PrismError
+
+    class RefusingDriver:
+        def __init__(self) -> None:
+            self.outs = 0
+
+        def out(self, pid: int, rank: int, gpu: int) -> None:
+            self.outs += 1
+            if self.outs == 2:
+                raise SwapError(f"the CUDA driver refused checkpoint of rank {rank}: CUDA_ERROR_NOT_SUPPORTED (801)")
+            send_signal(pid, signal.SIGSTOP)
+
+        def back(self, pid: int, rank: int) -> None:
+            send_signal(pid, signal.SIGCONT)
+
+        def summary(self) -> dict:
+            return {"out": self.outs}
+
+    class OnGpu0(coordinator.Coordinator):
+        def __init__(self, world: int, slots: int | None = None, gpus: list[int] | None = None) -> None:
+            super().__init__(world, slots, gpus=[0] * world)
+
+    monkeypatch.setattr(coordinator, "GpuSwap", RefusingDriver)
+    monkeypatch.setattr(coordinator, "Coordinator", OnGpu0)
+    opts = CaptureOptions(world=2, out=tmp_path / "o", script=VALUE_PATH, mode="switch", devices="cpu", parallel=1,
+                          timeout=120, env={"OMP_NUM_THREADS": "1"})  # fmt: skip
+    with pytest.raises(PrismError) as e:
+        capture(opts)
+    first = str(e.value).splitlines()[0]
+    assert re.match(
+        r"switch-mode capture: GPU 0: the CUDA driver refused checkpoint of rank [01]: CUDA_ERROR", first
+    ), str(e.value)
+    assert (tmp_path / "o" / ".spool").is_dir()  # kept, for the ranks' logs
 
 
 def test_torch_pipelining_with_data_parallel_two_ranks_at_a_time(tmp_path, recorded_graph):

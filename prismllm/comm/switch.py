@@ -57,7 +57,10 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes | None:
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
-        k = sock.recv_into(view[got:])
+        try:
+            k = sock.recv_into(view[got:])
+        except ConnectionResetError:  # the other side is gone (a rank killed mid-call): as closed
+            return None
         if k == 0:
             return None
         got += k
