@@ -143,7 +143,7 @@ def _write(args: argparse.Namespace, rows: list[dict], gpus: list[int]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cases", default=",".join(CASES))
+    ap.add_argument("--cases", default=None, help="default: the CPU cases, or with --devices cuda:.. the GPU ones")
     ap.add_argument("--parallel", default="all,2,1", help="K values: a number or 'all'")
     ap.add_argument("--out", type=Path, default=RESULTS / "switch_cpu")
     ap.add_argument("--devices", default="cpu", help="cpu, or the GPUs the ranks share: cuda:0,1")
@@ -156,7 +156,9 @@ def main() -> int:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name in args.cases.split(","):
+        on_gpus = args.devices.startswith("cuda")
+        cases = args.cases.split(",") if args.cases else [c for c in CASES if c.endswith("-gpu") == on_gpus]
+        for name in cases:
             world, prog = CASES[name]
             scratch = Path(tmp) / name
             scratch.mkdir()

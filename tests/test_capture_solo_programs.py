@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import PRISM
+from conftest import GPT3D, PRISM, gpt3d_sizes
 
 from prismllm.capture.solo import CaptureOptions
 from prismllm.cli import main as climain
@@ -26,26 +26,13 @@ from prismllm.trace import PrismTrace, compare_traces
 ROOT = Path(__file__).resolve().parents[1]
 
 
-GPT3D_TINY = [
-    "--layers",
-    "4",
-    "--hidden",
-    "32",
-    "--heads",
-    "4",
-    "--seq",
-    "16",
-    "--vocab",
-    "128",
-    "--micro-batch",
-    "1",
-    "--global-batch",
-    "8",
-    "--iters",
-    "2",
-    "--bucket-mb",
-    "0.01",
-]
+def record_two_ranks(out: Path, save_tensors: str, program: list[str]) -> subprocess.CompletedProcess:
+    """`prism record` of ``program`` on 2 CPU ranks, saving ``save_tensors``."""
+    return subprocess.run(
+        [PRISM, "record", "--nproc", "2", "--devices", "cpu", "--out", str(out), "--save-tensors", save_tensors,
+         "--", *program],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
+    )  # fmt: skip
 
 
 def test_gpt3d_solo_capture_matches_record(tmp_path, gpt3d_recording):
@@ -54,7 +41,7 @@ def test_gpt3d_solo_capture_matches_record(tmp_path, gpt3d_recording):
     from test_record_gpt3d import program, recording
 
     prism = PRISM
-    gpt3d = str(ROOT / "examples" / "gpt3d.py")
+    gpt3d = GPT3D
     prog = [gpt3d, *program("tp2pp2dp2")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rec = recording(gpt3d_recording, "tp2pp2dp2").out
@@ -99,7 +86,7 @@ def test_gpt3d_switch_capture_is_the_real_run(tmp_path, gpt3d_recording):
     log = tmp_path / "switch.json"
     p = subprocess.run(
         [PRISM, "capture", "--mode", "switch", "--world", "8", "--parallel", "2", "--devices", "cpu", "--out", str(tmp_path / "cap"),
-         "--timeout", "600", "--", str(ROOT / "examples" / "gpt3d.py"), *program("tp2pp2dp2"), "--json-log", str(log)],
+         "--timeout", "600", "--", GPT3D, *program("tp2pp2dp2"), "--json-log", str(log)],
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900,
     )  # fmt: skip
     assert p.returncode == 0, p.stderr[-3000:]
@@ -114,28 +101,10 @@ def test_gpt3d_switch_capture_is_the_real_run(tmp_path, gpt3d_recording):
 def test_moe_solo_capture_replays_saved_tensors(tmp_path):
     """MoE routing depends on values: generated outputs give other split sizes than the real
     run; `prism record --save-tensors all` + `prism capture --tensors` reproduce them exactly."""
-    prog = [str(ROOT / "examples" / "gpt3d.py"), "--ep", "2", "--num-experts", "4", *GPT3D_TINY]
+    sizes = gpt3d_sizes(layers=4, global_batch=8, iters=2, bucket_mb="0.01")
+    prog = [GPT3D, "--ep", "2", "--num-experts", "4", *sizes]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    rec = subprocess.run(
-        [
-            PRISM,
-            "record",
-            "--nproc",
-            "2",
-            "--devices",
-            "cpu",
-            "--out",
-            str(tmp_path / "rec"),
-            "--save-tensors",
-            "all",
-            "--",
-            *prog,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    rec = record_two_ranks(tmp_path / "rec", "all", prog)
     assert rec.returncode == 0, rec.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "rec" / "tensors").iterdir()) == [
         "manifest.json",  # sealed once the ranks exited
@@ -229,27 +198,8 @@ def test_record_saves_inputs_at_issue(tmp_path):
     them in place, so every TP all-reduce's output is the sum (or max) of the ranks' inputs."""
     from prismllm.generate.store import TensorStore
 
-    prog = [str(ROOT / "examples" / "gpt3d.py"), "--tp", "2", *GPT3D_TINY[:-4], "--iters", "1"]
-    rec = subprocess.run(
-        [
-            PRISM,
-            "record",
-            "--nproc",
-            "2",
-            "--devices",
-            "cpu",
-            "--out",
-            str(tmp_path / "rec"),
-            "--save-tensors",
-            "all_reduce,inputs",
-            "--",
-            *prog,
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=600,
-    )
+    prog = [GPT3D, "--tp", "2", *gpt3d_sizes(layers=4, global_batch=8, iters=1)]
+    rec = record_two_ranks(tmp_path / "rec", "all_reduce,inputs", prog)
     assert rec.returncode == 0, rec.stderr[-3000:]
     stores = [TensorStore(tmp_path / "rec" / "tensors", r) for r in (0, 1)]
     keys = [k for k in stores[0].entries if k[5] == "in"]
