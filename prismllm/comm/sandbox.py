@@ -118,7 +118,7 @@ def sandbox() -> tuple[int, ...]:
 def prepare(rank: int, child: ChildEnv) -> None:
     """Read the sandbox set; skip store-based barriers (they wait for absent ranks); set up
     the output check when asked."""
-    global _SANDBOX, _CHECK, _EXPECT, _LIKE_ME, _ISSUE, _ISSUE_ON_CPU
+    global _SANDBOX, _CHECK, _EXPECT, _LIKE_ME, _MESSAGES, _ISSUE, _ISSUE_ON_CPU
     if not child.sandbox:
         raise PrismError(f"{variable('mode')}=emulate needs {variable('sandbox')} (the ranks that run for real)")
     _SANDBOX = child.sandbox
@@ -140,7 +140,6 @@ def prepare(rank: int, child: ChildEnv) -> None:
         messages = solo_objects.CapturedMessages.of_graph(child.graph)
         if messages is not None:
             _receive_captured_objects(messages)
-            global _MESSAGES
             _MESSAGES = messages
     # the native lane (prismllm/comm/native/pruned_lane.h), as the launcher decided (launch_sandbox):
     # a call whose small call has a template goes from the program to the small communicator with no
