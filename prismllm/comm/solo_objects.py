@@ -215,8 +215,9 @@ def broadcast_file(group_ranks: Any, index: int, root: int) -> str:
 
 
 def encode(t: torch.Tensor) -> dict[str, Any]:
-    """A tensor as bytes with its dtype and shape (msgpack's map: no pickle)."""
-    flat = t.detach().contiguous().reshape(-1).cpu()
+    """A tensor as bytes with its dtype and shape (msgpack's map: no pickle). Copied to the host
+    first: a contiguous copy on the device would add to the rank's device memory."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
     data = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
     return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": data}
 
