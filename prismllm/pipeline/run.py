@@ -243,6 +243,7 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
             close()
         how = "run alone" if opts.capture == "solo" else "run together with real values"
         done_stage("capture", t0, f"{len(res.representatives)} of {res.world_size} ranks {how} on {res.device}")
+        del res  # its assembled graph (GBs at 100,000 ranks): the next stages read the saved one
     if opts.stop_after == "capture":
         result = _summary(out, state, None, None)
         state["summary"] = result
