@@ -48,14 +48,17 @@ def write_dir_atomically(
     return path
 
 
-def write_file_atomically(path: str | os.PathLike, text: str) -> Path:
-    """Write ``text`` to a temp file beside ``path``, then rename it into place: a reader never
-    sees half a file, a crash never leaves one."""
+def write_file_atomically(path: str | os.PathLike, text: str | bytes) -> Path:
+    """Write ``text`` (or bytes) to a temp file beside ``path``, then rename it into place: a
+    reader never sees half a file, a crash never leaves one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     try:
-        tmp.write_text(text)
+        if isinstance(text, bytes):
+            tmp.write_bytes(text)
+        else:
+            tmp.write_text(text)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -35,40 +35,23 @@ def record_two_ranks(out: Path, save_tensors: str, program: list[str]) -> subpro
     )  # fmt: skip
 
 
+def solo_capture(out: Path, world: int, program: list[str], *options: str, timeout: int) -> subprocess.CompletedProcess:
+    """`prism capture --mode solo` of ``program`` at ``world`` ranks, 2 at a time on the CPU."""
+    return subprocess.run(
+        [PRISM, "capture", "--mode", "solo", "--world", str(world), "--devices", "cpu", "--parallel", "2",
+         "--out", str(out), *options, "--", *program],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=timeout,
+    )  # fmt: skip
+
+
 def test_gpt3d_solo_capture_matches_record(tmp_path, gpt3d_recording):
     """The real 8-rank TP2·PP2·DP2 recording (test_record_gpt3d's, shared) against a solo
     capture of the same command, 2 ranks at a time."""
     from test_record_gpt3d import program, recording
 
-    prism = PRISM
-    gpt3d = GPT3D
-    prog = [gpt3d, *program("tp2pp2dp2")]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    prog = [GPT3D, *program("tp2pp2dp2")]
     rec = recording(gpt3d_recording, "tp2pp2dp2").out
-    cap = subprocess.run(
-        [
-            prism,
-            "capture",
-            "--mode",
-            "solo",
-            "--world",
-            "8",
-            "--devices",
-            "cpu",
-            "--parallel",
-            "2",
-            "--layout",
-            "tp=2,pp=2",
-            "--out",
-            str(tmp_path / "cap"),
-            "--",
-            *prog,
-        ],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
+    cap = solo_capture(tmp_path / "cap", 8, prog, "--layout", "tp=2,pp=2", timeout=900)
     assert cap.returncode == 0, cap.stderr[-3000:]
     a, b = PrismTrace.load(rec), PrismTrace.load(tmp_path / "cap")
     res = compare_traces(a, b, timing=False)
@@ -103,7 +86,6 @@ def test_moe_solo_capture_replays_saved_tensors(tmp_path):
     run; `prism record --save-tensors all` + `prism capture --tensors` reproduce them exactly."""
     sizes = gpt3d_sizes(layers=4, global_batch=8, iters=2, bucket_mb="0.01")
     prog = [GPT3D, "--ep", "2", "--num-experts", "4", *sizes]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     rec = record_two_ranks(tmp_path / "rec", "all", prog)
     assert rec.returncode == 0, rec.stderr[-3000:]
     assert sorted(p.name for p in (tmp_path / "rec" / "tensors").iterdir()) == [
@@ -115,29 +97,7 @@ def test_moe_solo_capture_replays_saved_tensors(tmp_path):
     ]
     real = PrismTrace.load(tmp_path / "rec")
     for name, extra in (("gen", []), ("store", ["--tensors", str(tmp_path / "rec" / "tensors")])):
-        cap = subprocess.run(
-            [
-                PRISM,
-                "capture",
-                "--mode",
-                "solo",
-                "--world",
-                "2",
-                "--devices",
-                "cpu",
-                "--parallel",
-                "2",
-                "--out",
-                str(tmp_path / name),
-                *extra,
-                "--",
-                *prog,
-            ],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=600,
-        )
+        cap = solo_capture(tmp_path / name, 2, prog, *extra, timeout=600)
         assert cap.returncode == 0, cap.stderr[-3000:]
         res = compare_traces(real, PrismTrace.load(tmp_path / name), timing=False)
         if name == "gen":  # generated routing counts are not the real ones

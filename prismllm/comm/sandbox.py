@@ -722,7 +722,7 @@ class PrunedBackend(solo.GeneratedBackend):
             t = _one(c.input if c.is_root else c.output, "broadcast")
             p = C.plan_once(C.plan_broadcast, n, G, t.shape, self.global_ranks.index(c.root), dtype=t.dtype)
             sc = self._sandbox_call(p, tensor=t)
-            if _MESSAGES is not None and not c.is_root and c.root not in _SANDBOX:
+            if _MESSAGES is not None and not c.is_root and c.root not in _SANDBOX and solo_objects.kept_size(t):
                 self._take_kept_broadcast(c, t, sc)
             return p, sc
         if op == "reduce":

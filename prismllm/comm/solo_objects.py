@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from prismllm.childenv import ChildEnv, user_setting
+from prismllm.fsutil import write_file_atomically
 from prismllm.generate.errors import GenerateError
 from prismllm.generate.generator import DEFAULT, Call, TensorGenerator
 from prismllm.trace.schema import MANIFEST_FILE, OBJECTS_DIR  # objects: in the capture's spool, then in its graph
@@ -66,11 +67,7 @@ class SharedObjects:
 
     def _write(self, path: str, obj: Any) -> None:
         payload, _ = c10d._object_to_tensor(obj, "cpu", None)
-        os.makedirs(self.dir, exist_ok=True)
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(payload.numpy().tobytes())
-        os.replace(tmp, path)  # a reader never sees half a payload
+        write_file_atomically(path, payload.numpy().tobytes())  # a reader never sees half a payload
 
     # -- a root's small broadcast (token ids, flags, seeds): kept, it answers the capture's other
     # -- members (the root ran before, or beside them), and in emulation a sandbox rank whose root
@@ -78,20 +75,16 @@ class SharedObjects:
     def keep_broadcast(self, call: Call) -> None:
         """Called on the root of ``call``: its tensor, where it is small, written for the others."""
         t = call.input
-        if self.dir is None or not isinstance(t, torch.Tensor) or _nbytes(t) > KEPT_BROADCAST_BYTES:
+        if self.dir is None or not isinstance(t, torch.Tensor) or not kept_size(t):
             return
-        os.makedirs(self.dir, exist_ok=True)
         path = os.path.join(self.dir, broadcast_file(call.group_ranks, call.index, call.rank))
-        tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            f.write(msgpack.packb(encode(t)))
-        os.replace(tmp, path)  # a reader never sees half a tensor
+        write_file_atomically(path, msgpack.packb(encode(t)))
 
     def broadcast(self, call: Call) -> torch.Tensor | None:
         """What the root of ``call`` broadcast (waiting for a root of this batch), or None where it
         kept nothing (a later batch, a replica that never runs, a tensor over the bound)."""
         ts = call.targets
-        if self.dir is None or call.root == call.rank or len(ts) != 1 or _nbytes(ts[0]) > KEPT_BROADCAST_BYTES:
+        if self.dir is None or call.root == call.rank or len(ts) != 1 or not kept_size(ts[0]):
             return None  # (the root keeps none of this size: no wait)
         path = os.path.join(self.dir, broadcast_file(call.group_ranks, call.index, call.root))
         _wait_for(path, time.monotonic() + (self.wait_s if call.root in self.batch else 0.0))
@@ -205,8 +198,9 @@ def message_file(group_ranks: Any, src: int, dst: int, k: int) -> str:
 KEPT_BROADCAST_BYTES = 1 << 20
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def kept_size(t: torch.Tensor) -> bool:
+    """Whether a broadcast of ``t`` is small enough to be kept (:data:`KEPT_BROADCAST_BYTES`)."""
+    return t.numel() * t.element_size() <= KEPT_BROADCAST_BYTES
 
 
 def broadcast_file(group_ranks: Any, index: int, root: int) -> str:
@@ -266,6 +260,9 @@ class CapturedMessages:
     def __init__(self, directory: Path, replica_of: list[int] | None):
         self.dir, self.replica_of = directory, replica_of
         self._count: dict[tuple, int] = {}
+        # the broadcasts kept, listed once: a broadcast the capture did not keep (too large, a root
+        # of a later batch) costs the emulated call a set lookup, not a failed open
+        self._broadcasts = {n for n in os.listdir(directory) if n.startswith("broadcast-")}
 
     @classmethod
     def of_graph(cls, graph: str | os.PathLike) -> CapturedMessages | None:
@@ -302,7 +299,8 @@ class CapturedMessages:
             group_ranks, root = [rep[r] for r in group_ranks], rep[root]
             if len(set(group_ranks)) != len(group_ranks):  # a group across replicas: no capture ran it
                 return None
-        return read_tensor(self.dir / broadcast_file(group_ranks, index, root))
+        name = broadcast_file(group_ranks, index, root)
+        return read_tensor(self.dir / name) if name in self._broadcasts else None
 
 
 def object_payload(objects: list, group: Any) -> list[torch.Tensor]:
