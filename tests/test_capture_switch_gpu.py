@@ -14,15 +14,18 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
-from conftest import ROOT  # noqa: E402
+from conftest import PRISM, ROOT  # noqa: E402
 from test_capture_switch import same_structure  # noqa: E402
 from test_emulate import GPT3D, SIZES, assert_same_losses  # noqa: E402
-from test_emulate_gpu import prism, two_gpus  # noqa: E402
+from test_emulate_gpu import ENV, prism, two_gpus  # noqa: E402
+
+from prismllm.errors import ExitCode  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -71,3 +74,20 @@ def test_what_a_work_keeps_alive_is_nccls_with_the_rank_swapped_out_between_call
     assert lines["real"] and lines["switch"] == lines["real"], lines
     cap = json.loads((tmp_path / "switch" / "manifest.json").read_text())["capture"]
     assert cap["swaps"]["out"] > 0, cap
+
+
+def test_a_rank_the_driver_cannot_checkpoint_ends_the_capture_in_one_line(tmp_path):
+    """A rank holding unified (managed) memory, which the driver's checkpoint API does not move:
+    the first swap out is refused (driver 580 on an H200: CUDA_ERROR_NOT_SUPPORTED), and the
+    capture ends every rank with one line naming the GPU, the rank and the driver's error; the
+    spool is kept for the ranks' logs."""
+    argv = ["capture", "--mode", "switch", "--world", "2", "--devices", "cuda:0", "--parallel", "1"]
+    p = subprocess.run([PRISM, *argv, "--out", str(tmp_path / "o"), "--timeout", "200", "--",
+                        str(PROGRAMS / "managed_memory.py")], capture_output=True, text=True, env=ENV, timeout=300)  # fmt: skip
+    assert p.returncode not in (ExitCode.OK, ExitCode.INTERNAL), (p.returncode, p.stdout[-2000:], p.stderr[-3000:])
+    err = [ln for ln in p.stderr.splitlines() if "error:" in ln]  # after the progress lines
+    assert len(err) == 1 and re.search(
+        r"GPU 0: the CUDA driver refused checkpoint of rank [01]: CUDA_ERROR_", err[0]
+    ), err
+    assert (tmp_path / "o" / ".spool").is_dir()
+    assert subprocess.run(["pgrep", "-f", "managed_memory.py"], capture_output=True).returncode == 1  # none left

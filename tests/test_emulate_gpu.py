@@ -235,3 +235,13 @@ def test_whole_pipeline_on_gpu(tmp_path):
     assert len(its) >= 2 and all(t > 0 for t in its), rec["sandbox_results"]
     assert rec["sandbox_results"]["1"]["compute_ns"] is None  # iterations timed on the device, not spans
     assert rec["prediction"]["predicted_iteration_ns"] > 0
+
+
+def test_a_virtual_roots_small_broadcast_on_nccl(tmp_path, capsys, monkeypatch):
+    """Kept broadcasts on NCCL: the solo capture writes the root's token ids from the GPU, and
+    the slice's and the emulation's rank 1 (rank 0 virtual) receive them into its GPU buffer."""
+    from test_run import kept_broadcasts_reach_the_sandbox
+
+    for name in ("OMP_NUM_THREADS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.setenv(name, ENV[name])
+    kept_broadcasts_reach_the_sandbox(tmp_path, capsys, EMU_DEVICES)

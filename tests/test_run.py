@@ -196,9 +196,14 @@ def test_a_virtual_roots_small_broadcast_is_what_the_capture_kept(tmp_path, caps
     and the time slice and the emulation where rank 1 runs with rank 0 virtual receive them; the
     same emulation from the graph without them gets rank 1's own buffer (what a model then
     learns from: zeros)."""
+    kept_broadcasts_reach_the_sandbox(tmp_path, capsys, "cpu")
+
+
+def kept_broadcasts_reach_the_sandbox(tmp_path: Path, capsys, devices: str) -> None:
+    """The check of the test above on ``devices`` (test_emulate_gpu runs it on NCCL)."""
     program = str(ROOT / "tests" / "programs" / "root_broadcast.py")
     out = tmp_path / "run"
-    argv = ["run", "--world", "2", "--sandbox", "1", "--devices", "cpu", "--out", str(out), "--", program]
+    argv = ["run", "--world", "2", "--sandbox", "1", "--devices", devices, "--out", str(out), "--", program]
     assert main(argv) == 0, capsys.readouterr().err
     kept = sorted(p.name for p in (out / "bare" / "objects").glob("broadcast-*.tensor"))
     assert len(kept) == 3, kept  # one per iteration, from rank 0
@@ -208,7 +213,7 @@ def test_a_virtual_roots_small_broadcast_is_what_the_capture_kept(tmp_path, caps
     for p in (out / "bare" / "objects").glob("broadcast-*.tensor"):
         p.unlink()
     capsys.readouterr()
-    emu = ["emulate", "--graph", str(out / "cal" / "graph"), "--sandbox", "1", "--devices", "cpu"]
+    emu = ["emulate", "--graph", str(out / "cal" / "graph"), "--sandbox", "1", "--devices", devices]
     assert main([*emu, "--out", str(tmp_path / "emu"), "--", program]) == 0
     printed = capsys.readouterr()
     assert "rank 1: iteration 0: ids not as built" in printed.out + printed.err

@@ -2,20 +2,27 @@
 broadcasts it to the second (a ``torch.empty`` receive buffer), every iteration; each rank says
 whether it holds what the root built. Without a tensor store, the second rank of a pair whose
 root is virtual (prism time's slices, emulation) or ran apart (solo capture) receives what the
-capture kept of the root's broadcast."""
+capture kept of the root's broadcast. On a GPU where one is visible (NCCL), else the CPU (gloo)."""
+
+import os
 
 import torch
 import torch.distributed as dist
 
-dist.init_process_group("gloo")
+if torch.cuda.is_available():
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+else:
+    device = torch.device("cpu")
+dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]
 root = rank - rank % 2
 for it in range(3):
-    built = torch.arange(8, dtype=torch.int64) * 7 + 100 * it + 1000 * (rank // 2) + 1
-    ids = built.clone() if rank == root else torch.empty(8, dtype=torch.int64)
+    built = torch.arange(8, dtype=torch.int64, device=device) * 7 + 100 * it + 1000 * (rank // 2) + 1
+    ids = built.clone() if rank == root else torch.empty(8, dtype=torch.int64, device=device)
     dist.broadcast(ids, src=root, group=pairs[rank // 2])
-    step = torch.ones(1)
+    step = torch.ones(1, device=device)
     dist.all_reduce(step)
     print(f"rank {rank}: iteration {it}: ids {'as built' if torch.equal(ids, built) else 'not as built'}", flush=True)
 dist.destroy_process_group()
