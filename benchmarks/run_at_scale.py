@@ -2,11 +2,14 @@
 report it writes opens in Chromium.
 
     .venv/bin/python benchmarks/run_at_scale.py [--world 1024] [--devices cpu] [--work DIR] [--tag NAME]
+        [--tp 2] [--pp 2] [--layers 2] [--global-batch N] [--sandbox RANKS]
 
-Runs `prism run --world N --layout tp=2,pp=2 --sandbox N-1` on examples/gpt3d.py (tiny model),
-then opens OUT/report.html in headless Chromium (Debian's /usr/bin/chromium through playwright)
-twice and times each open until the first frame painted after the load event; saves a
-screenshot beside the results. Writes benchmarks/results/run_at_scale_<tag>.json and .md.
+Runs `prism run --world N --layout tp=TP,pp=PP --sandbox N-1` on examples/gpt3d.py (tiny model;
+global batch N unless given), then opens OUT/report.html in headless Chromium (Debian's
+/usr/bin/chromium through playwright) twice and times each open until the first frame painted
+after the load event; saves a screenshot beside the results. The largest process's peak RSS is
+the kernel's figure for the command's descendants (``RUSAGE_CHILDREN``). Writes
+benchmarks/results/run_at_scale_<tag>.json and .md.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import subprocess
 import sys
 import time
@@ -57,13 +61,20 @@ def main() -> int:
     ap.add_argument("--devices", default="cpu")
     ap.add_argument("--work", default="out/run_at_scale")
     ap.add_argument("--tag", default=None)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--global-batch", type=int, default=None, help="default: the world size")
+    ap.add_argument("--sandbox", default=None, help="default: the last rank")
     a = ap.parse_args()
     tag = a.tag or f"{a.devices.split(':')[0]}_{a.world}"
     out = Path(a.work) / tag
-    prog = [GPT3D, "--tp", "2", "--pp", "2", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16",
-            "--vocab", "128", "--micro-batch", "1", "--global-batch", str(a.world), "--iters", "3"]  # fmt: skip
-    cmd = [PRISM, "run", "--world", str(a.world), "--layout", "tp=2,pp=2", "--sandbox", str(a.world - 1),
-           "--devices", a.devices, "--out", str(out), "--force", "--", *prog]  # fmt: skip
+    prog = [GPT3D, "--tp", str(a.tp), "--pp", str(a.pp), "--layers", str(a.layers), "--hidden", "32",
+            "--heads", "4", "--seq", "16", "--vocab", "128", "--micro-batch", "1",
+            "--global-batch", str(a.global_batch or a.world), "--iters", "3"]  # fmt: skip
+    cmd = [PRISM, "run", "--world", str(a.world), "--layout", f"tp={a.tp},pp={a.pp}",
+           "--sandbox", a.sandbox or str(a.world - 1), "--devices", a.devices, "--out", str(out), "--force",
+           "--", *prog]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -81,6 +92,7 @@ def main() -> int:
         "command": ["prism", *cmd[1:]],
         "wall_s": round(wall, 1),
         "stages_s": {st["name"]: st["wall_s"] for st in state.get("stages", [])},
+        "largest_process_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
         "summary_lines": len(p.stdout.splitlines()),
         "report_bytes": report.stat().st_size,
         "report_open_s": times,
@@ -89,10 +101,10 @@ def main() -> int:
     md = [
         f"# prism run at {a.world} ranks ({a.devices})",
         "",
-        "| world | wall s | stages s | summary lines | report MB | report opens in s (cold, warm) |",
-        "|---|---|---|---|---|---|",
-        f"| {a.world} | {result['wall_s']} | {result['stages_s']} | {result['summary_lines']} | "
-        f"{result['report_bytes'] / 1e6:.2f} | {times[0]}, {times[1]} |",
+        "| world | wall s | stages s | largest process GB | summary lines | report MB | report opens in s (cold, warm) |",
+        "|---|---|---|---|---|---|---|",
+        f"| {a.world} | {result['wall_s']} | {result['stages_s']} | {result['largest_process_rss_bytes'] / 1e9:.2f} | "
+        f"{result['summary_lines']} | {result['report_bytes'] / 1e6:.2f} | {times[0]}, {times[1]} |",
     ]
     (RESULTS / f"run_at_scale_{tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

@@ -550,3 +550,27 @@ def test_the_issue_thread_sets_a_stream_only_when_it_changes(monkeypatch):
     issue.drain()
     assert [s for s, _ in seen] == [a, b, a], seen
     assert {name for _, name in seen} == {"prism-issue"}, "set on the issue thread, never the program's"
+
+
+def test_the_dp_replicas_copies_move_with_the_generic_world(tmp_path, gpt3d_recording):
+    """Pure DP at N = 4 from a solo capture (one rank run, three copies), sandbox {3}: the
+    assistant replays rank 3's world's virtual ranks (none) and the generic one's (rank 0), and
+    leaves ranks 1 and 2 out, copies of rank 0 that move with it (prismllm.replay.mirror); the
+    pruned all-reduces still take every virtual member's recorded input: the losses are the
+    real run's."""
+    rec = gpt3d_recording(4, [*SIZES], save_tensors="all,inputs")
+    bare = tmp_path / "bare"
+    argv = ["capture", "--mode", "solo", "--world", "4", "--devices", "cpu", "--layout", "tp=1", "--out", str(bare)]
+    proc = subprocess.run([PRISM, *argv, "--", GPT3D, *SIZES], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = tmp_path / "emu.json"
+    res = emulate(
+        EmulateOptions(graph=bare, sandbox="3", out=tmp_path / "emu", script=GPT3D, tensors=rec.out / "tensors",
+                       args=[*SIZES, "--json-log", str(log)], timeout=TIMEOUT, check=True, sink=lambda *a: None)
+    )  # fmt: skip
+    assert_all_ended(res.launch.pids.values())
+    replay = json.loads((tmp_path / "emu" / "replay.json").read_text())
+    assert (replay["virtual_ranks"], replay["replayed_ranks"]) == (3, 1), replay
+    assert_same_losses(rec.log, json.loads(log.read_text()))
+    assert res.checks[3]["compared"] > 0 and res.checks[3]["missing"] == 0, res.checks[3]

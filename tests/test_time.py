@@ -17,6 +17,7 @@ from prismllm.errors import ExitCode
 from prismllm.trace.compare import compare_traces
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.ranklog import read_ranklog
+from prismllm.trace.schema import REPLICAS_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = [
@@ -94,6 +95,8 @@ def test_time_slices_every_representative_once_and_resumes(bare, tmp_path):
     assert timed.world_size == 4 and timed.manifest["mode"] == "timed"
     # which slice measured each rank: replicas 2 and 3 take their representatives' (0 and 1)
     assert timed.manifest["timing"]["slice_of_rank"] == [0, 1, 0, 1]
+    # the replicas are their representatives' copies, timings included (prismllm.replay.mirror)
+    assert timed.manifest[REPLICAS_KEY] == ref.manifest[REPLICAS_KEY] == {"representatives": 2, "copies": 2}
     # every call of a timed rank is pruned (its TP and DP peers are virtual): the emulation
     # layer's own host time on them is left out of its clock, and said how much
     left_out = timed.manifest["timing"]["emulation_overhead_left_out_ns"]
@@ -189,6 +192,7 @@ def test_compute_under_load_takes_compute_from_every_rank_at_once(bare, tmp_path
     assert load_state["slices"] == [[0], [1], [2], [3]]  # every rank, replicas too
     timed, load = PrismTrace.load(out / "graph"), PrismTrace.load(out / "load" / "graph")
     assert timed.manifest["timing"]["compute_from"].startswith("load pass")
+    assert REPLICAS_KEY not in timed.manifest  # every rank's compute its own: no copies
 
     def rank0(t):
         o = np.lexsort((t.column("index"), t.column("rank")))

@@ -10,6 +10,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -18,6 +19,8 @@ from prismllm.childenv import ChildEnv, report_error, user_setting, variable
 from prismllm.errors import PrismError
 from prismllm.launch.status import reporter
 from prismllm.outdir import storage_problem
+from prismllm.replay.graph import MirrorError
+from prismllm.replay.mirror import plan_of
 from prismllm.trace.graph import PrismTrace
 
 
@@ -35,7 +38,16 @@ def main() -> int:
             need.append(f"{variable('tensor_store')} (or {variable('inputs')}=generated)")
         if need:
             raise AssistantError(f"missing environment: {', '.join(need)}")
-        trace = PrismTrace.load(child.graph, verify=False)  # the stage that launched it verified it
+        sandbox = child.sandbox
+
+        def played(manifest: dict, groups: Any) -> Any:
+            """The ranks whose nodes the assistant reads: the DP replicas' copies it leaves out
+            of its replay are not read either (prismllm.replay.mirror)."""
+            mirror = plan_of(manifest, groups, sandbox)
+            return None if mirror is None else np.flatnonzero(mirror < 0)
+
+        # the stage that launched it verified the graph
+        trace = PrismTrace.load(child.graph, verify=False, ranks=played)
         bad = [r for r in child.sandbox if not 0 <= r < trace.world_size]
         if bad:
             raise AssistantError(f"sandbox rank(s) {bad} outside the graph's world of {trace.world_size}")
@@ -57,9 +69,11 @@ def main() -> int:
                 f"PRISM_STAGE_AHEAD={user_setting('PRISM_STAGE_AHEAD')!r}: expected a number of calls"
             ) from None
         index, count = child.assistant_index or 0, child.assistants or 1
-        a = Assistant(
-            trace, child.sandbox, store, connect, timeout, backend, child.replay_timing or "fast", ahead, index, count
-        )
+        args = (child.sandbox, store, connect, timeout, backend, child.replay_timing or "fast", ahead, index, count)
+        try:
+            a = Assistant(trace, *args)
+        except MirrorError:  # a pair of calls across DP replicas: every rank read and replayed
+            a = Assistant(PrismTrace.load(child.graph, verify=False), *args, copies=False)
         if status is not None:
             status.add(a.status_lines, a.progress)
         a.run()
@@ -83,7 +97,9 @@ def main() -> int:
         gpu = f", GPU memory in use {(total - free) / 2**20:.0f} MiB"
     who = "prism assistant" if a.count == 1 else f"prism assistant {a.index} of {a.count}"
     print(
-        f"{who}: replayed {len(virt)} virtual rank(s) ({a.graph.num_nodes} nodes, {a.timing} timing), answered "
+        f"{who}: replayed {len(virt)} virtual rank(s)"
+        + (f" and moved {a.mirrored} copies of them with them" if a.mirrored else "")
+        + f" ({a.graph.num_nodes} nodes, {a.timing} timing), answered "
         f"{a.answered} collective(s) with the sandbox ({a.staged_hits} staged ahead) on {len(a.groups)} group(s) in "
         f"{time.monotonic() - t0:.1f} s; peak RSS {rss / 2**20:.0f} MiB{gpu}",
         flush=True,

@@ -85,6 +85,7 @@ from prismllm.errors import PrismError
 from prismllm.generate.store import TensorStore, dtype_from_name
 from prismllm.replay import INST_COLLECTIVE, ExternalEvent, Replay, ReplayGraph
 from prismllm.replay.gates import external_gates
+from prismllm.replay.mirror import mirror_plan
 from prismllm.trace.edges import match_p2p
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import KIND_COMM, P2P_OPS, split_reduce_op
@@ -124,6 +125,7 @@ class _Group:
     generated: C.GeneratedBuffers | None = None  # without a tensor store: the proxy's kept buffers
     entered: bool = False  # a call was entered on it (host clock: the first goes at once)
     issued: int = 0  # calls entered on the small group
+    copies: list[tuple[int, int]] | None = None  # (group rank of a copy left out of the replay, its image's)
     finished: int = 0  # ... and completed
     waiting: tuple[list[_Job], float] | None = None  # the entered job the completer waits on, since
     pg: Any = None
@@ -170,9 +172,12 @@ class Assistant:
         index: int = 0,
         count: int = 1,
         sandbox_order: bool | None = None,
+        copies: bool = True,
     ) -> None:
         """``sandbox_order``: launch every call in the sandbox ranks' program order (default: on
-        NCCL, which needs it; see ``_turn`` below)."""
+        NCCL, which needs it; see ``_turn`` below). ``copies``: leave the DP replicas' copies out
+        of the replay where the graph allows it (:func:`prismllm.replay.mirror.mirror_plan`;
+        MirrorError where its point-to-point calls do not)."""
         if timing not in TIMINGS:
             raise AssistantError(f"replay timing {timing!r}: expected one of {', '.join(TIMINGS)}")
         if stage_ahead < 0:
@@ -187,7 +192,11 @@ class Assistant:
         self.tensors = tensors
         self.connect = connect
         self.timeout = timeout
-        self.graph = ReplayGraph(trace, external=list(self.sandbox))
+        # the worlds of the sandbox ranks and one more are replayed; the other DP replicas, copies
+        # of the one more, move with it (prismllm.replay.mirror)
+        mirror = mirror_plan(trace, keep=self.sandbox) if copies else None
+        self.graph = ReplayGraph(trace, external=list(self.sandbox), mirror=mirror)
+        self.mirrored = int((mirror >= 0).sum()) if mirror is not None else 0
         if timing == "real":  # the calibration's durations (it solved this graph with the same rules)
             d = R.durations_for(
                 self.graph, R.measured(trace, self.graph.row), R.resolve_rule("auto", trace), R.slice_of_rank(trace)
@@ -195,7 +204,7 @@ class Assistant:
             self.replay = Replay(self.graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)
             # the planned end of each instance with the sandbox: where the solve of the whole
             # graph (sandbox ranks with their calibrated times) ends it
-            sol = R.solve(trace, validate_graph=False)
+            sol = R.solve(trace, validate_graph=False, mirror=mirror)
             full = sol.graph
             pos = np.empty(trace.num_nodes, dtype=np.int64)
             pos[full.row] = np.arange(full.num_nodes)
@@ -524,10 +533,11 @@ class Assistant:
             st = self._stores[rank] = TensorStore(self.tensors, rank)
         return st
 
-    def _input(self, grp: _Group, pos: int, op: str, peer: int = -1) -> torch.Tensor:
-        """A virtual member's recorded input of the call at node position ``pos``."""
+    def _input(self, grp: _Group, pos: int, op: str, peer: int = -1, rank: int | None = None) -> torch.Tensor:
+        """A virtual member's recorded input of the call at node position ``pos`` (``rank``: a
+        copy left out of the replay, whose call is its image's at ``pos``)."""
         g = self.graph
-        rank, seq = g.rank_of(pos), int(g.seq[pos])
+        rank, seq = g.rank_of(pos) if rank is None else rank, int(g.seq[pos])
         ts = self._store(rank).get(grp.name, grp.ranks, op, seq, peer, io="in")
         if not ts:
             raise AssistantError(
@@ -550,6 +560,12 @@ class Assistant:
         dtype = dtype_from_name(self._dtype[row]) if self._dtype[row] else torch.uint8
         gr = {r: i for i, r in enumerate(grp.ranks)}
         members = {gr[g.rank_of(p)]: p for p in ev.nodes}
+        if self.mirrored and op not in P2P_OPS:  # a copy's call is its image's, in the same group
+            if grp.copies is None:
+                mirror = g.mirror[grp.ranks]
+                grp.copies = [(v, gr[int(mirror[v])]) for v in np.flatnonzero(mirror >= 0).tolist()]
+            for v, image in grp.copies:
+                members[v] = members[image]
         if op in P2P_OPS:
             me, peer = gr[g.rank_of(p0)], gr[int(g.peer[p0])]
             src, dst = (me, peer) if op == "send" else (peer, me)
@@ -559,7 +575,7 @@ class Assistant:
             return p, _Inputs(lambda m: self._input(grp, p0, "send", int(g.peer[p0])), {0: p0})
         if op == "barrier":
             return C.plan_once(C.plan_barrier, n, G), {}
-        ins = _Inputs(lambda v: self._input(grp, members[v], op), members)  # read when used
+        ins = _Inputs(lambda v: self._input(grp, members[v], op, rank=grp.ranks[v]), members)  # read when used
         if op == "all_reduce":
             return C.plan_once(C.plan_all_reduce, n, G, shape, red, dtype=dtype, factor=factor), ins
         if op == "broadcast":
@@ -578,7 +594,7 @@ class Assistant:
             root = gr[int(g.peer[p0])]
 
             def root_list(v: int) -> Any:
-                x = self._input(grp, members[v], op)
+                x = self._input(grp, members[v], op, rank=grp.ranks[v])
                 return [x] * n if isinstance(x, torch.Tensor) else x  # generated: zeros of one chunk
 
             return C.plan_once(C.plan_scatter, n, G, shape, root, dtype=dtype), _Inputs(root_list, members)
@@ -747,7 +763,8 @@ class Assistant:
         its = self.graph.iterations
         doc = {
             "timing": self.timing,
-            "virtual_ranks": len(self.graph.ranks),
+            "virtual_ranks": len(self.graph.ranks) + self.mirrored,
+            "replayed_ranks": len(self.graph.ranks),  # the others moved with their copies
             "iterations": [int(k) for k in its],
             "iteration_ns": [int(x) for x in res.iteration_ns],
             "steady_iterations": [int(k) for k in res.steady_iterations],

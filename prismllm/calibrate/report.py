@@ -19,6 +19,7 @@ from prismllm.outputs import GRAPH_DIR, SUMMARY_FILE
 from prismllm.replay import INST_P2P, Solution
 from prismllm.terminal import Table
 from prismllm.trace.graph import PrismTrace
+from prismllm.trace.schema import REPLICAS_KEY
 from prismllm.trace.summary import fmt_ns
 
 CALIBRATED_FILE = "calibrated.parquet"
@@ -114,7 +115,7 @@ def calibrated_trace(sol: Solution) -> PrismTrace:
         }
     )
     manifest = {
-        **trace.manifest,
+        **{k: v for k, v in trace.manifest.items() if k != REPLICAS_KEY or sol.replicas_copied},
         "mode": "calibrated",
         "clock": "logical",
         "calibration": {"transfer_rule": sol.rule, "from_mode": trace.manifest.get("mode")},

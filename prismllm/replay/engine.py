@@ -320,7 +320,7 @@ class Replay:
             op=g.op_names[g.inst_op[i]],
             group=int(g.inst_group[i]),
             virtual_ranks=virt,
-            external_ranks=tuple(r for r in members if not g._is_virtual[r]),
+            external_ranks=tuple(r for r in members if g.is_external(r)),
             nodes=tuple(int(x) for x in nodes),
         )
 

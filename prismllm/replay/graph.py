@@ -31,6 +31,10 @@ class ReplayError(PrismError):
         self.rank, self.index, self.op, self.group = rank, index, op, group
 
 
+class MirrorError(TraceError):
+    """Ranks given as copies (``mirror``) that the graph's groups do not let the replay leave out."""
+
+
 # ---------------------------------------------------------------------- helpers
 def ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """Concatenation of arange(s, s + c) for each (s, c): CSR gathers without a Python loop."""
@@ -88,9 +92,23 @@ class ReplayGraph:
     Mismatches (a member that never issues its part) are not rejected here: they surface as a
     :class:`ReplayError` when the loop gets stuck on them. Run
     :func:`prismllm.trace.validate` first for a static check of the whole graph.
+
+    ``mirror`` (per rank of the world: the virtual rank it moves with, or -1) leaves out ranks
+    that are copies of a virtual rank (a solo capture's DP replicas, renamed: :func:`mirror_plan`):
+    a mirrored rank arrives at each of its calls when the rank it mirrors does, so it is no
+    member that an instance waits for, and an instance of mirrored ranks alone is not replayed.
+    That is exact where every group holding a mirrored rank and a replayed or external one also
+    holds the rank it mirrors (the DP group of a replica and its image); :class:`MirrorError`
+    otherwise.
     """
 
-    def __init__(self, trace: PrismTrace, ranks: Iterable[int] | None = None, external: Iterable[int] = ()) -> None:
+    def __init__(
+        self,
+        trace: PrismTrace,
+        ranks: Iterable[int] | None = None,
+        external: Iterable[int] = (),
+        mirror: np.ndarray | None = None,
+    ) -> None:
         self.trace = trace
         self.world_size = trace.world_size
         all_rank = trace.column("rank").astype(_I64)
@@ -99,10 +117,20 @@ class ReplayGraph:
         if len(bad):
             raise ValueError(f"rank {bad[0]} is outside the world (0..{self.world_size - 1})")
         ext = np.fromiter((int(r) for r in external), dtype=_I64)
-        self.ranks: np.ndarray = want[~np.isin(want, ext)]  # virtual ranks, ascending
-        self.external_ranks: np.ndarray = np.setdiff1d(np.arange(self.world_size, dtype=_I64), self.ranks)
+        self.mirror: np.ndarray = (
+            np.full(self.world_size, -1, dtype=_I64) if mirror is None else np.asarray(mirror, _I64)
+        )
+        self._is_mirrored = self.mirror >= 0
+        if len(ext) and self._is_mirrored[ext].any():
+            raise ValueError(f"rank {ext[self._is_mirrored[ext]][0]} is external and mirrored")
+        self.ranks: np.ndarray = want[~np.isin(want, ext) & ~self._is_mirrored[want]]  # virtual ranks, ascending
+        self.external_ranks: np.ndarray = np.setdiff1d(
+            np.arange(self.world_size, dtype=_I64), np.r_[self.ranks, np.flatnonzero(self._is_mirrored)]
+        )
         self._is_virtual = np.zeros(self.world_size, dtype=bool)
         self._is_virtual[self.ranks] = True
+        if not self._is_virtual[self.mirror[self._is_mirrored]].all():
+            raise ValueError("a mirrored rank must mirror a virtual rank")
         sub = self._select_nodes(all_rank)
         self._kinds(sub)
         self._groups()
@@ -188,7 +216,26 @@ class ReplayGraph:
         self.group_size[gids] = glen
         self.group_virtual: np.ndarray = np.zeros(ng, dtype=_I64)
         inside = (gflat >= 0) & (gflat < self.world_size)
-        np.add.at(self.group_virtual, np.repeat(gids, glen)[inside], self._is_virtual[gflat[inside]].astype(_I64))
+        owner = np.repeat(gids, glen)[inside]
+        np.add.at(self.group_virtual, owner, self._is_virtual[gflat[inside]].astype(_I64))
+        # members that move with a virtual one: neither waited for nor external
+        self.group_mirrored: np.ndarray = np.zeros(ng, dtype=_I64)
+        if self._is_mirrored.any():
+            member = gflat[inside]
+            mirrored = self._is_mirrored[member]
+            np.add.at(self.group_mirrored, owner, mirrored.astype(_I64))
+            mixed = (self.group_mirrored[owner] > 0) & (self.group_mirrored[owner] < self.group_size[owner])
+            check = mirrored & mixed
+            if check.any():
+                keys = np.unique(owner * self.world_size + member)
+                image = owner[check] * self.world_size + self.mirror[member[check]]
+                away = np.flatnonzero(~np.isin(image, keys))
+                if len(away):
+                    m, g = int(member[check][away[0]]), int(owner[check][away[0]])
+                    raise MirrorError(
+                        f"group {self.trace.group_label(g)} holds rank {m} but not rank {self.mirror[m]}, which "
+                        f"rank {m} is a copy of: the copy cannot be left out of the replay"
+                    )
         unknown = np.flatnonzero(self._is_coll & ((self.group < 0) | (self.group_size[np.maximum(self.group, 0)] == 0)))
         if len(unknown):
             raise TraceError(f"{self.describe(int(unknown[0]))} names a group that is not in groups.parquet")
@@ -236,13 +283,20 @@ class ReplayGraph:
         # waits for a peer that never comes (the deadlock error names it)
         lpeer = self.peer[lone]
         peer_ext = (lpeer >= 0) & (lpeer < self.world_size)
+        mirrored_peer = np.zeros(len(lone), dtype=bool)
+        mirrored_peer[peer_ext] = self._is_mirrored[lpeer[peer_ext]]
+        if mirrored_peer.any():
+            p = int(lone[np.flatnonzero(mirrored_peer)[0]])
+            raise MirrorError(
+                f"{self.describe(p)}: its peer is a copy left out of the replay, and the pair would never meet"
+            )
         peer_ext[peer_ext] = ~self._is_virtual[lpeer[peer_ext]]
         cg = self.inst_group[:n_coll]
         self.inst_needed: np.ndarray = np.r_[
             self.group_virtual[cg], np.full(n_pair, 2), np.where(peer_ext, 1, 2)
         ].astype(_I64)
         self.inst_external: np.ndarray = np.r_[
-            self.group_virtual[cg] < self.group_size[cg], np.zeros(n_pair, bool), peer_ext
+            self.group_virtual[cg] + self.group_mirrored[cg] < self.group_size[cg], np.zeros(n_pair, bool), peer_ext
         ]
         count = np.diff(self.inst_ptr)
         over = np.flatnonzero(count > self.inst_needed)
@@ -376,8 +430,12 @@ class ReplayGraph:
     def op(self, pos: int) -> str:
         return self.op_names[self.op_code[pos]]
 
+    def is_external(self, rank: int) -> bool:
+        """A rank the replay does not play: neither virtual nor moving with a virtual one."""
+        return not self._is_virtual[rank] and not self._is_mirrored[rank]
+
     def instance_ranks(self, inst: int) -> list[int]:
-        """Global ranks that take part in an instance (virtual and external)."""
+        """Global ranks that take part in an instance (virtual, mirrored and external)."""
         if self.inst_kind[inst] == INST_COLLECTIVE:
             return list(self.trace.group_info()[int(self.inst_group[inst])]["ranks"])
         p = int(self.inst_nodes[self.inst_ptr[inst]])

@@ -8,6 +8,8 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from prismllm.replay.durations import (
     CalibrationError,
     Durations,
@@ -21,6 +23,7 @@ from prismllm.replay.durations import (
 from prismllm.replay.engine import Replay, ReplayResult
 from prismllm.replay.graph import ReplayGraph
 from prismllm.trace.graph import PrismTrace
+from prismllm.trace.schema import REPLICAS_KEY
 from prismllm.trace.validate import validate
 
 
@@ -38,6 +41,7 @@ class Solution:
     rounds: int
     timings_s: dict[str, float]
     durations_from: str | None = None
+    replicas_copied: bool = False  # the replicas' solved times are their representatives' (a copy's)
 
 
 def solve(
@@ -48,12 +52,16 @@ def solve(
     names: tuple[str, str] = ("GRAPH", "OTHER"),
     validate_graph: bool = True,
     adjust: Callable[[ReplayGraph, Durations], None] | None = None,
+    mirror: np.ndarray | None = None,
 ) -> Solution:
     """Solve ``trace`` with its own measured durations, or with those of ``durations`` (a graph
     of the same structure). ``rule``: see :func:`instance_transfer`; ``auto`` picks it from the
     graph the durations come from (:func:`resolve_rule`). ``adjust(graph, durations)`` may change
-    the durations in place before the replay (``prism whatif``)."""
+    the durations in place before the replay (``prism whatif``). ``mirror``: the ranks left out
+    as copies (:func:`prismllm.replay.mirror.mirror_plan`); the solution then holds the others."""
     source = durations if durations is not None else trace
+    if mirror is not None and durations is not None:
+        raise ValueError("a solve with another graph's durations replays every rank (mirror=None)")
     rule = resolve_rule(rule, source)
     t = {}
     t0 = time.perf_counter()
@@ -63,7 +71,7 @@ def solve(
         t0 = time.perf_counter()
     if not trace.num_nodes:
         raise CalibrationError(f"graph {names[0]} has no nodes")
-    graph = ReplayGraph(trace)
+    graph = ReplayGraph(trace, mirror=mirror)
     t["build"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if durations is None:
@@ -82,7 +90,17 @@ def solve(
     rep = Replay(graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)
     res = rep.run_to_end()
     t["replay"] = time.perf_counter() - t0
-    return Solution(trace=trace, graph=graph, result=res, durations=d, rule=rule, rounds=rep.rounds, timings_s=t)
+    copied = adjust is None and REPLICAS_KEY in trace.manifest and REPLICAS_KEY in source.manifest
+    return Solution(
+        trace=trace,
+        graph=graph,
+        result=res,
+        durations=d,
+        rule=rule,
+        rounds=rep.rounds,
+        timings_s=t,
+        replicas_copied=copied,
+    )
 
 
 __all__ = ["Solution", "solve"]

@@ -56,6 +56,7 @@ from prismllm.trace.assemble import assemble_spool
 from prismllm.trace.graph import PrismTrace, read_manifest
 from prismllm.trace.ranklog import ranklog_path
 from prismllm.trace.replicate import assemble_replicated
+from prismllm.trace.schema import REPLICAS_KEY
 
 SLICES_DIR = "slices"
 STATE_FILE = "time.json"
@@ -209,7 +210,9 @@ def _with_compute_of(trace: PrismTrace, other: PrismTrace) -> PrismTrace:
     dur[a[compute]] = np.asarray(other.column("duration_ns"), dtype=np.int64)[b[compute]]
     i = trace.nodes.schema.get_field_index("duration_ns")
     nodes = trace.nodes.set_column(i, trace.nodes.schema.field(i), pa.array(dur, type=pa.int64()))
-    return dataclasses.replace(trace, nodes=nodes)
+    # every rank's compute its own: the replicas are no longer copies
+    manifest = {k: v for k, v in trace.manifest.items() if k != REPLICAS_KEY}
+    return dataclasses.replace(trace, manifest=manifest, nodes=nodes)
 
 
 def slice_dir(out: Path, k: int) -> Path:
@@ -498,7 +501,7 @@ def _time_slices(
                         say(line)
     # the bare graph's manifest, its program fingerprint and command included (what
     # `prism emulate` checks a launch of the timed or calibrated graph against)
-    tm = {k: v for k, v in manifest.items() if k not in ("peak_memory_bytes", "capture")}
+    tm = {k: v for k, v in manifest.items() if k not in ("peak_memory_bytes", "capture", REPLICAS_KEY)}
     # which slice measured each rank (a replica: its representative's): calibration takes an
     # instance's transfer per slice, the members measured together sharing one measurement
     slice_of = [-1] * world

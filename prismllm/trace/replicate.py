@@ -28,7 +28,7 @@ from prismllm.trace.assemble import (
 from prismllm.trace.edges import build_edges, group_rank_lookup
 from prismllm.trace.graph import PrismTrace, TraceError
 from prismllm.trace.ranklog import GroupInfo
-from prismllm.trace.schema import ITERATION_SCHEMA, KIND_COMM, NODE_SCHEMA
+from prismllm.trace.schema import ITERATION_SCHEMA, KIND_COMM, NODE_SCHEMA, REPLICAS_KEY
 
 _ROOTED_OPS = ("broadcast", "reduce", "gather", "scatter")
 
@@ -118,6 +118,8 @@ def assemble_replicated(
     out = graph_manifest(
         manifest, parts, world_size, {str(r): peak[int(rep)] for r, rep in enumerate(replica_of.tolist())}
     )
+    if len(reps) < world_size:
+        out[REPLICAS_KEY] = {"representatives": len(reps), "copies": world_size - len(reps)}
     return PrismTrace(manifest=out, nodes=nodes, edges=edges, groups=all_groups, iterations=iterations)
 
 

@@ -174,7 +174,12 @@ MANIFEST_VALUES = {
     "calibration": "an object",
     "versions": "an object",
     "peak_memory_bytes": "an object",
+    "replicas": "an object",
 }
+# The manifest key of a graph whose replicas are their representatives' copies, renamed (every
+# duration equal; prismllm.trace.replicate writes it): what lets a replay leave most of them out
+# (prismllm.replay.mirror). A stage that gives ranks durations of their own drops it.
+REPLICAS_KEY = "replicas"
 # A graph directory may also hold the collective tensors its recording saved (prismllm.generate.store).
 TENSORS_DIR = "tensors"
 # ... and the object lists a solo capture's ranks sent each other (send_object_list), one file a

@@ -1,0 +1,127 @@
+"""A replay that leaves out the DP replicas' copies (prismllm.replay.mirror): a graph assembled
+from its representatives (a solo capture's, a slice timing's) is the same program once per edp
+coordinate; replaying the worlds that matter and one generic world gives every replayed rank
+the times of the replay of all ranks, to the nanosecond."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from prismllm.layout import Layout, replica_plan
+from prismllm.replay import ReplayGraph, solve
+from prismllm.replay.graph import MirrorError
+from prismllm.replay.mirror import mirror_plan
+from prismllm.trace import validate
+from prismllm.trace.ranklog import write_ranklog
+from prismllm.trace.replicate import assemble_replicated
+from prismllm.trace.schema import REPLICAS_KEY
+from prismllm.trace.synth import synthetic_logs
+
+WORLD, TP, PP = 64, 2, 2  # 16 DP replicas of 4 representatives
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    """The synthetic TP·PP·DP program's representatives' logs (durations of their own: each
+    node's time depends on its rank), assembled as a solo capture assembles them."""
+    layout = Layout.parse(f"tp={TP},pp={PP}", WORLD)
+    plan = replica_plan(layout)
+    spool = tmp_path_factory.mktemp("spool")
+    for log in synthetic_logs(WORLD, 60, tp=TP, pp=PP):
+        if log.rank in plan.representatives:
+            for k, node in enumerate(log.nodes):  # uneven durations, so that a wrong wait shows
+                if node.get("kind") == "compute":
+                    node["duration_ns"] = 1_000 * (1 + (k * 7 + log.rank * 13) % 11)
+                    node["end_ns"] = node["start_ns"] + node["duration_ns"]
+            write_ranklog(spool, log)
+    manifest = {"mode": "solo", "command": ["train.py"], "layout": layout.to_dict()}
+    trace = assemble_replicated(spool, manifest, replica_of=plan.replica_of, map_of=plan.map_of, rename=plan.rename)
+    validate(trace)
+    return trace
+
+
+def test_the_worlds_kept_and_the_rest_moved_with_the_generic_one(replicated):
+    assert replicated.manifest[REPLICAS_KEY] == {"representatives": 4, "copies": 60}
+    mirror = mirror_plan(replicated, keep=[WORLD - 1])
+    edp = Layout.parse(f"tp={TP},pp={PP}", WORLD).coords_array()["dp"]
+    played = np.flatnonzero(mirror < 0)
+    assert sorted(set(edp[played].tolist())) == [0, 15]  # the generic world (the first free) and rank 63's
+    left = np.flatnonzero(mirror >= 0)
+    assert len(left) == WORLD - 8 and np.all(edp[mirror[left]] == 0)
+    assert np.array_equal(mirror[left] % (TP * 16), left % TP)  # same tp (and pp) coordinates
+    assert mirror_plan(replicated, keep=range(WORLD - 4, WORLD)) is not None
+    assert mirror_plan(replicated, keep=range(0, WORLD, TP)) is None  # every world holds a kept rank
+
+
+def test_a_solve_of_the_played_worlds_gives_the_solve_of_every_rank(replicated):
+    full = solve(replicated, validate_graph=False)
+    mirror = mirror_plan(replicated, keep=[5, WORLD - 1])
+    part = solve(replicated, validate_graph=False, mirror=mirror)
+    assert part.graph.num_nodes < full.graph.num_nodes / 4
+    assert part.result.predicted_iteration_ns == full.result.predicted_iteration_ns is not None
+    assert np.array_equal(part.result.iteration_ns, full.result.iteration_ns)
+    for r in part.graph.ranks.tolist():
+        for a, b in zip(part.result.node_times(r), full.result.node_times(r)):
+            assert np.array_equal(a, b), r
+    # and a rank left out ran as its image did
+    r = int(np.flatnonzero(mirror >= 0)[0])
+    for a, b in zip(full.result.node_times(r), full.result.node_times(int(mirror[r]))):
+        assert np.array_equal(a, b)
+    assert part.replicas_copied and full.replicas_copied
+
+
+def test_nothing_is_left_out_of_a_graph_whose_replicas_are_not_copies(replicated):
+    """A recording, a slice timing of every rank, or a program's group across a few replicas."""
+    unmarked = {k: v for k, v in replicated.manifest.items() if k != REPLICAS_KEY}
+    assert mirror_plan(dataclasses.replace(replicated, manifest=unmarked)) is None
+    g = replicated.groups
+    across = pa.table(
+        {
+            c: pa.array([v], g.schema.field(c).type)
+            for c, v in (("group_id", g.num_rows), ("name", "pair"), ("desc", "pair"), ("ranks", [0, TP]))
+        }  # rank 0 and its first replica  # fmt: skip
+    )
+    uneven = dataclasses.replace(replicated, groups=pa.concat_tables([g, across.select(g.schema.names)]))
+    assert mirror_plan(uneven) is None
+
+
+def test_a_copy_whose_group_lacks_its_image_is_refused(replicated):
+    mirror = np.full(WORLD, -1, dtype=np.int64)
+    mirror[TP * 3] = TP * 16  # a replica of rank 0 given rank 32 (another pipeline stage) as its image
+    with pytest.raises(MirrorError, match="cannot be left out"):
+        ReplayGraph(replicated, mirror=mirror)
+
+
+def test_a_reader_of_a_few_ranks_reads_their_nodes_alone(replicated, tmp_path):
+    """What an assistant reads: the played ranks' nodes (no edges), from which the replay is the
+    one of the whole graph with the copies left out; such a graph is not saved."""
+    from prismllm.errors import PrismError
+    from prismllm.replay.mirror import plan_of
+    from prismllm.trace.graph import PrismTrace
+
+    path = replicated.save(tmp_path / "g")
+    part = PrismTrace.load(path, ranks=lambda m, g: np.flatnonzero(plan_of(m, g, [WORLD - 1]) < 0))
+    mirror = mirror_plan(replicated, keep=[WORLD - 1])
+    assert part.partial and part.edges.num_rows == 0
+    assert sorted(set(part.column("rank").tolist())) == np.flatnonzero(mirror < 0).tolist()
+    assert part.iterations.num_rows == 8 * 2
+    a = solve(part, validate_graph=False, mirror=mirror_plan(part, keep=[WORLD - 1]))
+    b = solve(replicated, validate_graph=False, mirror=mirror)
+    assert np.array_equal(a.result.start_ns, b.result.start_ns) and np.array_equal(a.result.end_ns, b.result.end_ns)
+    with pytest.raises(PrismError, match="cannot be saved"):
+        part.save(tmp_path / "h")
+    assert not PrismTrace.load(path, ranks=lambda m, g: None).partial
+
+
+def test_a_calibration_keeps_the_mark_unless_its_durations_were_changed(replicated):
+    """The calibrated graph of a graph of copies is one too (a replay of equal durations gives
+    equal times), but not after `prism whatif` changed some ranks' durations."""
+    from prismllm.calibrate.report import calibrated_trace
+
+    assert REPLICAS_KEY in calibrated_trace(solve(replicated, validate_graph=False)).manifest
+    changed = solve(replicated, validate_graph=False, adjust=lambda g, d: None)
+    assert not changed.replicas_copied and REPLICAS_KEY not in calibrated_trace(changed).manifest
