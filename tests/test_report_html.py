@@ -245,6 +245,7 @@ def samples() -> dict[str, dict]:
         "gpu-vs-cpu": make_compared(gpu, before(cpu)),
         "gpu-iterations": with_iterations(gpu),
         "large-1024ranks": large,
+        "large-16384ranks": make_large(cpu, dp=256, spans_per_rank=200),
         "large-no-layout": make_unlaid(large),
         "moe-skew": make_moe(cpu),
         "sparse": make_sparse(cpu),
@@ -468,6 +469,7 @@ def screenshot(o: Opened, name: str, tmp: Path, suffix: str = "") -> None:
         "gpu-vs-cpu",
         "gpu-iterations",
         "large-1024ranks",
+        "large-16384ranks",
         "large-no-layout",
         "moe-skew",
         "sparse",
@@ -486,7 +488,11 @@ def test_page_draws(browser, files, pages, tmp_path, name):
             if len(d["breakdown"]["ranks"]) > 64:  # grouped (per stage) and a strip of every rank
                 groups = d["layout"]["pp"] if d["layout"] else 64
                 assert o.count("#breakdown-chart svg .whisker") == groups
-                assert o.count("#breakdown-chart svg g rect[data-tip]") >= d["world_size"]
+                # a cell a rank, or past 2048 ranks a cell a run of them
+                per = -(-d["world_size"] // 2048)
+                assert o.count("#breakdown-chart svg g rect[data-tip]") == -(-d["world_size"] // per)
+                if d["layout"]:  # a tick where each stage but the first begins
+                    assert o.count("#breakdown-chart svg line.sep") == groups - 1
         if d["memory"]["known"]:
             g = d["memory"]["grid"]["values"] if d["memory"]["grid"] else [d["memory"]["per_rank"]]
             assert o.count("#memory-chart rect.cell") == len(g) * len(g[0])
