@@ -66,6 +66,8 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--global-batch", type=int, default=None, help="default: the world size")
     ap.add_argument("--sandbox", default=None, help="default: the last rank")
+    ap.add_argument("--parallel", type=int, default=None, help="prism run --parallel (default: its own)")
+    ap.add_argument("--no-browser", action="store_true", help="do not open the report (a machine without Chromium)")
     a = ap.parse_args()
     tag = a.tag or f"{a.devices.split(':')[0]}_{a.world}"
     out = Path(a.work) / tag
@@ -74,7 +76,7 @@ def main() -> int:
             "--global-batch", str(a.global_batch or a.world), "--iters", "3"]  # fmt: skip
     cmd = [PRISM, "run", "--world", str(a.world), "--layout", f"tp={a.tp},pp={a.pp}",
            "--sandbox", a.sandbox or str(a.world - 1), "--devices", a.devices, "--out", str(out), "--force",
-           "--", *prog]  # fmt: skip
+           *(["--parallel", str(a.parallel)] if a.parallel else []), "--", *prog]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -85,7 +87,7 @@ def main() -> int:
     report = (out / "report.html").resolve()
     RESULTS.mkdir(parents=True, exist_ok=True)
     shot = RESULTS / f"run_at_scale_{tag}.png"
-    times = open_times(report, shot)
+    times = [None, None] if a.no_browser else open_times(report, shot)
     result = {
         "benchmark": "run_at_scale",
         "machine": platform.node(),
