@@ -440,6 +440,9 @@ def test_a_gpu_list_is_a_pool(monkeypatch):
     assert _parallel_and_devices(opts) == (2, "cuda", [0, 0])
     with pytest.raises(PrismError, match=r"lists 1 GPU\(s\) for --parallel 2"):
         _parallel_and_devices(CaptureOptions(world=8, out="o", script="s", devices="cuda:0", parallel=2))
+    # auto with more ranks at a time than GPUs shares them, as the slices of `prism run` will: a
+    # capture on the CPU gave a graph (fp32) that its GPU slices (bf16) deviated from
+    assert _parallel_and_devices(CaptureOptions(world=8, out="o", script="s", parallel=3)) == (3, "cuda", [0, 0, 0])
 
 
 def test_every_visible_gpu_runs_a_rank_or_a_slice_by_default(monkeypatch):

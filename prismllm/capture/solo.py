@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from prismllm import __version__
+from prismllm.capture import common
 from prismllm.capture.common import (
     SPOOL_DIR,
     build_manifest,
@@ -210,7 +211,8 @@ def _fingerprint_diff(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 def _parallel_and_devices(opts: CaptureOptions) -> tuple[int, str, str | list[int]]:
     """(G ranks at a time, device kind, launcher devices: "cpu" or G GPU indices). A GPU list
     runs one rank per listed GPU (a GPU listed twice runs two of them); ``cuda`` and ``auto``
-    one per visible GPU (``auto``: the CPU, one rank at a time, where none is)."""
+    one per visible GPU (``auto``: the CPU, one rank at a time, where none is; the visible GPUs
+    shared where ``--parallel`` asks for more ranks at a time than there are GPUs)."""
     try:
         dev = parse_devices(opts.devices)
     except ValueError as e:
@@ -225,6 +227,13 @@ def _parallel_and_devices(opts: CaptureOptions) -> tuple[int, str, str | list[in
             f"--devices {dev.text} lists {len(dev.gpus)} GPU(s) for --parallel {g}: one rank runs on "
             f"each listed GPU (list a GPU twice to run two ranks on it)"
         )
+    if dev.kind == "auto":
+        available, count = common.cuda_info()
+        if available and g > count:
+            # more ranks at a time than GPUs: they share them, as auto's slices and emulation do
+            # (not the CPU: a program that picks its dtype by device, gpt3d's bf16 on CUDA, would
+            # have a graph its GPU slices deviate from in `prism run`)
+            return g, "cuda", [i % count for i in range(g)]
     device, devices = resolve_devices(dev.text, g)  # the first G of a longer list
     return g, device, devices
 

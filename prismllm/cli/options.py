@@ -48,8 +48,8 @@ class Option:
 DEVICES_HELP = (
     "where processes run: cpu (processes stand in for devices; gloo), cuda (a GPU per process, in index order), "
     "cuda:G,G,... (these GPUs, in order, as many as a run needs from the front; a GPU listed twice is shared: "
-    "right values and memory, not the timing of linked GPUs), or auto (the default): a GPU per process where there are enough, else one GPU shared by a "
-    "sandbox run's processes, else cpu"
+    "right values and memory, not the timing of linked GPUs), or auto (the default): a GPU per process where there are enough, else the GPUs shared by a "
+    "capture's or a sandbox run's processes, else cpu"
 )
 
 SHARED: dict[str, Option] = {
