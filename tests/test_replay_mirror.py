@@ -55,6 +55,7 @@ def test_the_worlds_kept_and_the_rest_moved_with_the_generic_one(replicated):
     assert np.array_equal(mirror[left] % (TP * 16), left % TP)  # same tp (and pp) coordinates
     assert mirror_plan(replicated, keep=range(WORLD - 4, WORLD)) is not None
     assert mirror_plan(replicated, keep=range(0, WORLD, TP)) is None  # every world holds a kept rank
+    assert mirror_plan(replicated, keep=[WORLD]) is None  # a rank outside: the caller refuses it
 
 
 def test_a_solve_of_the_played_worlds_gives_the_solve_of_every_rank(replicated):

@@ -49,7 +49,10 @@ def plan_of(manifest: dict[str, Any], groups: pa.Table, keep: Iterable[int] = ()
     if layout is None or layout.edp < 2:
         return None
     edp = layout.coords_array()["dp"]
-    kept = np.unique(edp[np.fromiter((int(r) for r in keep), dtype=_I64)])
+    keep = np.fromiter((int(r) for r in keep), dtype=_I64)
+    if len(keep) and (keep.min() < 0 or keep.max() >= world):
+        return None  # the caller's check of its ranks says what is wrong
+    kept = np.unique(edp[keep])
     free = np.setdiff1d(np.arange(layout.edp, dtype=_I64), kept)
     if len(free) < 2:
         return None
