@@ -125,10 +125,10 @@ class _Group:
     generated: C.GeneratedBuffers | None = None  # without a tensor store: the proxy's kept buffers
     entered: bool = False  # a call was entered on it (host clock: the first goes at once)
     issued: int = 0  # calls entered on the small group
-    copies: list[tuple[int, int]] | None = None  # (group rank of a copy left out of the replay, its image's)
     finished: int = 0  # ... and completed
     waiting: tuple[list[_Job], float] | None = None  # the entered job the completer waits on, since
     pg: Any = None
+    copies: list[tuple[int, int]] | None = None  # (group rank of a copy left out of the replay, its image's)
     thread: threading.Thread | None = None
 
 
@@ -764,7 +764,7 @@ class Assistant:
         doc = {
             "timing": self.timing,
             "virtual_ranks": len(self.graph.ranks) + self.mirrored,
-            "replayed_ranks": len(self.graph.ranks),  # the others moved with their copies
+            "replayed_ranks": len(self.graph.ranks),  # the others moved with the ranks they copy
             "iterations": [int(k) for k in its],
             "iteration_ns": [int(x) for x in res.iteration_ns],
             "steady_iterations": [int(k) for k in res.steady_iterations],
