@@ -126,3 +126,52 @@ def test_a_calibration_keeps_the_mark_unless_its_durations_were_changed(replicat
     assert REPLICAS_KEY in calibrated_trace(solve(replicated, validate_graph=False)).manifest
     changed = solve(replicated, validate_graph=False, adjust=lambda g, d: None)
     assert not changed.replicas_copied and REPLICAS_KEY not in calibrated_trace(changed).manifest
+
+
+def _synthetic_replicated(out, world: int, tp: int, pp: int):
+    """test_replay_mirror's program at ``world`` ranks, saved twice: as captured (its replicas
+    marked as copies) and unmarked (every rank solved)."""
+    from prismllm.trace.graph import PrismTrace
+
+    layout = Layout.parse(f"tp={tp},pp={pp}", world)
+    plan = replica_plan(layout)
+    spool = out / "spool"
+    spool.mkdir()
+    for log in synthetic_logs(world, 40, tp=tp, pp=pp):
+        if log.rank in plan.representatives:
+            for k, node in enumerate(log.nodes):
+                if node.get("kind") == "compute":
+                    node["duration_ns"] = 1_000 * (1 + (k * 7 + log.rank * 13) % 11)
+                    node["end_ns"] = node["start_ns"] + node["duration_ns"]
+            write_ranklog(spool, log)
+    manifest = {"mode": "solo", "command": ["train.py"], "layout": layout.to_dict()}
+    trace = assemble_replicated(spool, manifest, replica_of=plan.replica_of, map_of=plan.map_of, rename=plan.rename)
+    marked = trace.save(out / "marked")
+    unmarked = {k: v for k, v in trace.manifest.items() if k != REPLICAS_KEY}
+    plain = dataclasses.replace(trace, manifest=unmarked).save(out / "plain")
+    return marked, plain, PrismTrace
+
+
+@pytest.mark.parametrize("world, tp, pp", [(1024, 8, 4), (8192, 8, 8)])
+def test_calibrate_solves_one_world_for_all_and_says_what_the_rank_by_rank_solve_says(tmp_path, world, tp, pp):
+    """`prism calibrate` of a graph whose replicas are copies replays one world (tp·pp ranks) and
+    gives every rank its image's times: the summary (prediction, critical path, per-rank figures,
+    node and instance counts), the per-node table and the calibrated graph equal the solve of
+    every rank, to the nanosecond."""
+    import pyarrow.parquet as pq
+
+    from prismllm.calibrate import calibrate
+
+    marked, plain, PrismTrace = _synthetic_replicated(tmp_path, world, tp, pp)
+    a = calibrate(marked, tmp_path / "a", write_graph=True)
+    b = calibrate(plain, tmp_path / "b", write_graph=True)
+    assert a["replayed"]["ranks"] == tp * pp and "replayed" not in b
+    assert a["predicted_iteration_ns"] == b["predicted_iteration_ns"] is not None
+    skip = {"replayed", "solve", "graph"}
+    assert {k: v for k, v in a.items() if k not in skip} == {k: v for k, v in b.items() if k not in skip}
+    assert pq.read_table(tmp_path / "a" / "calibrated.parquet").equals(
+        pq.read_table(tmp_path / "b" / "calibrated.parquet")
+    )
+    ga, gb = PrismTrace.load(tmp_path / "a" / "graph"), PrismTrace.load(tmp_path / "b" / "graph")
+    assert ga.nodes.equals(gb.nodes) and ga.iterations.equals(gb.iterations)
+    assert REPLICAS_KEY in ga.manifest and REPLICAS_KEY not in gb.manifest

@@ -27,6 +27,8 @@ from prismllm.calibrate.report import (
 from prismllm.outdir import must_replace, writing
 from prismllm.outputs import SUMMARY_FILE
 from prismllm.replay import TRANSFER_RULES, CalibrationError, Solution, solve
+from prismllm.replay.graph import MirrorError
+from prismllm.replay.mirror import mirror_plan
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.summary import steady_iteration_time
 
@@ -53,9 +55,20 @@ def calibrate(
         trace = PrismTrace.load(graph, verify)
         other = PrismTrace.load(durations, verify) if durations is not None else None
         load_s = time.perf_counter() - t0
-        sol = solve(
-            trace, durations=other, rule=rule, validate_graph=validate_graph, names=(str(graph), str(durations))
-        )
+        # a graph of DP replicas that copy their representatives is solved one world (edp
+        # coordinate) for all: the copies' times are their images' (prismllm.replay.mirror)
+        names = (str(graph), str(durations))
+        try:
+            sol = solve(
+                trace,
+                durations=other,
+                rule=rule,
+                validate_graph=validate_graph,
+                names=names,
+                mirror=mirror_plan(trace) if other is None else None,
+            )
+        except MirrorError:  # a pair of calls across DP replicas: every rank solved (validated above)
+            sol = solve(trace, durations=other, rule=rule, validate_graph=False, names=names)
         t0 = time.perf_counter()
         summary = summarize(
             sol, str(graph), str(durations) if durations is not None else None, {"load": load_s, **sol.timings_s}

@@ -16,7 +16,7 @@ from prismllm.calibrate.analyze import Timeline
 from prismllm.errors import PrismError
 from prismllm.fsutil import write_dir_atomically
 from prismllm.outputs import GRAPH_DIR, SUMMARY_FILE
-from prismllm.replay import INST_P2P, Solution
+from prismllm.replay import INST_COLLECTIVE, INST_P2P, Solution
 from prismllm.terminal import Table
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import REPLICAS_KEY
@@ -29,6 +29,34 @@ FORMAT_VERSION = 1
 _I64 = np.int64
 
 
+# ---------------------------------------------------------------------- every rank
+def solved_ranks(sol: Solution) -> tuple[np.ndarray, np.ndarray]:
+    """(the ranks the solution gives times for, each one's position in ``sol.graph.ranks``): the
+    replayed ranks, and where the solve left copies out (``sol.mirror``) those too, at their
+    images' positions."""
+    g = sol.graph
+    if sol.mirror is None:
+        return g.ranks, np.arange(len(g.ranks), dtype=_I64)
+    ranks = np.union1d(g.ranks, np.flatnonzero(sol.mirror >= 0))
+    return ranks, np.searchsorted(g.ranks, np.where(sol.mirror[ranks] >= 0, sol.mirror[ranks], ranks))
+
+
+def solved_rows(sol: Solution) -> tuple[np.ndarray, np.ndarray]:
+    """(the rows of ``sol.trace.nodes`` the solution gives times for, in program order, each one's
+    node position in ``sol.graph``: its own, or for a copy left out its image's)."""
+    g = sol.graph
+    if sol.mirror is None:
+        return g.row, np.arange(g.num_nodes, dtype=_I64)
+    rows = sol.trace.program_order()
+    rank = sol.trace.column("rank")[rows].astype(_I64)
+    image = np.where(sol.mirror[rank] >= 0, sol.mirror[rank], rank)
+    pos = g.position(image, sol.trace.column("index")[rows])
+    if len(pos) and pos.min() < 0:
+        r = int(rank[int(np.argmin(pos))])
+        raise PrismError(f"rank {r} has a node its image, rank {int(sol.mirror[r])}, lacks: the copy is none")
+    return rows, pos
+
+
 # ---------------------------------------------------------------------- per-node times
 def calibrated_table(sol: Solution) -> pa.Table:
     """One row per node, in (rank, index) order: logical times in ns from the solve's time 0
@@ -36,28 +64,26 @@ def calibrated_table(sol: Solution) -> pa.Table:
     ``end_ns``: compute ends / the op completes for this rank (a coalesced batch's completion
     for batched ops); ``op_start_ns`` / ``op_end_ns``: the op's instance starts (last member
     arrives) and ends, -1 for compute."""
-    g, res = sol.graph, sol.result
-    node_id = sol.trace.column("node_id").astype(_I64)[g.row]
-    inst = g.inst_of
+    g, res, trace = sol.graph, sol.result, sol.trace
+    rows, pos = solved_rows(sol)
+    inst = g.inst_of[pos]
     comm = inst >= 0
     op_start = (
         np.where(comm, res.instance_start_ns[np.maximum(inst, 0)], -1)
         if g.num_instances
-        else np.full(g.num_nodes, -1, _I64)
+        else np.full(len(pos), -1, _I64)
     )
     op_end = (
-        np.where(comm, res.instance_end_ns[np.maximum(inst, 0)], -1)
-        if g.num_instances
-        else np.full(g.num_nodes, -1, _I64)
+        np.where(comm, res.instance_end_ns[np.maximum(inst, 0)], -1) if g.num_instances else np.full(len(pos), -1, _I64)
     )
     return pa.table(
         {
-            "node_id": pa.array(node_id, pa.int64()),
-            "rank": pa.array(g.ranks[g.rank_pos].astype(np.int32), pa.int32()),
-            "index": pa.array(g.index.astype(np.int32), pa.int32()),
-            "iteration": pa.array(g.iteration.astype(np.int32), pa.int32()),
-            "start_ns": pa.array(res.start_ns, pa.int64()),
-            "end_ns": pa.array(res.end_ns, pa.int64()),
+            "node_id": pa.array(trace.column("node_id").astype(_I64)[rows], pa.int64()),
+            "rank": pa.array(trace.column("rank")[rows].astype(np.int32), pa.int32()),
+            "index": pa.array(trace.column("index")[rows].astype(np.int32), pa.int32()),
+            "iteration": pa.array(g.iteration[pos].astype(np.int32), pa.int32()),
+            "start_ns": pa.array(res.start_ns[pos], pa.int64()),
+            "end_ns": pa.array(res.end_ns[pos], pa.int64()),
             "op_start_ns": pa.array(op_start.astype(_I64), pa.int64()),
             "op_end_ns": pa.array(op_end.astype(_I64), pa.int64()),
         }
@@ -65,8 +91,8 @@ def calibrated_table(sol: Solution) -> pa.Table:
 
 
 def rank_iteration_bounds(sol: Solution) -> tuple[np.ndarray, np.ndarray]:
-    """(begin, finish) per rank position x iteration (``graph.iterations``), -1 where the rank
-    has no node of that iteration: the same bounds the engine measures iteration times with."""
+    """(begin, finish) per replayed rank position x iteration (``graph.iterations``), -1 where the
+    rank has no node of that iteration: the same bounds the engine measures iteration times with."""
     g, res = sol.graph, sol.result
     its = g.iterations
     nr, nk = len(g.ranks), len(its)
@@ -91,23 +117,25 @@ def calibrated_trace(sol: Solution) -> PrismTrace:
     Calibrating this graph again gives the same times: the solve is a fixed point on its own
     output (tests/test_calibrate.py)."""
     g, res, trace = sol.graph, sol.result, sol.trace
-    n = g.num_nodes
     inst = np.maximum(g.inst_of, 0)
-    op_end = res.instance_end_ns[inst] if g.num_instances else np.zeros(n, _I64)
+    op_end = res.instance_end_ns[inst] if g.num_instances else np.zeros(g.num_nodes, _I64)
     dur = np.where(g.is_comm, op_end - res.start_ns, sol.durations.compute_ns).astype(_I64)
+    rows, pos = solved_rows(sol)
+    n = trace.num_nodes
     start = np.empty(n, dtype=_I64)
     end = np.empty(n, dtype=_I64)
     duration = np.empty(n, dtype=_I64)
-    start[g.row], end[g.row], duration[g.row] = res.start_ns, res.end_ns, dur
+    start[rows], end[rows], duration[rows] = res.start_ns[pos], res.end_ns[pos], dur[pos]
     nodes = trace.nodes
     for name, arr in (("issue_ns", start), ("start_ns", start), ("end_ns", end), ("duration_ns", duration)):
         nodes = nodes.set_column(nodes.schema.get_field_index(name), name, pa.array(arr, pa.int64()))
-    begin, finish = rank_iteration_bounds(sol)
+    ranks, rpos = solved_ranks(sol)
+    begin, finish = (x[rpos] for x in rank_iteration_bounds(sol))
     ok = begin >= 0
     rr, kk = np.nonzero(ok)
     iterations = pa.table(
         {
-            "rank": pa.array(g.ranks[rr].astype(np.int32), pa.int32()),
+            "rank": pa.array(ranks[rr].astype(np.int32), pa.int32()),
             "iteration": pa.array(g.iterations[kk].astype(np.int32), pa.int32()),
             "start_ns": pa.array(begin[ok], pa.int64()),
             "end_ns": pa.array(finish[ok], pa.int64()),
@@ -139,6 +167,19 @@ def _stats(x: np.ndarray) -> dict[str, float] | None:
     return {"mean": float(np.mean(x)), "min": float(np.min(x)), "max": float(np.max(x))}
 
 
+def _instances(sol: Solution) -> int:
+    """The graph's collective and point-to-point instances. Where the solve replayed one world of
+    DP replicas for all (``prism calibrate``: every replayed rank in it), an instance within the
+    world stands for one in each world, and one on a group across the worlds (DP, the world
+    group) for itself."""
+    g = sol.graph
+    if sol.mirror is None:
+        return int(g.num_instances)
+    worlds = (len(g.ranks) + int((sol.mirror >= 0).sum())) // max(len(g.ranks), 1)
+    across = (g.inst_kind == INST_COLLECTIVE) & (g.group_mirrored[np.maximum(g.inst_group, 0)] > 0)
+    return int((~across).sum()) * worlds + int(across.sum())
+
+
 def summarize(
     sol: Solution,
     graph_path: str | None = None,
@@ -147,6 +188,8 @@ def summarize(
 ) -> dict[str, Any]:
     g, res = sol.graph, sol.result
     tl = Timeline(sol)
+    ranks, rpos = solved_ranks(sol)  # every rank: a copy left out has its image's figures
+    rank_iteration_ns = res.rank_iteration_ns[rpos]
     its = g.iterations
     rec = g.recorded_iteration_ns
     recorded = np.where((rec >= 0).any(axis=0), rec.max(axis=0, initial=-1), -1) if len(its) else np.zeros(0, _I64)
@@ -158,7 +201,7 @@ def summarize(
     for c, k in enumerate(its.tolist()):
         pred = int(res.iteration_ns[c])
         r = int(recorded[c]) if recorded[c] >= 0 else None
-        slow = int(g.ranks[int(np.argmax(res.rank_iteration_ns[:, c]))]) if pred >= 0 else None
+        slow = int(ranks[int(np.argmax(rank_iteration_ns[:, c]))]) if pred >= 0 else None
         iterations.append(
             {
                 "iteration": k,
@@ -181,9 +224,9 @@ def summarize(
         "transfer_rule": sol.rule,
         "graph_mode": sol.trace.manifest.get("mode"),
         "world_size": int(g.world_size),
-        "ranks": int(len(g.ranks)),
-        "nodes": int(g.num_nodes),
-        "instances": int(g.num_instances),
+        "ranks": int(len(ranks)),
+        "nodes": int(sol.trace.num_nodes if sol.mirror is not None else g.num_nodes),
+        "instances": _instances(sol),
         "unknown_durations": {
             "compute_nodes": sol.durations.unknown_compute,
             "instances": sol.durations.unknown_transfer,
@@ -208,6 +251,8 @@ def summarize(
             **{f"{k}_s": round(v, 4) for k, v in (timings_s or sol.timings_s).items()},
         },
     }
+    if sol.mirror is not None:  # what the solve replayed: one world of DP replicas stands for all
+        out["replayed"] = {"ranks": int(len(g.ranks)), "nodes": int(g.num_nodes), "instances": int(g.num_instances)}
     if durations_path is not None:  # filled by the caller, who has OTHER
         out["durations_recorded_iteration_ns"] = None
         out["durations_rel_error"] = None
@@ -217,7 +262,7 @@ def summarize(
     if med is None:
         return out
     out["critical_path"] = next(cp for cp in out["critical_paths"] if cp["iteration"] == med)
-    acc = tl.accounting()
+    acc = {k: v[rpos] for k, v in tl.accounting().items()}
     c = int(np.searchsorted(its, med))
     span = acc["span"][:, c]
     has = span > 0
@@ -228,7 +273,7 @@ def summarize(
     bubble = np.where(has, p2p / np.maximum(span, 1), 0.0)
     out["per_rank"] = {
         "iteration": int(med),
-        "rank": [int(r) for r in g.ranks],
+        "rank": [int(r) for r in ranks],
         "span_ns": span.tolist(),
         "busy_ns": busy.tolist(),
         "compute_ns": acc["compute"][:, c].tolist(),
@@ -240,7 +285,7 @@ def summarize(
     out["busy_fraction"] = _stats(frac[has])
     if (g.inst_kind == INST_P2P).any():
         b = bubble[has]
-        worst = int(g.ranks[has][int(np.argmax(b))]) if len(b) else None
+        worst = int(ranks[has][int(np.argmax(b))]) if len(b) else None
         out["pipeline_bubble"] = {
             "iteration": int(med),
             "fraction": float(p2p[has].sum() / max(int(span[has].sum()), 1)),
@@ -296,7 +341,13 @@ def render(s: dict[str, Any], console, out_dir: str | None = None) -> None:
     head.add_column(style="bold")
     head.add_column()
     rows = [
-        ("ranks / nodes / instances", f"{s['ranks']} / {s['nodes']:,} / {s['instances']:,}"),
+        (
+            "ranks / nodes / instances",
+            f"{s['ranks']} / {s['nodes']:,} / {s['instances']:,}"
+            + (
+                f" ({s['replayed']['ranks']} ranks replayed: their DP replicas are copies)" if s.get("replayed") else ""
+            ),
+        ),
         ("durations", s["durations_from"] or "the graph's own"),
         (
             "transfer per instance",

@@ -42,6 +42,7 @@ class Solution:
     timings_s: dict[str, float]
     durations_from: str | None = None
     replicas_copied: bool = False  # the replicas' solved times are their representatives' (a copy's)
+    mirror: np.ndarray | None = None  # per rank: the replayed rank it is a copy of, or -1 (left out: none)
 
 
 def solve(
@@ -100,6 +101,7 @@ def solve(
         rounds=rep.rounds,
         timings_s=t,
         replicas_copied=copied,
+        mirror=mirror,
     )
 
 
