@@ -237,7 +237,8 @@ class PrismTrace:
         manifest = _checked_manifest(path, verify)
         tables: dict[str, pa.Table] = {}
         keep = None
-        for name in ("groups", "iterations", "nodes", "edges"):  # the groups first: ``ranks`` reads them
+        # with ``ranks`` the groups first: it reads them
+        for name in ("groups", "iterations", "nodes", "edges") if ranks is not None else FILES:
             fname, schema = FILES[name]
             fpath = path / fname
             if not fpath.is_file():
