@@ -6,6 +6,7 @@ the times of the replay of all ranks, to the nanosecond."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -16,6 +17,7 @@ from prismllm.replay import ReplayGraph, solve
 from prismllm.replay.graph import MirrorError
 from prismllm.replay.mirror import mirror_plan
 from prismllm.trace import validate
+from prismllm.trace.graph import PrismTrace
 from prismllm.trace.ranklog import write_ranklog
 from prismllm.trace.replicate import assemble_replicated
 from prismllm.trace.schema import REPLICAS_KEY
@@ -24,14 +26,12 @@ from prismllm.trace.synth import synthetic_logs
 WORLD, TP, PP = 64, 2, 2  # 16 DP replicas of 4 representatives
 
 
-@pytest.fixture(scope="module")
-def replicated(tmp_path_factory):
+def assembled(spool: Path, world: int, tp: int, pp: int, nodes: int = 60) -> PrismTrace:
     """The synthetic TP·PP·DP program's representatives' logs (durations of their own: each
     node's time depends on its rank), assembled as a solo capture assembles them."""
-    layout = Layout.parse(f"tp={TP},pp={PP}", WORLD)
+    layout = Layout.parse(f"tp={tp},pp={pp}", world)
     plan = replica_plan(layout)
-    spool = tmp_path_factory.mktemp("spool")
-    for log in synthetic_logs(WORLD, 60, tp=TP, pp=PP):
+    for log in synthetic_logs(world, nodes, tp=tp, pp=pp):
         if log.rank in plan.representatives:
             for k, node in enumerate(log.nodes):  # uneven durations, so that a wrong wait shows
                 if node.get("kind") == "compute":
@@ -39,7 +39,12 @@ def replicated(tmp_path_factory):
                     node["end_ns"] = node["start_ns"] + node["duration_ns"]
             write_ranklog(spool, log)
     manifest = {"mode": "solo", "command": ["train.py"], "layout": layout.to_dict()}
-    trace = assemble_replicated(spool, manifest, replica_of=plan.replica_of, map_of=plan.map_of, rename=plan.rename)
+    return assemble_replicated(spool, manifest, replica_of=plan.replica_of, map_of=plan.map_of, rename=plan.rename)
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    trace = assembled(tmp_path_factory.mktemp("spool"), WORLD, TP, PP)
     validate(trace)
     return trace
 
@@ -102,7 +107,6 @@ def test_a_reader_of_a_few_ranks_reads_their_nodes_alone(replicated, tmp_path):
     one of the whole graph with the copies left out; such a graph is not saved."""
     from prismllm.errors import PrismError
     from prismllm.replay.mirror import plan_of
-    from prismllm.trace.graph import PrismTrace
 
     path = replicated.save(tmp_path / "g")
     part = PrismTrace.load(path, ranks=lambda m, g: np.flatnonzero(plan_of(m, g, [WORLD - 1]) < 0))
@@ -128,28 +132,13 @@ def test_a_calibration_keeps_the_mark_unless_its_durations_were_changed(replicat
     assert not changed.replicas_copied and REPLICAS_KEY not in calibrated_trace(changed).manifest
 
 
-def _synthetic_replicated(out, world: int, tp: int, pp: int):
-    """test_replay_mirror's program at ``world`` ranks, saved twice: as captured (its replicas
-    marked as copies) and unmarked (every rank solved)."""
-    from prismllm.trace.graph import PrismTrace
-
-    layout = Layout.parse(f"tp={tp},pp={pp}", world)
-    plan = replica_plan(layout)
-    spool = out / "spool"
-    spool.mkdir()
-    for log in synthetic_logs(world, 40, tp=tp, pp=pp):
-        if log.rank in plan.representatives:
-            for k, node in enumerate(log.nodes):
-                if node.get("kind") == "compute":
-                    node["duration_ns"] = 1_000 * (1 + (k * 7 + log.rank * 13) % 11)
-                    node["end_ns"] = node["start_ns"] + node["duration_ns"]
-            write_ranklog(spool, log)
-    manifest = {"mode": "solo", "command": ["train.py"], "layout": layout.to_dict()}
-    trace = assemble_replicated(spool, manifest, replica_of=plan.replica_of, map_of=plan.map_of, rename=plan.rename)
-    marked = trace.save(out / "marked")
+def _marked_and_plain(out: Path, world: int, tp: int, pp: int) -> tuple[Path, Path]:
+    """The program at ``world`` ranks saved twice: as captured (its replicas marked as copies)
+    and unmarked (every rank solved)."""
+    (out / "spool").mkdir()
+    trace = assembled(out / "spool", world, tp, pp, nodes=40)
     unmarked = {k: v for k, v in trace.manifest.items() if k != REPLICAS_KEY}
-    plain = dataclasses.replace(trace, manifest=unmarked).save(out / "plain")
-    return marked, plain, PrismTrace
+    return trace.save(out / "marked"), dataclasses.replace(trace, manifest=unmarked).save(out / "plain")
 
 
 @pytest.mark.parametrize("world, tp, pp", [(1024, 8, 4), (8192, 8, 8)])
@@ -162,7 +151,7 @@ def test_calibrate_solves_one_world_for_all_and_says_what_the_rank_by_rank_solve
 
     from prismllm.calibrate import calibrate
 
-    marked, plain, PrismTrace = _synthetic_replicated(tmp_path, world, tp, pp)
+    marked, plain = _marked_and_plain(tmp_path, world, tp, pp)
     a = calibrate(marked, tmp_path / "a", write_graph=True)
     b = calibrate(plain, tmp_path / "b", write_graph=True)
     assert a["replayed"]["ranks"] == tp * pp and "replayed" not in b
