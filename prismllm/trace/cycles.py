@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 def _components(n: int, u: np.ndarray, v: np.ndarray) -> np.ndarray:
     """Connected components (label = smallest member) by hooking + pointer jumping."""
-    parent = np.arange(n, dtype=np.int64)
+    parent = np.arange(n, dtype=_index_dtype(n))
     while len(u):
         ru, rv = parent[u], parent[v]
         diff = ru != rv
@@ -32,64 +32,80 @@ def _components(n: int, u: np.ndarray, v: np.ndarray) -> np.ndarray:
     return parent
 
 
+def _index_dtype(n: int) -> type:
+    """The narrowest integer type for positions below ``n`` (and -1): the cycle check holds a
+    dozen arrays of one entry a node, 19 M nodes at 131,072 ranks."""
+    return np.int32 if n < 2**31 - 1 else np.int64
+
+
 def check_cycles(c: Ctx) -> None:
     ro = c.prog_order  # rows in (rank, index) order
     n = c.n
+    ix = _index_dtype(2 * n + 1)  # slots and sync components together are at most 2n vertices
     r = c.rank[ro]
     co = c.coalesced[ro]
     new_rank = run_starts([r])
     slot_start = new_rank.copy()
     slot_start[1:] |= (co[1:] < 0) | (co[1:] != co[:-1])
     slot_start[0] = True
-    slot_pos = np.cumsum(slot_start) - 1  # slot id of each position
+    del co
+    slot_pos = (np.cumsum(slot_start, dtype=np.int64) - 1).astype(ix)  # slot id of each position
     n_slots = int(slot_pos[-1]) + 1
     rank_first_slot = slot_pos[np.flatnonzero(new_rank)][np.cumsum(new_rank) - 1]
-    slot = np.empty(n, dtype=np.int64)
+    slot = np.empty(n, dtype=ix)
     slot[ro] = slot_pos
-    first_slot = np.empty(n, dtype=np.int64)
+    first_slot = np.empty(n, dtype=ix)
     first_slot[ro] = rank_first_slot
+    del rank_first_slot
     slot_rank = np.empty(n_slots, dtype=np.int64)
     slot_rank[slot_pos] = r
     slot_last_row = np.empty(n_slots, dtype=np.int64)
     slot_last_row[slot_pos] = ro  # the last row of each slot wins
+    del r
 
     # vertices: gates 0..n_slots-1, then one per sync component of comm nodes
     comm_rows = np.flatnonzero(c.is_comm)
     su, sv = c.sync_rows
-    label = _components(n, su, sv)
-    comp_label = label[comm_rows]
+    comp_label = _components(n, su, sv)[comm_rows]
     uniq, comp_idx = np.unique(comp_label, return_inverse=True)
-    vert_of_row = np.full(n, -1, dtype=np.int64)
-    vert_of_row[comm_rows] = n_slots + comp_idx
+    del comp_label
+    vert_of_row = np.full(n, -1, dtype=ix)
+    vert_of_row[comm_rows] = n_slots + comp_idx.reshape(-1)
     n_vert = n_slots + len(uniq)
+    del uniq, comp_idx
 
     # edges, with the comm node each one leaves (src_node) or enters (dst_node)
     e_src, e_dst, e_snode, e_dnode = [], [], [], []
     chain = np.flatnonzero(~new_rank[1:] & slot_start[1:]) + 1  # positions starting a slot, not first in rank
     gs = slot_pos[chain]
+    del chain, new_rank, slot_start, slot_pos
     e_src.append(gs - 1)
     e_dst.append(gs)
-    e_snode.append(np.full(len(gs), -1))
-    e_dnode.append(np.full(len(gs), -1))
+    e_snode.append(np.full(len(gs), -1, dtype=ix))
+    e_dnode.append(np.full(len(gs), -1, dtype=ix))
     notfirst = comm_rows[slot[comm_rows] != first_slot[comm_rows]]
+    del first_slot
     e_src.append(slot[notfirst] - 1)
     e_dst.append(vert_of_row[notfirst])
-    e_snode.append(np.full(len(notfirst), -1))
-    e_dnode.append(notfirst)
+    e_snode.append(np.full(len(notfirst), -1, dtype=ix))
+    e_dnode.append(notfirst.astype(ix))
     blocking = comm_rows[~c.async_op[comm_rows]]
     e_src.append(vert_of_row[blocking])
     e_dst.append(slot[blocking])
-    e_snode.append(blocking)
-    e_dnode.append(np.full(len(blocking), -1))
+    e_snode.append(blocking.astype(ix))
+    e_dnode.append(np.full(len(blocking), -1, dtype=ix))
+    del notfirst, blocking, comm_rows
     wu, wv = c.wait_rows
     wsel = c.is_comm[wu]
     wu, wv = wu[wsel], wv[wsel]
     e_src.append(vert_of_row[wu])
     e_dst.append(np.maximum(slot[wv] - 1, slot[wu]))
-    e_snode.append(wu)
-    e_dnode.append(np.full(len(wu), -1))
-    src = np.concatenate(e_src).astype(np.int64)
-    dst = np.concatenate(e_dst).astype(np.int64)
+    e_snode.append(wu.astype(ix))
+    e_dnode.append(np.full(len(wu), -1, dtype=ix))
+    del slot, vert_of_row, gs, wu, wv
+    src = np.concatenate(e_src).astype(ix)
+    dst = np.concatenate(e_dst).astype(ix)
+    del e_src, e_dst
 
     remaining = _kahn(n_vert, src, dst)
     if remaining is None:
@@ -103,9 +119,8 @@ def check_cycles(c: Ctx) -> None:
 def _kahn(n_vert: int, src: np.ndarray, dst: np.ndarray) -> np.ndarray | None:
     """Topological sort frontier by frontier; None if acyclic, else a bool mask of the
     vertices left over (those on a cycle or behind one)."""
-    indeg = np.bincount(dst, minlength=n_vert).astype(np.int64)
-    o = np.argsort(src, kind="stable")
-    col = dst[o]
+    indeg = np.bincount(dst, minlength=n_vert).astype(dst.dtype)
+    col = dst[np.argsort(src, kind="stable")]
     indptr = np.r_[0, np.cumsum(np.bincount(src, minlength=n_vert))]
     frontier = np.flatnonzero(indeg == 0)
     done = 0

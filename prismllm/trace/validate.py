@@ -119,7 +119,7 @@ def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
     enc = pc.dictionary_encode(col).combine_chunks() if isinstance(col, pa.ChunkedArray) else pc.dictionary_encode(col)
     if isinstance(enc, pa.ChunkedArray):
         enc = enc.combine_chunks()
-    codes = pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int64)
+    codes = pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int32)
     return codes, [str(x) for x in enc.dictionary.to_pylist()]
 
 
