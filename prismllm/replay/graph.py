@@ -12,7 +12,7 @@ import pyarrow.compute as pc
 
 from prismllm.errors import PrismError
 from prismllm.trace.edges import match_p2p
-from prismllm.trace.graph import PrismTrace, TraceError
+from prismllm.trace.graph import PrismTrace, TraceError, string_codes
 from prismllm.trace.schema import CALL_COLUMNS, COLLECTIVE_OPS, KIND_COMM, P2P_OPS
 
 # Instance kinds.
@@ -65,15 +65,6 @@ def _csr(keys: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     ptr = np.zeros(n + 1, dtype=_I64)
     np.cumsum(np.bincount(keys, minlength=n), out=ptr[1:])
     return ptr, order
-
-
-def _encode(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
-    """A string column as (int codes, names): no Python string per row."""
-    enc = pc.dictionary_encode(col)
-    if isinstance(enc, pa.ChunkedArray):
-        enc = enc.combine_chunks()
-    codes = pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int32)
-    return codes, [str(x) for x in enc.dictionary.to_pylist()]
 
 
 # ---------------------------------------------------------------------- the graph
@@ -186,9 +177,9 @@ class ReplayGraph:
 
     def _kinds(self, sub: pa.Table) -> None:
         """Kinds and ops as integer codes (no Python string per node)."""
-        kind_codes, kind_names = _encode(sub.column("kind"))
+        kind_codes, kind_names = string_codes(sub.column("kind"))
         self.is_comm: np.ndarray = kind_codes == (kind_names.index(KIND_COMM) if KIND_COMM in kind_names else -2)
-        self.op_code, self.op_names = _encode(sub.column("op"))
+        self.op_code, self.op_names = string_codes(sub.column("op"))
         coll = [k for k, name in enumerate(self.op_names) if name in COLLECTIVE_OPS]
         p2p = [k for k, name in enumerate(self.op_names) if name in P2P_OPS]
         self._is_coll = self.is_comm & np.isin(self.op_code, coll)

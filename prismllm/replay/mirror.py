@@ -45,7 +45,7 @@ def plan_of(manifest: dict[str, Any], groups: pa.Table, keep: Iterable[int] = ()
     if not manifest.get(REPLICAS_KEY) or not spec:
         return None
     world = int(manifest["world_size"])
-    layout = Layout.parse({k: v for k, v in spec.items() if k in ("tp", "cp", "ep", "pp", "dp", "order")}, world)
+    layout = Layout.parse(spec, world)  # a manifest's layout reads back
     if layout is None or layout.edp < 2:
         return None
     edp = layout.coords_array()["dp"]

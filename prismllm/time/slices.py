@@ -108,8 +108,7 @@ def _replicas(manifest: dict[str, Any], every_rank: bool):
     if every_rank or not cap.get("dedup") or not manifest.get("layout"):
         return None
     world = int(manifest["world_size"])
-    spec = {k: v for k, v in manifest["layout"].items() if k in ("tp", "cp", "ep", "pp", "dp", "order")}
-    plan = replica_plan(Layout.parse(spec, world))
+    plan = replica_plan(Layout.parse(manifest["layout"], world))  # a manifest's layout reads back
     if cap.get("replica_of") is not None and plan.replica_of.tolist() != list(cap["replica_of"]):
         raise PrismError("the graph's replica map does not follow its layout: time every rank (--every-rank)")
     return plan

@@ -48,19 +48,24 @@ from prismllm.trace.schema import (
 )
 
 
+def string_codes(col: pa.ChunkedArray | pa.Array) -> tuple[np.ndarray, list[str]]:
+    """A string column as (int32 codes, the distinct values they index; -1 for a null): no
+    Python string per row."""
+    if isinstance(col, pa.Array):
+        col = pa.chunked_array([col])
+    chunks = pc.dictionary_encode(col).unify_dictionaries().chunks
+    if not chunks:
+        return np.zeros(0, dtype=np.int32), []
+    codes = np.concatenate([pc.fill_null(c.indices, -1).to_numpy() for c in chunks]).astype(np.int32)
+    return codes, [str(x) for x in chunks[0].dictionary.to_pylist()]
+
+
 def strings_as_objects(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
     """A string column as a numpy object array whose equal values are one Python object: a node
     column holds a handful of distinct values (ops, streams, dtypes), and a str per row costs
     ~70 bytes (1.3 GB a column at 19 M nodes) where a shared one costs the 8 of its pointer."""
-    if isinstance(col, pa.Array):
-        col = pa.chunked_array([col])
-    chunks = pc.dictionary_encode(col).unify_dictionaries().chunks
-    words = chunks[0].dictionary.to_pylist() if chunks else []
-    values = np.array([*words, None], dtype=object)  # the last one for a null
-    if not chunks:
-        return values[:0]
-    index = np.concatenate([pc.fill_null(c.indices, len(words)).to_numpy() for c in chunks])
-    return values[index]
+    codes, words = string_codes(col)
+    return np.array([*words, None], dtype=object)[codes]  # code -1 (a null): the last one
 
 
 class TraceError(InputError):

@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 
 from prismllm.trace.cycles import check_cycles
 from prismllm.trace.edges import group_rank_lookup, match_p2p, run_starts
-from prismllm.trace.graph import PrismTrace, TraceError
+from prismllm.trace.graph import PrismTrace, TraceError, string_codes
 from prismllm.trace.schema import (
     COLLECTIVE_OPS,
     COMM_OPS,
@@ -78,8 +78,8 @@ class Ctx:
         self.wait_index = _np(nodes.column("wait_index"))
         self.async_op = nodes.column("async_op").to_numpy(zero_copy_only=False).astype(bool)
         self.coalesced = _np(nodes.column("coalesced"))
-        self.op_codes, self.op_names = _codes(nodes.column("op"))
-        self.kind_codes, self.kind_names = _codes(nodes.column("kind"))
+        self.op_codes, self.op_names = string_codes(nodes.column("op"))
+        self.kind_codes, self.kind_names = string_codes(nodes.column("kind"))
         kind_comm = self.kind_names.index(KIND_COMM) if KIND_COMM in self.kind_names else -1
         self.is_comm = self.kind_codes == kind_comm
         self.world_size = trace.world_size
@@ -113,14 +113,6 @@ class Ctx:
 def _np(col) -> np.ndarray:
     """A numeric column as numpy, in its own dtype (no copy beyond joining chunks)."""
     return col.to_numpy()
-
-
-def _codes(col: pa.ChunkedArray) -> tuple[np.ndarray, list[str]]:
-    enc = pc.dictionary_encode(col).combine_chunks() if isinstance(col, pa.ChunkedArray) else pc.dictionary_encode(col)
-    if isinstance(enc, pa.ChunkedArray):
-        enc = enc.combine_chunks()
-    codes = pc.fill_null(enc.indices, -1).to_numpy(zero_copy_only=False).astype(np.int32)
-    return codes, [str(x) for x in enc.dictionary.to_pylist()]
 
 
 def validate(trace: PrismTrace) -> None:
@@ -213,7 +205,7 @@ def _check_structure(c: Ctx) -> None:
     if edges.num_rows:
         src = edges.column("src").to_numpy()
         dst = edges.column("dst").to_numpy()
-        ekind_codes, ekind_names = _codes(edges.column("kind"))
+        ekind_codes, ekind_names = string_codes(edges.column("kind"))
         badk = [k for k in ekind_names if k not in EDGE_KINDS]
         if badk:
             e = int(np.flatnonzero(ekind_codes == ekind_names.index(badk[0]))[0])
@@ -438,7 +430,7 @@ def _check_collectives(c: Ctx) -> None:
         )
 
     nodes = c.trace.nodes
-    red_codes, red_names = _codes(nodes.column("reduce_op"))
+    red_codes, red_names = string_codes(nodes.column("reduce_op"))
     reducing = c.mask_ops(_REDUCING)[rows]
     k = first_bad(reducing & (red_codes[rows] != red_codes[head]))
     if k is not None:
@@ -449,7 +441,7 @@ def _check_collectives(c: Ctx) -> None:
             f"{red_names[red_codes[b]]!r}; all participants must pass the same reduce op"
         )
 
-    dt_codes, dt_names = _codes(nodes.column("dtype"))
+    dt_codes, dt_names = string_codes(nodes.column("dtype"))
     empty_dt = dt_names.index("") if "" in dt_names else -2
     dtr, dth = dt_codes[rows], dt_codes[head]
     k = first_bad((dtr != dth) & (dtr != empty_dt) & (dth != empty_dt) & ~c.mask_ops(("barrier",))[rows])
