@@ -54,6 +54,8 @@
 #   timestamps what a point of the recorder costs the device (benchmarks/programs/timestamp_cost.py: no point, a
 #              plain event, a timing event, a timing event on a side stream, a global-timer stamp kernel between
 #              tiny kernels); one GPU is enough; $OUT/timestamp_cost.json; ~1 min
+#   scale      prism run of gpt3d TP2·PP8 at each of WORLDS ranks (1024; "1024 8192 131072") on the GPUs there: wall and
+#              host memory by stage, the assistants' RSS and GPU reservation (run_at_scale.py); ~1 min at 1,024, ~4 at 131,072
 #   lane-memory  the native lane's peak-memory gap (the distributed optimizer of its GPU test, last rank; LAYOUT="--pp 2":
 #              the pipeline's): the
 #              peak of plain torchrun, of prism record through the Python recorder (tensors saved: the GPU test's
@@ -82,7 +84,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|ddp-tail|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|channels|fidelity-gpu|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|ddp-tail|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|channels|fidelity-gpu|scale|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -572,6 +574,19 @@ fidelity-gpu)
     tar czf "$OUT/fidelity-graphs.tgz" out/fidelity_gpu/*/prism/time/graph out/fidelity_gpu/*/prism/cal/summary.json \
         out/fidelity_gpu/*/record/*.parquet out/fidelity_gpu/*/record/manifest.json out/fidelity_gpu/*/record-cal/summary.json \
         out/fidelity_gpu/*/prism/emulate/ranklogs 2>/dev/null ;;
+scale)
+    # prism run of gpt3d TP2·PP8 (8 layers) at each of WORLDS ranks (default 1024) on the GPUs there, a sandbox rank in
+    # the first and the last stage: benchmarks/run_at_scale.py's figures (wall and the prism process's peak host memory
+    # by stage, each assistant's RSS and GPU reservation); TAG (h200) names the results; ~1 min at 1,024, ~4 at 131,072
+    for W in ${WORLDS:-1024}; do
+        B=$(( W < 16384 ? W : 16384 ))
+        timeout $((590 - SECONDS)) python3 benchmarks/run_at_scale.py --world "$W" --devices "${DEVICES:-auto}" --tp 2 \
+            --pp 8 --layers 8 --global-batch "$B" --sandbox "0,$((W - 1))" --parallel "${PARALLEL:-4}" --no-browser \
+            --machine "${MACHINE:-$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)}" --work out/scale --tag "${TAG:-h200}_$W" >"$OUT/scale-$W.log" 2>&1
+        echo "scale $W: $?"; grep -A3 "^| world" "$OUT/scale-$W.log"
+        cp benchmarks/results/run_at_scale_"${TAG:-h200}_$W".json "$OUT/" 2>/dev/null
+    done
+    tar czf "$OUT/scale-logs.tgz" "$OUT"/scale-*.log out/scale/*/logs out/scale/*/run.json 2>/dev/null ;;
 cpu-fid)
     N=${2:?usage: device_suite.sh cpu-fid N}
     cores=$(nproc)

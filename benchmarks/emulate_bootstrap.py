@@ -38,10 +38,23 @@ BOOT = re.compile(
     r"BOOTSTRAP world (\d+) init_s ([\d.]+) barrier_s ([\d.]+) all_reduce_s ([\d.]+) "
     r"sum \S+ gpu_reserved (\d+) rss (\d+)"
 )
+# the assistant's last line (prismllm/assistant/__main__.py)
 ASSIST = re.compile(
-    r"prism assistant: replayed (\d+) virtual.* in ([\d.]+) s; peak RSS (\d+) MiB"
-    r"(?:, GPU memory in use (\d+) MiB)?"
+    r"prism assistant(?: \d+ of \d+)?: replayed (\d+) virtual.* in ([\d.]+) s; peak RSS (\d+) MiB"
+    r"(?:, GPU memory reserved (\d+) MiB at peak \(device in use (\d+) MiB\))?"
 )
+
+
+def assistant_fields(text: str) -> dict:
+    """The assistant's figures from its last line: wall, peak RSS and (GPU) its tensors' peak
+    reservation and the whole device in use."""
+    m = ASSIST.search(text)
+    if not m:
+        return {}
+    res = {"assistant_s": float(m[2]), "assistant_rss_bytes": int(m[3]) << 20}
+    if m[4] is not None:
+        res.update(assistant_gpu_reserved_bytes=int(m[4]) << 20, assistant_gpu_in_use_bytes=int(m[5]) << 20)
+    return res
 
 
 def _end_group(p: subprocess.Popen, grace: float = 10.0) -> None:
@@ -151,11 +164,7 @@ def emulated(n: int, devices: str, work: Path) -> dict:
         res["error"] = "emulate: " + text[-1500:]
         return res
     res.update(boot_fields(text))
-    m = ASSIST.search(text)
-    if m:
-        res.update(assistant_s=float(m[2]), assistant_rss_bytes=int(m[3]) << 20)
-        if m[4] is not None:
-            res["assistant_gpu_in_use_bytes"] = int(m[4]) << 20
+    res.update(assistant_fields(text))
     return res
 
 
@@ -193,8 +202,9 @@ def markdown(r: dict) -> str:
         f"{m.get('torch')}; devices {r['devices']}",
         "",
         "| N | init (s) | barrier (s) | all-reduce (s) | sandbox RSS (MiB) | sandbox GPU reserved (MiB) "
-        "| assistant RSS (MiB) | assistant GPU in use (MiB) | prism emulate wall (s) | capture wall (s) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| assistant RSS (MiB) | assistant GPU reserved (MiB) | GPU in use (MiB) | prism emulate wall (s) "
+        "| capture wall (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in r["emulated"]:
         if "error" in c:
@@ -204,7 +214,8 @@ def markdown(r: dict) -> str:
         lines.append(
             f"| {c['world']} | {c.get('init_s', '–')} | {c.get('barrier_s', '–')} | "
             f"{c.get('all_reduce_s', '–')} | {mib('sandbox_rss_bytes')} | {mib('sandbox_gpu_reserved_bytes')} | "
-            f"{mib('assistant_rss_bytes')} | {mib('assistant_gpu_in_use_bytes')} | {c['emulate_wall_s']} | "
+            f"{mib('assistant_rss_bytes')} | {mib('assistant_gpu_reserved_bytes')} | {mib('assistant_gpu_in_use_bytes')} | "
+            f"{c['emulate_wall_s']} | "
             f"{c['capture_wall_s']} |"
         )
     if r["vanilla"]:

@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from emulate_bootstrap import assistant_fields
+
 ROOT = Path(__file__).resolve().parents[1]
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
 RESULTS = ROOT / "benchmarks" / "results"
@@ -55,6 +57,10 @@ def open_times(report: Path, screenshot: Path) -> list[float]:
     return times
 
 
+def gb(by_stage: dict) -> str:
+    return ", ".join(f"{k} {v / 1e9:.2f}" for k, v in by_stage.items() if v is not None) or "-"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--world", type=int, default=1024)
@@ -67,6 +73,9 @@ def main() -> int:
     ap.add_argument("--global-batch", type=int, default=None, help="default: the world size")
     ap.add_argument("--sandbox", default=None, help="default: the last rank")
     ap.add_argument("--parallel", type=int, default=None, help="prism run --parallel (default: its own)")
+    ap.add_argument(
+        "--machine", default=platform.node(), help="what the results name as the machine (default: host name)"
+    )
     ap.add_argument("--no-browser", action="store_true", help="do not open the report (a machine without Chromium)")
     a = ap.parse_args()
     tag = a.tag or f"{a.devices.split(':')[0]}_{a.world}"
@@ -84,17 +93,23 @@ def main() -> int:
     if p.returncode != 0:
         raise SystemExit(f"prism run failed:\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
     state = json.loads((out / "run.json").read_text())
+    emulate_log = (out / "logs" / "emulate.log").read_text(errors="replace").splitlines()
     report = (out / "report.html").resolve()
     RESULTS.mkdir(parents=True, exist_ok=True)
     shot = RESULTS / f"run_at_scale_{tag}.png"
     times = [None, None] if a.no_browser else open_times(report, shot)
     result = {
         "benchmark": "run_at_scale",
-        "machine": platform.node(),
+        "machine": a.machine,
         "command": ["prism", *cmd[1:]],
         "wall_s": round(wall, 1),
         "stages_s": {st["name"]: st["wall_s"] for st in state.get("stages", [])},
+        # the prism process's own peak in each stage (run.json); the largest of every process
+        # the command started (RUSAGE_CHILDREN: a child forked from it may count its RSS too)
+        "stages_peak_rss_bytes": {st["name"]: st.get("peak_rss_bytes") for st in state.get("stages", [])},
         "largest_process_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        # each assistant's own last line: its peak RSS and (GPU) its tensors' peak reservation
+        "assistants": [assistant_fields(line) for line in emulate_log if line.startswith("prism assistant")],
         "summary_lines": len(p.stdout.splitlines()),
         "report_bytes": report.stat().st_size,
         "report_open_s": times,
@@ -103,10 +118,24 @@ def main() -> int:
     md = [
         f"# prism run at {a.world} ranks ({a.devices})",
         "",
-        "| world | wall s | stages s | largest process GB | summary lines | report MB | report opens in s (cold, warm) |",
-        "|---|---|---|---|---|---|---|",
-        f"| {a.world} | {result['wall_s']} | {result['stages_s']} | {result['largest_process_rss_bytes'] / 1e9:.2f} | "
-        f"{result['summary_lines']} | {result['report_bytes'] / 1e6:.2f} | {times[0]}, {times[1]} |",
+        "| world | wall s | stages s | prism process peak GB by stage | largest process GB | summary lines "
+        "| report MB | report opens in s (cold, warm) |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {a.world} | {result['wall_s']} | {result['stages_s']} | {gb(result['stages_peak_rss_bytes'])} | "
+        f"{result['largest_process_rss_bytes'] / 1e9:.2f} | {result['summary_lines']} | "
+        f"{result['report_bytes'] / 1e6:.2f} | {times[0]}, {times[1]} |",
+        "",
+        "Assistants: "
+        + "; ".join(
+            f"RSS {x['assistant_rss_bytes'] / 2**20:.0f} MiB"
+            + (
+                f", GPU reserved {x['assistant_gpu_reserved_bytes'] / 2**20:.0f} MiB"
+                if "assistant_gpu_reserved_bytes" in x
+                else ""
+            )
+            for x in result["assistants"]
+            if x
+        ),
     ]
     (RESULTS / f"run_at_scale_{tag}.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))

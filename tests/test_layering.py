@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "prismllm.outputs",
             "prismllm.layout",
             "prismllm.devicemap",
+            "prismllm.hostmem",
         ),
     ),
     ("graph format", ("prismllm.trace",)),

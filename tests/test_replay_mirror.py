@@ -106,7 +106,7 @@ def test_a_reader_of_a_few_ranks_reads_their_nodes_alone(replicated, tmp_path):
     """What an assistant reads: the played ranks' nodes (no edges), from which the replay is the
     one of the whole graph with the copies left out; such a graph is not saved."""
     from prismllm.errors import PrismError
-    from prismllm.replay.mirror import plan_of
+    from prismllm.trace.worlds import plan_of
 
     path = replicated.save(tmp_path / "g")
     part = PrismTrace.load(path, ranks=lambda m, g: np.flatnonzero(plan_of(m, g, [WORLD - 1]) < 0))
@@ -164,3 +164,69 @@ def test_calibrate_solves_one_world_for_all_and_says_what_the_rank_by_rank_solve
     ga, gb = PrismTrace.load(tmp_path / "a" / "graph"), PrismTrace.load(tmp_path / "b" / "graph")
     assert ga.nodes.equals(gb.nodes) and ga.iterations.equals(gb.iterations)
     assert REPLICAS_KEY in ga.manifest and REPLICAS_KEY not in gb.manifest
+
+
+def _planted(trace: PrismTrace, column: str, index: int, value: int, ranks=None) -> PrismTrace:
+    """``trace`` with ``column`` of node ``index`` set to ``value`` on ``ranks`` (default: rank
+    0 and its copies, the one change a graph of copies can carry)."""
+    nodes = trace.nodes
+    if ranks is None:
+        ranks = np.flatnonzero(replica_plan(Layout.parse(f"tp={TP},pp={PP}", WORLD)).replica_of == 0)
+    values = nodes.column(column).to_numpy(zero_copy_only=False).copy()
+    rows = np.isin(nodes.column("rank").to_numpy(), ranks) & (nodes.column("index").to_numpy() == index)
+    values[rows] = value
+    col = pa.array(values, nodes.schema.field(column).type)
+    return dataclasses.replace(trace, nodes=nodes.set_column(nodes.schema.get_field_index(column), column, col))
+
+
+def _unmarked(trace: PrismTrace) -> PrismTrace:
+    return dataclasses.replace(trace, manifest={k: v for k, v in trace.manifest.items() if k != REPLICAS_KEY})
+
+
+def test_a_graph_of_copies_is_checked_over_one_world(replicated):
+    """validate reads one world of a graph of copies: its nodes, and the edges the assembly
+    derives between them, a collective over a group across worlds joining the world's members."""
+    from prismllm.trace.worlds import one_world
+
+    world, ranks = one_world(replicated)
+    edp = Layout.parse(f"tp={TP},pp={PP}", WORLD).coords_array()["dp"]
+    assert ranks.tolist() == np.flatnonzero(edp == 0).tolist() == sorted(set(world.column("rank").tolist()))
+    assert world.nodes.num_rows == replicated.nodes.num_rows * TP * PP // WORLD
+    ids = set(world.column("node_id").tolist())
+    edges = lambda t: set(zip(*(t.edges.column(c).to_pylist() for c in ("src", "dst", "kind"))))  # noqa: E731
+    within = {e for e in edges(replicated) if e[0] in ids and e[1] in ids}
+    assert within and within <= edges(world)
+    assert all(e[2] == "sync" for e in edges(world) - within)
+    assert one_world(_unmarked(replicated)) is None
+    # one world is all it reads: a change to a copy alone, which no writer makes (and the files'
+    # checksums refuse after), is not seen
+    copy_changed = _planted(replicated, "in_bytes", 1, 3, ranks=[TP])  # rank 2, of world 1
+    validate(copy_changed)
+    with pytest.raises(Exception, match="rank 2 node 1 passes 3;"):
+        validate(_unmarked(copy_changed))
+
+
+@pytest.mark.parametrize(
+    "column, index, value, message",
+    [("in_bytes", 1, 3, "rank 0 node 1 passes 3;"), ("wait_index", 1, 10**6, "has wait_index 1000000")],
+)
+def test_a_problem_of_the_program_is_found_in_one_world_as_over_every_rank(replicated, column, index, value, message):
+    bad = _planted(replicated, column, index, value)
+    with pytest.raises(Exception, match=message) as one:
+        validate(bad)
+    with pytest.raises(Exception, match=message) as every:
+        validate(_unmarked(bad))
+    assert str(one.value) == str(every.value)
+
+
+def test_a_send_across_worlds_is_checked_over_every_rank(replicated):
+    """A pair the world cannot hold (a send to a rank of another world): every rank is read."""
+    from prismllm.trace.worlds import one_world
+
+    nodes = replicated.nodes
+    sends = (nodes.column("op").to_numpy(zero_copy_only=False) == "send") & (nodes.column("rank").to_numpy() == 0)
+    first = int(nodes.column("index").to_numpy()[np.flatnonzero(sends)[0]])
+    bad = _planted(replicated, "peer", first, TP, ranks=[0])  # rank 2: the next world's
+    assert one_world(bad) is None
+    with pytest.raises(Exception, match="has no matching recv on rank 2"):
+        validate(bad)

@@ -81,6 +81,8 @@ def test_run_goes_from_the_program_to_the_report_and_resumes(ran, tmp_path, caps
     argv = [*ARGV, "--out", str(out)]
     state = json.loads((out / "run.json").read_text())
     assert [s["name"] for s in state["stages"]] == ["capture", "time", "calibrate", "emulate", "report"]
+    # the prism process's own peak host memory in each stage (Linux), shown beside its wall time
+    assert all(x["peak_rss_bytes"] > 2**20 for x in state["stages"]) and shown.count(" GiB ") >= 5
     s = state["summary"]
     assert s["predicted_iteration_ns"] > 0 and s["emulated"]["7"]["iteration_ns"] > 0
     assert 0 <= s["pipeline_bubble"] < 1 and s["critical_path_shares"]["compute"] > 0

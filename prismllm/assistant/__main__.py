@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import time
 from datetime import timedelta
@@ -17,26 +16,12 @@ import torch.distributed as dist
 from prismllm.assistant.proxy import Assistant, AssistantError
 from prismllm.childenv import ChildEnv, report_error, user_setting, variable
 from prismllm.errors import PrismError
+from prismllm.hostmem import peak_rss_bytes
 from prismllm.launch.status import reporter
 from prismllm.outdir import storage_problem
 from prismllm.replay.graph import MirrorError
-from prismllm.replay.mirror import plan_of
 from prismllm.trace.graph import PrismTrace
-
-
-def peak_rss_bytes() -> int:
-    """This process's own peak resident memory: the kernel's high-water mark of its address space
-    (VmHWM). ``getrusage``'s maxrss also holds the parent's at the fork that started it (Linux
-    keeps it across exec): an assistant started by `prism run` after its capture reported the
-    prism process's 3.3 GB as its own at 131,072 ranks, where it held 1.0 GB."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+from prismllm.trace.worlds import plan_of
 
 
 def main() -> int:
@@ -107,9 +92,12 @@ def main() -> int:
 
     rss = peak_rss_bytes()
     gpu = ""
-    if a.device is not None:  # the whole device as this process uses it: context, NCCL, tensors
+    if a.device is not None:
+        # its own tensors' peak (PyTorch's allocator), and the whole device in use: context,
+        # NCCL and tensors, with any other process's on a GPU the sandbox ranks share
         free, total = torch.cuda.mem_get_info(a.device)
-        gpu = f", GPU memory in use {(total - free) / 2**20:.0f} MiB"
+        own = torch.cuda.max_memory_reserved(a.device)
+        gpu = f", GPU memory reserved {own / 2**20:.0f} MiB at peak (device in use {(total - free) / 2**20:.0f} MiB)"
     who = "prism assistant" if a.count == 1 else f"prism assistant {a.index} of {a.count}"
     print(
         f"{who}: replayed {len(virt)} virtual rank(s)"

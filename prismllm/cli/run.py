@@ -114,9 +114,13 @@ def render(s: dict, console: Console) -> None:
     st = Table(show_header=False, box=None, padding=(0, 1))
     st.add_column(style="dim")
     st.add_column(justify="right", style="dim")
+    st.add_column(justify="right", style="dim")  # this process's peak host memory in the stage
     st.add_column(style="dim")
     for x in s.get("stages", []):
-        st.add_row(x["name"], fmt_seconds(x["wall_s"]), x.get("what", ""))
+        rss = x.get("peak_rss_bytes")
+        st.add_row(
+            x["name"], fmt_seconds(x["wall_s"]), "" if rss is None else f"{rss / 2**30:.1f} GiB", x.get("what", "")
+        )
     console.print(st)
     console.print(
         f"report: {s['report']}  (open it in a browser: file://{s['report']})", highlight=False, soft_wrap=True

@@ -34,6 +34,7 @@ from prismllm.emulate import EmulateOptions, emulate
 from prismllm.errors import PrismError
 from prismllm.fromfields import FromFields
 from prismllm.fsutil import read_json, write_file_atomically
+from prismllm.hostmem import peak_rss_bytes, reset_peak_rss
 from prismllm.launch import LineSink
 from prismllm.launch.sandbox import ON_THE_CPU, sandbox_devices
 from prismllm.layout import Layout
@@ -200,8 +201,13 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
 
     def done_stage(name: str, t0: float, what: str) -> None:
         walls[name] = {"name": name, "wall_s": round(time.monotonic() - t0, 2), "what": what}
+        if measured[0]:  # this process's own peak in the stage (its ranks, slices, assistants are others)
+            walls[name]["peak_rss_bytes"] = peak_rss_bytes()
         state["stages"] = [walls[n] for n in STAGES if n in walls]
         _write_state(out, state)
+        measured[0] = reset_peak_rss()
+
+    measured = [reset_peak_rss()]
 
     # ---- capture
     bare = out / BARE_DIR

@@ -37,7 +37,6 @@ from typing import Any
 from urllib.parse import quote
 
 import numpy as np
-import pyarrow.parquet as pq
 
 from prismllm import __version__
 from prismllm.errors import InputError, PrismError
@@ -53,7 +52,7 @@ from prismllm.outputs import (
     RUN_FILE,
     SUMMARY_FILE,
 )
-from prismllm.trace.graph import PrismTrace, group_desc, ranks_text, read_manifest
+from prismllm.trace.graph import PrismTrace, group_desc, ranks_text, read_manifest, read_rows_of_ranks
 from prismllm.trace.summary import steady_iteration_time
 
 FORMAT = "prism-report"
@@ -317,8 +316,9 @@ def _timeline(
     if bad:
         raise PrismError(f"--ranks: rank {bad[0]} is not in the graph's world of {world}")
     iterations = [int(cp["iteration"]) for cp in paths]
-    times = pq.read_table(table_path)
-    graph = PrismTrace.load(cal / GRAPH_DIR)
+    # the chosen ranks' rows alone: a graph of 131,072 ranks is GBs in memory
+    times = read_rows_of_ranks(table_path, ranks)
+    graph = PrismTrace.load(cal / GRAPH_DIR, ranks=lambda manifest, groups: ranks)
     rank = times.column("rank").to_numpy()
     it = times.column("iteration").to_numpy()
     sel = np.flatnonzero(np.isin(rank, ranks) & np.isin(it, iterations))
@@ -331,9 +331,8 @@ def _timeline(
     op_start = times.column("op_start_ns").to_numpy()[sel]
     op_end = times.column("op_end_ns").to_numpy()[sel]
     gid = graph.column("node_id")
-    pos = np.empty(int(gid.max()) + 1, dtype=np.int64)
-    pos[gid] = np.arange(len(gid))
-    rows = pos[node_id]
+    by_id = np.argsort(gid, kind="stable")
+    rows = by_id[np.searchsorted(gid, node_id, sorter=by_id)]
     kind = graph.column("kind")[rows]
     op = graph.column("op")[rows]
     label = graph.column("label")[rows]

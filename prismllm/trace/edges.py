@@ -46,41 +46,45 @@ def group_rank_lookup(groups: pa.Table, world_size: int):
 
 
 def build_edges(nodes: pa.Table, groups: pa.Table, world_size: int) -> pa.Table:
-    """Derive the order, wait and sync edges of a node table sorted by (rank, index)."""
+    """Derive the order, wait and sync edges of a node table sorted by (rank, index). Columns
+    are read in their own (32-bit) types and each array is dropped once used: at 131,072
+    ranks a column is 19 M entries, and this runs beside the graph of every rank."""
     node_id = nodes.column("node_id").to_numpy()
-    rank = nodes.column("rank").to_numpy().astype(np.int64)
-    index = nodes.column("index").to_numpy().astype(np.int64)
+    rank = nodes.column("rank").to_numpy()
     n = len(node_id)
     srcs, dsts, kinds = [], [], []
+    new_rank = np.r_[True, rank[1:] != rank[:-1]] if n else np.zeros(0, dtype=bool)
 
     # order
-    same = rank[1:] == rank[:-1]
+    same = ~new_rank[1:]
     srcs.append(node_id[:-1][same])
     dsts.append(node_id[1:][same])
     kinds.append(EDGE_KINDS.index(EDGE_ORDER))
+    del same
 
-    # wait
-    wait_index = nodes.column("wait_index").to_numpy().astype(np.int64)
-    starts = np.flatnonzero(np.r_[True, rank[1:] != rank[:-1]]) if n else np.zeros(0, np.int64)
-    run_len = np.diff(np.r_[starts, n])
-    run_id = np.cumsum(np.r_[True, rank[1:] != rank[:-1]]) - 1 if n else np.zeros(0, np.int64)
-    rank_start = starts[run_id] if n else starts
-    rank_n = run_len[run_id] if n else run_len
-    ok = (wait_index > index) & (wait_index < rank_n)
-    srcs.append(node_id[ok])
-    dsts.append(node_id[rank_start[ok] + wait_index[ok]])
+    # wait: to the node at ``wait_index`` of the same rank
+    index = nodes.column("index").to_numpy()
+    wait_index = nodes.column("wait_index").to_numpy()
+    starts = np.flatnonzero(new_rank)
+    run_id = np.cumsum(new_rank, dtype=np.int64) - 1
+    del new_rank
+    w = np.flatnonzero((wait_index > index) & (wait_index < np.diff(np.r_[starts, n])[run_id]))
+    srcs.append(node_id[w])
+    dsts.append(node_id[starts[run_id[w]] + wait_index[w]])
     kinds.append(EDGE_KINDS.index(EDGE_WAIT))
+    del index, wait_index, starts, run_id, w
 
     # sync: collectives by (group, seq), chained in group-rank order
-    op = nodes.column("op")
-    group = nodes.column("group").to_numpy().astype(np.int64)
-    seq = nodes.column("seq").to_numpy().astype(np.int64)
-    is_comm = pc.equal(nodes.column("kind"), KIND_COMM).to_numpy(zero_copy_only=False)
-    is_coll = pc.is_in(op, value_set=pa.array(COLLECTIVE_OPS)).to_numpy(zero_copy_only=False) & is_comm & (group >= 0)
+    is_coll = pc.and_(
+        pc.equal(nodes.column("kind"), KIND_COMM), pc.is_in(nodes.column("op"), value_set=pa.array(COLLECTIVE_OPS))
+    )
+    ci = np.flatnonzero(is_coll.to_numpy(zero_copy_only=False))
+    ci = ci[nodes.column("group").to_numpy()[ci] >= 0]
     lookup = group_rank_lookup(groups, world_size)
-    ci = np.flatnonzero(is_coll)
     if len(ci):
-        g, s, r = group[ci], seq[ci], rank[ci]
+        g = nodes.column("group").to_numpy()[ci].astype(np.int64)
+        s = nodes.column("seq").to_numpy()[ci].astype(np.int64)
+        r = rank[ci].astype(np.int64)
         gr = lookup(g, r)
         o = np.lexsort((r, gr, s, g))
         g, s, ids = g[o], s[o], node_id[ci][o]
@@ -107,30 +111,26 @@ def build_edges(nodes: pa.Table, groups: pa.Table, world_size: int) -> pa.Table:
 def match_p2p(nodes: pa.Table, *, unmatched: bool = False):
     """Pair sends with recvs by order. Returns (send node ids, recv node ids) of the pairs, and
     with ``unmatched=True`` also (unmatched send rows, unmatched recv rows) as row positions."""
+    is_comm = pc.equal(nodes.column("kind"), KIND_COMM)
     op = nodes.column("op")
-    is_comm = pc.equal(nodes.column("kind"), KIND_COMM).to_numpy(zero_copy_only=False)
-    is_send = pc.equal(op, "send").to_numpy(zero_copy_only=False) & is_comm
-    is_recv = pc.equal(op, "recv").to_numpy(zero_copy_only=False) & is_comm
-    node_id = nodes.column("node_id").to_numpy()
-    rank = nodes.column("rank").to_numpy().astype(np.int64)
-    index = nodes.column("index").to_numpy().astype(np.int64)
-    group = nodes.column("group").to_numpy().astype(np.int64)
-    peer = nodes.column("peer").to_numpy().astype(np.int64)
-    si, ri = np.flatnonzero(is_send), np.flatnonzero(is_recv)
+    is_send = pc.and_(is_comm, pc.equal(op, "send")).to_numpy(zero_copy_only=False)
+    is_recv = pc.and_(is_comm, pc.equal(op, "recv")).to_numpy(zero_copy_only=False)
+    rows = np.flatnonzero(is_send | is_recv)  # the sends and recvs alone, in row order
     empty = np.zeros(0, dtype=np.int64)
-    if not len(si) and not len(ri):
+    if not len(rows):
         return (empty, empty, empty, empty) if unmatched else (empty, empty)
-    p2p = is_send | is_recv
+    recv = is_recv[rows]
+    del is_send, is_recv
+    rank, index, group, peer = (
+        nodes.column(c).to_numpy()[rows].astype(np.int64) for c in ("rank", "index", "group", "peer")
+    )
+    flag = recv.astype(np.int64)
     # ordinal per (rank, group, peer, direction), in program order
-    nth = ordinal([rank, group, peer, is_recv.astype(np.int64)], index, p2p)
-    rows = np.r_[si, ri]
-    flag = np.r_[np.zeros(len(si), np.int64), np.ones(len(ri), np.int64)]
-    a = np.r_[rank[si], peer[ri]]  # sender
-    b = np.r_[peer[si], rank[ri]]  # receiver
-    g = group[rows]
-    k = nth[rows]
-    o = np.lexsort((flag, k, b, a, g))
-    a, b, g, k, flag, rows = a[o], b[o], g[o], k[o], flag[o], rows[o]
+    k = ordinal([rank, group, peer, flag], index, np.ones(len(rows), dtype=bool))
+    a = np.where(recv, peer, rank)  # sender
+    b = np.where(recv, rank, peer)  # receiver
+    o = np.lexsort((flag, k, b, a, group))
+    a, b, g, k, flag, sorted_rows = a[o], b[o], group[o], k[o], flag[o], rows[o]
     pair = (
         (a[1:] == a[:-1])
         & (b[1:] == b[:-1])
@@ -139,13 +139,14 @@ def match_p2p(nodes: pa.Table, *, unmatched: bool = False):
         & (flag[:-1] == 0)
         & (flag[1:] == 1)
     )
-    send_rows, recv_rows = rows[:-1][pair], rows[1:][pair]
+    send_rows, recv_rows = sorted_rows[:-1][pair], sorted_rows[1:][pair]
     if not unmatched:
+        node_id = nodes.column("node_id").to_numpy()
         return node_id[send_rows], node_id[recv_rows]
-    matched = np.zeros(len(node_id), dtype=bool)
-    matched[send_rows] = True
-    matched[recv_rows] = True
-    return send_rows, recv_rows, si[~matched[si]], ri[~matched[ri]]
+    matched = np.zeros(len(rows), dtype=bool)
+    matched[o[:-1][pair]] = True
+    matched[o[1:][pair]] = True
+    return send_rows, recv_rows, rows[~recv & ~matched], rows[recv & ~matched]
 
 
 def ordinal(keys: list[np.ndarray], pos: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -253,10 +253,13 @@ class PrismTrace:
             try:
                 if keep is None:
                     table = pq.read_table(fpath, memory_map=True)
+                    columns, table_schema = table.columns, table.schema
+                    del table  # each column's chunks freed as it is joined: never the table twice
+                    table = _joined(columns, table_schema)
                 elif name == "edges":
                     table = schema.empty_table()
                 else:
-                    table = _rows_of_ranks(fpath, keep)
+                    table = read_rows_of_ranks(fpath, keep)
             except (pa.ArrowException, OSError, ValueError) as e:
                 raise TraceError(
                     f"graph {path}: {fname} is unreadable, truncated or corrupt ({_short(e)}); re-record the graph"
@@ -397,14 +400,25 @@ def _check_table(table: pa.Table, schema: pa.Schema, world_size: int, where: str
 
 
 # ---------------------------------------------------------------------- helpers
-def _rows_of_ranks(path: Path, ranks: np.ndarray) -> pa.Table:
-    """The rows of a table file whose ``rank`` is in ``ranks``, one row group at a time (a
-    filtered read decodes several at once: 0.6 GB for the few ranks of a 32,768-rank graph);
-    row groups whose statistics hold none of them are skipped."""
+def _joined(columns: list[pa.ChunkedArray], schema: pa.Schema) -> pa.Table:
+    """A table of ``columns``, each joined into one chunk in turn (the list's own entries are
+    replaced, so a column's row-group chunks go as its joined copy comes). A numeric column of
+    one chunk is a numpy array without a copy (``trace.column``, the checks, the solve): at
+    19 M nodes a column's copy is 150 MB, and a stage takes a dozen."""
+    for i in range(len(columns)):
+        if columns[i].num_chunks > 1:
+            columns[i] = pa.chunked_array([columns[i].combine_chunks()], type=columns[i].type)
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def read_rows_of_ranks(path: Path, ranks: np.ndarray) -> pa.Table:
+    """The rows of a table file (a graph's, a calibration's) whose ``rank`` is in ``ranks``, one
+    row group at a time (a filtered read decodes several at once: 0.6 GB for the few ranks of a
+    32,768-rank graph); row groups whose statistics hold none of them are skipped."""
     ranks = np.unique(np.asarray(ranks, dtype=np.int64))
     f = pq.ParquetFile(path, memory_map=True)
     col = f.schema_arrow.get_field_index("rank")
-    wanted = pa.array(ranks, pa.int32())
+    wanted = pa.array(ranks).cast(f.schema_arrow.field(col).type)
     parts = []
     for i in range(f.num_row_groups):
         stats = f.metadata.row_group(i).column(col).statistics

@@ -53,6 +53,7 @@ from prismllm.trace.schema import (
     KIND_COMM,
     KIND_COMPUTE,
 )
+from prismllm.trace.worlds import one_world
 
 _SAME_IN = ("all_reduce", "reduce", "barrier", "gather", "all_gather", "reduce_scatter")
 _ROOTED = ("broadcast", "reduce", "gather", "scatter")
@@ -61,10 +62,13 @@ _SAME_ORDER_FIX = "every member of a group must issue the same collectives in th
 
 
 class Ctx:
-    """Columns of the node table as numpy, and message helpers."""
+    """Columns of the node table as numpy, and message helpers. ``ranks``: the ranks the node
+    table holds where it holds some ranks only (one world of copies: a group's instance is whole
+    with its members among them); None for every rank."""
 
-    def __init__(self, trace: PrismTrace) -> None:
+    def __init__(self, trace: PrismTrace, ranks: np.ndarray | None = None) -> None:
         self.trace = trace
+        self.ranks = ranks
         nodes = trace.nodes
         self.n = nodes.num_rows
         self.node_id = _np(nodes.column("node_id"))
@@ -95,6 +99,27 @@ class Ctx:
     def group_size(self, gid: int) -> int:
         return len(self.groups.get(int(gid), {}).get("ranks", []))
 
+    def group_members(self, gid: int) -> list[int]:
+        """The group's members whose nodes the table holds."""
+        members = self.groups.get(int(gid), {}).get("ranks", [])
+        if self.ranks is None:
+            return members
+        held = set(self.ranks.tolist())
+        return [r for r in members if r in held]
+
+    def held_sizes(self) -> np.ndarray:
+        """Per group id: how many of its members the table holds."""
+        groups = self.trace.groups
+        ranks = groups.column("ranks").combine_chunks()
+        lengths = pc.list_value_length(ranks).to_numpy(zero_copy_only=False).astype(np.int64)
+        flat = pc.list_flatten(ranks).to_numpy(zero_copy_only=False).astype(np.int64)
+        held = np.zeros(self.world_size, dtype=bool)
+        held[self.ranks if self.ranks is not None else slice(None)] = True
+        gids = groups.column("group_id").to_numpy(zero_copy_only=False).astype(np.int64)
+        out = np.zeros(int(gids.max()) + 1 if len(gids) else 0, dtype=np.int64)
+        out[gids] = np.bincount(np.repeat(np.arange(len(gids)), lengths), weights=held[flat], minlength=len(gids))
+        return out
+
     def node(self, i: int, *, with_group: bool = True) -> str:
         """'rank 3 node 17 (all_reduce, group 1 ('tp', ranks 2-3))'."""
         op = self.op(i)
@@ -116,8 +141,11 @@ def _np(col) -> np.ndarray:
 
 
 def validate(trace: PrismTrace) -> None:
-    """Raise TraceError with one clear message for the first problem found; None if sound."""
-    c = Ctx(trace)
+    """Raise TraceError with one clear message for the first problem found; None if sound. A
+    graph whose DP replicas are copies of their representatives is checked over one world
+    (:func:`prismllm.trace.worlds.one_world`): the others are that one renamed."""
+    world = one_world(trace)
+    c = Ctx(trace) if world is None else Ctx(*world)
     if c.n == 0:
         return
     _check_structure(c)
@@ -383,13 +411,13 @@ def _check_collectives(c: Ctx) -> None:
     count = np.diff(np.r_[first, len(rows)])
     gsize = np.array([c.group_size(x) for x in range(int(g.max()) + 1)], dtype=np.int64)
     size_run = gsize[g[first]]
-    short = np.flatnonzero(count != size_run)
+    short = np.flatnonzero(count != (size_run if c.ranks is None else c.held_sizes()[g[first]]))
     if len(short):
         # report the incomplete instance that comes first in program order of its members
         k = short[np.argmin(s[first[short]] * (c.world_size + 1) + g[first[short]])] if len(short) > 1 else short[0]
         members = rows[first[k] : first[k] + count[k]]
         gid = int(g[first[k]])
-        granks = c.groups[gid]["ranks"]
+        granks = c.group_members(gid)
         present = set(int(x) for x in c.rank[members])
         absent = [r for r in granks if r not in present]
         lead = members[0]
@@ -527,10 +555,11 @@ def _check_all_to_all(c, rows, run, first, count, size_row) -> None:
             raise TraceError(
                 f"{c.node(i)} has {what} of length {lens[bad[0]]}, but the group has {sz[bad[0]]} members; one split per member"
             )
-    # instances where every member recorded both splits
+    # instances where every member recorded both splits (and every member is held: one world
+    # of copies holds a group that spans worlds in part)
     arun = run[is_a2a]
     have = (lin == sz) & (lout == sz)
-    complete_runs = np.bincount(arun, weights=have, minlength=len(first)) == count
+    complete_runs = (np.bincount(arun, weights=have, minlength=len(first)) == count) & (count == size_row[first])
     sel = complete_runs[arun]
     if not sel.any():
         return
