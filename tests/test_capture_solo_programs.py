@@ -219,6 +219,29 @@ def test_the_rank_that_runs_out_of_memory_first_in_the_program_is_named(tmp_path
     assert "also out of memory: rank 0 after 4 call(s)" in p.stderr, p.stderr[-2000:]
 
 
+P2P_STEPS = str(Path(__file__).resolve().parent / "programs" / "p2p_steps.py")
+
+
+@pytest.mark.parametrize("parallel", [1, 2])
+def test_a_small_send_answers_its_receiver(tmp_path, parallel, recorded_graph):
+    """Rank 0 sends rank 1 how many all-reduces to run (tests/programs/p2p_steps.py). Solo
+    capture keeps the small send, and the receiver, run after its sender or beside it, gets what
+    was really sent: both ranks run three all-reduces, the graph equals the real run's, and the
+    activation and its gradient are the real ones. The sends go with the graph (``objects/sent-*``)."""
+    out = tmp_path / "solo"
+    p = subprocess.run(
+        [PRISM, "capture", "--mode", "solo", "--world", "2", "--parallel", str(parallel), "--devices", "cpu",
+         "--out", str(out), "--", P2P_STEPS],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    assert "rank 1: 3 steps (seed 1234), activation [2.5, 2.5, 2.5, 2.5]" in p.stdout, p.stdout
+    if parallel == 2:  # rank 1's gradient came back while rank 0 waited for it
+        assert "rank 0: 3 steps, gradient [5.0, 5.0, 5.0, 5.0]" in p.stdout, p.stdout
+    assert len(list((out / "objects").glob("sent-*.tensor"))) == 3
+    assert_equals_the_real_runs_structure(out, recorded_graph(2, ["--", P2P_STEPS]))
+
+
 ZERO3_CHECK = str(Path(__file__).resolve().parent / "programs" / "zero3_check.py")
 
 

@@ -201,6 +201,20 @@ def test_a_virtual_roots_small_broadcast_is_what_the_capture_kept(tmp_path, caps
     kept_broadcasts_reach_the_sandbox(tmp_path, capsys, "cpu")
 
 
+def test_a_virtual_senders_small_send_is_what_the_capture_kept(tmp_path, capsys):
+    """tests/programs/p2p_steps.py: rank 0 sends rank 1 how many all-reduces to run, then an
+    activation. With rank 0 virtual, the time slice and the emulation of rank 1 receive what the
+    capture kept of rank 0's sends (the assistant sends zeros: rank 1 would run no all-reduce and
+    leave its graph)."""
+    program = str(ROOT / "tests" / "programs" / "p2p_steps.py")
+    out = tmp_path / "run"
+    argv = ["run", "--world", "2", "--sandbox", "1", "--devices", "cpu", "--out", str(out), "--", program]
+    assert main(argv) == 0, capsys.readouterr().err
+    slice_log = next((out / "time" / "slices").glob("slice-*1.log")).read_text()
+    for log in (slice_log, (out / "logs" / "emulate.log").read_text()):
+        assert "rank 1: 3 steps (seed 1234), activation [2.5, 2.5, 2.5, 2.5]" in log, log
+
+
 def kept_broadcasts_reach_the_sandbox(tmp_path: Path, capsys, devices: str) -> None:
     """The check of the test above on ``devices`` (test_emulate_gpu runs it on NCCL)."""
     program = str(ROOT / "tests" / "programs" / "root_broadcast.py")

@@ -214,11 +214,12 @@ def trace_counts(out: Path, trace: Any) -> tuple[int | None, int | None]:
 
 def keep_messages(spool: Path, out: Path) -> None:
     """The object lists the ranks sent each other (``send_object_list``: pipeline stages' shapes;
-    the spool's ``objects/p2p-*``) and the small tensors roots broadcast (``objects/broadcast-*``:
-    token ids, flags) go with the graph: in emulation without recorded tensors they are what a
-    virtual sender or root sends a sandbox rank (prismllm.comm.solo_objects)."""
+    the spool's ``objects/p2p-*``), the small tensors roots broadcast (``objects/broadcast-*``:
+    token ids, flags) and the small tensors ranks sent each other (``objects/sent-*``) go with
+    the graph: in emulation without recorded tensors they are what a virtual sender or root
+    sends a sandbox rank (prismllm.comm.solo_objects)."""
     objects = spool / OBJECTS_DIR
-    messages = sorted([*objects.glob("p2p-*.obj"), *objects.glob("broadcast-*.tensor")])
+    messages = sorted([*objects.glob("p2p-*.obj"), *objects.glob("broadcast-*.tensor"), *objects.glob("sent-*.tensor")])
     if messages:
         (out / OBJECTS_DIR).mkdir(exist_ok=True)
         for m in messages:

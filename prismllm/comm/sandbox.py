@@ -770,7 +770,10 @@ class PrunedBackend(solo.GeneratedBackend):
             src, dst = (g, peer) if op == "send" else (peer, g)
             t = _one(c.input if op == "send" else c.output, op)
             p = C.plan_once(C.plan_send, n, G, src, dst, t.shape, tag=tag, dtype=t.dtype)
-            return p, self._sandbox_call(p, tensor=t)
+            sc = self._sandbox_call(p, tensor=t)
+            if op == "recv" and _MESSAGES is not None and c.peer not in _SANDBOX:
+                self._take_kept_send(c, t, sc)
+            return p, sc
         if op == "gather":
             x = _one(c.input, "gather")
             p = C.plan_once(C.plan_gather, n, G, x.shape, self.global_ranks.index(c.root), dtype=x.dtype)
@@ -790,6 +793,17 @@ class PrunedBackend(solo.GeneratedBackend):
         virtual tensor-parallel rank 0): once the small call completed, ``t`` holds it, in place of
         this rank's own copy (zeros where ``t`` was uninitialised: a model then learns label 0)."""
         kept = _MESSAGES.broadcast(c.group_ranks, c.index, c.root)
+        if kept is None or kept.shape != t.shape or kept.dtype != t.dtype:
+            return
+        sc.post = lambda: t.copy_(kept)
+
+    @staticmethod
+    def _take_kept_send(c: Call, t: torch.Tensor, sc: C.SmallCall) -> None:
+        """A virtual sender's small send that the capture kept (a count, a flag, a small model's
+        activations): once the small call completed, ``t`` holds it, in place of what the
+        assistant sent (zeros). Every receive from a virtual sender takes its number here, in the
+        program's order (point-to-point calls never take the native lane's templates)."""
+        kept = _MESSAGES.sent(c.group_ranks, c.peer, c.rank)
         if kept is None or kept.shape != t.shape or kept.dtype != t.dtype:
             return
         sc.post = lambda: t.copy_(kept)

@@ -6,10 +6,12 @@ capture contributed to the call (:class:`SharedObjects`), else the local object(
 store (``--tensors``) like any receive, else what its sender sent, where the sender is a solo
 rank that ran before it or beside it.
 
-A root's small tensor broadcast (``dist.broadcast``: a micro-batch's token ids, flags, seeds) is
-kept the same way (:meth:`SharedObjects.keep_broadcast`): it answers the capture's other members,
-and goes with the graph (``objects/broadcast-*``), where a sandbox rank whose root is virtual
-receives it in emulation and in ``prism time``'s slices (:class:`CapturedMessages`).
+A root's small tensor broadcast (``dist.broadcast``: a micro-batch's token ids, flags, seeds) and
+a rank's small tensor send (``dist.send``: a flag, a count, a small model's activations) are kept
+the same way (:meth:`SharedObjects.keep_broadcast`, :meth:`SharedObjects.keep_sent`): they answer
+the capture's ranks that receive them, and go with the graph (``objects/broadcast-*``,
+``objects/sent-*``), where a sandbox rank whose root or sender is virtual receives them in
+emulation and in ``prism time``'s slices (:class:`CapturedMessages`).
 
 Each wrapper takes the keywords a newer torch adds and passes them on (2.13: ``use_batch``,
 which pipelining's metadata exchange sets)."""
@@ -54,6 +56,8 @@ class SharedObjects:
         self.batch = set(batch or ())
         self.wait_s = wait_s
         self._count: dict[tuple, int] = {}  # (group, src, dst) -> messages so far (point to point)
+        self._sent: dict[tuple, int] = {}  # the same for tensors sent (send / isend) ...
+        self._received: dict[tuple, int] = {}  # ... and received (recv / irecv)
 
     def _prefix(self, call: Call) -> str:
         return f"{call.op}-{_group_key(call.group_ranks)}-{call.index}-r"
@@ -88,6 +92,34 @@ class SharedObjects:
             return None  # (the root keeps none of this size: no wait)
         path = os.path.join(self.dir, broadcast_file(call.group_ranks, call.index, call.root))
         _wait_for(path, time.monotonic() + (self.wait_s if call.root in self.batch else 0.0))
+        return read_tensor(path)
+
+    # -- a small tensor sent point to point (a pipeline stage's activations of a small model, a
+    # -- flag, a count): kept, it answers the receiver's recv (the sender ran before, or beside
+    # -- it); the k-th tensor from a rank to another on a group, counted on each side
+    def keep_sent(self, call: Call) -> None:
+        """Called on a send: its tensor, where it is small, written for the receiver."""
+        k = _next_message(self._sent, call.group_ranks, call.rank, call.peer)
+        t = call.input
+        if self.dir is None or not isinstance(t, torch.Tensor) or not kept_size(t):
+            return
+        path = os.path.join(self.dir, sent_file(call.group_ranks, call.rank, call.peer, k))
+        write_file_atomically(path, msgpack.packb(encode(t)))
+
+    def count_received(self, call: Call) -> int:
+        """The number of the tensor ``call`` receives from its sender (every receive counts,
+        whatever answers it: a store, a rule, an object list's payload)."""
+        return _next_message(self._received, call.group_ranks, call.peer, call.rank)
+
+    def received(self, call: Call, k: int) -> torch.Tensor | None:
+        """The ``k``-th tensor the sender of ``call`` sent this rank (waiting for a sender of this
+        batch), or None where it kept none (a later batch, a replica that never runs, a tensor
+        over the bound)."""
+        ts = call.targets
+        if self.dir is None or len(ts) != 1 or not kept_size(ts[0]):
+            return None
+        path = os.path.join(self.dir, sent_file(call.group_ranks, call.peer, call.rank, k))
+        _wait_for(path, time.monotonic() + (self.wait_s if call.peer in self.batch else 0.0))
         return read_tensor(path)
 
     def _wait_for_batch(self, call: Call, ranks: list[int]) -> None:
@@ -198,6 +230,11 @@ def message_file(group_ranks: Any, src: int, dst: int, k: int) -> str:
 KEPT_BROADCAST_BYTES = 1 << 20
 
 
+def sent_file(group_ranks: Any, src: int, dst: int, k: int) -> str:
+    """The file name of the ``k``-th tensor global rank ``src`` sent ``dst`` on the group."""
+    return f"sent-{_group_key(group_ranks)}-{src}-{dst}-{k}.tensor"
+
+
 def kept_size(t: torch.Tensor) -> bool:
     """Whether a broadcast of ``t`` is small enough to be kept (:data:`KEPT_BROADCAST_BYTES`)."""
     return t.numel() * t.element_size() <= KEPT_BROADCAST_BYTES
@@ -260,9 +297,12 @@ class CapturedMessages:
     def __init__(self, directory: Path, replica_of: list[int] | None):
         self.dir, self.replica_of = directory, replica_of
         self._count: dict[tuple, int] = {}
-        # the broadcasts kept, listed once: a broadcast the capture did not keep (too large, a root
-        # of a later batch) costs the emulated call a set lookup, not a failed open
-        self._broadcasts = {n for n in os.listdir(directory) if n.startswith("broadcast-")}
+        # the broadcasts and sends kept, listed once: one the capture did not keep (too large, a
+        # sender of a later batch) costs the emulated call a set lookup, not a failed open
+        names = os.listdir(directory)
+        self._broadcasts = {n for n in names if n.startswith("broadcast-")}
+        self._sends = {n for n in names if n.startswith("sent-")}
+        self._received: dict[tuple, int] = {}
 
     @classmethod
     def of_graph(cls, graph: str | os.PathLike) -> CapturedMessages | None:
@@ -301,6 +341,19 @@ class CapturedMessages:
                 return None
         name = broadcast_file(group_ranks, index, root)
         return read_tensor(self.dir / name) if name in self._broadcasts else None
+
+    def sent(self, group_ranks: Any, src: int, dst: int) -> torch.Tensor | None:
+        """The next tensor ``src`` sent ``dst`` on the group, as the capture kept it (a replica's:
+        its representative's to the receiver's representative); None where it kept none. Every
+        receive from ``src`` counts, whatever its size, as the sender's sends counted."""
+        k = _next_message(self._received, group_ranks, src, dst)
+        rep = self.replica_of
+        if rep is not None:
+            group_ranks, src, dst = [rep[r] for r in group_ranks], rep[src], rep[dst]
+            if len(set(group_ranks)) != len(group_ranks):  # a group across replicas: no capture ran it
+                return None
+        name = sent_file(group_ranks, src, dst, k)
+        return read_tensor(self.dir / name) if name in self._sends else None
 
 
 def object_payload(objects: list, group: Any) -> list[torch.Tensor]:

@@ -29,7 +29,10 @@ broadcast (non-src) what the root sent, where it is a solo rank of the same capt
 reduce (dst)        as all_reduce
 gather (dst)        every slot holds the local input
 scatter (non-src)   zeros; src: its own chunk
-recv                zeros
+recv                what the sender sent, where it is a solo rank of the same capture that
+                    ran before or beside this one and the tensor is small (1 MiB at most: a
+                    small model's activations, a flag, a count; ``comm.solo_objects``); else
+                    zeros
 barrier             nothing
 ==================  =========================================================================
 
@@ -227,6 +230,9 @@ class TensorGenerator:
             self._fill(call)
 
     def _fill(self, call: Call) -> None:
+        # a receive's number among its sender's messages, whatever answers it (the count must
+        # stay the sender's; comm.solo_objects.SharedObjects.keep_sent)
+        k = self.peers.count_received(call) if call.op == "recv" and call.peer >= 0 and self.peers is not None else -1
         if self.store is not None:
             saved = self.store.get(call.group_name, call.group_ranks, call.op, call.index,
                                    call.peer if call.op in ("send", "recv") else -1)  # fmt: skip
@@ -249,18 +255,20 @@ class TensorGenerator:
             self.answered["rule"] += 1
             return
         self.answered["default"] += 1
-        if call.op == "broadcast" and self.peers is not None:
-            sent = self.peers.broadcast(call)
+        if self.peers is not None and self.payload is None and (call.op == "broadcast" or k >= 0):
+            sent = self.peers.broadcast(call) if call.op == "broadcast" else self.peers.received(call, k)
             if sent is not None and [(t.shape, t.dtype) for t in call.targets] == [(sent.shape, sent.dtype)]:
                 call.targets[0].copy_(sent)
                 return
         default_fill(call, self.payload)
 
     def sent(self, call: Call) -> None:
-        """A call whose outputs are not this rank's to fill (a broadcast's root): what it sends
-        is kept for the capture's other ranks."""
+        """A call whose outputs are not this rank's to fill (a broadcast's root, a send): what it
+        sends is kept for the capture's other ranks."""
         if call.op == "broadcast" and self.peers is not None:
             self.peers.keep_broadcast(call)
+        elif call.op == "send" and call.peer >= 0 and self.peers is not None:
+            self.peers.keep_sent(call)
 
     def _copy_saved(self, call: Call, saved: list[torch.Tensor]) -> None:
         ts = call.targets
