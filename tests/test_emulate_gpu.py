@@ -245,3 +245,13 @@ def test_a_virtual_roots_small_broadcast_on_nccl(tmp_path, capsys, monkeypatch):
     for name in ("OMP_NUM_THREADS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
         monkeypatch.setenv(name, ENV[name])
     kept_broadcasts_reach_the_sandbox(tmp_path, capsys, EMU_DEVICES)
+
+
+def test_a_virtual_senders_small_send_on_nccl(tmp_path, capsys, monkeypatch):
+    """Kept sends on NCCL: the solo capture writes rank 0's sends from the GPU, and the slice's
+    and the emulation's rank 1 (rank 0 virtual) receive them into its GPU buffers."""
+    from test_run import kept_sends_reach_the_sandbox
+
+    for name in ("OMP_NUM_THREADS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.setenv(name, ENV[name])
+    kept_sends_reach_the_sandbox(tmp_path, capsys, EMU_DEVICES)

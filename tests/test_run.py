@@ -206,9 +206,14 @@ def test_a_virtual_senders_small_send_is_what_the_capture_kept(tmp_path, capsys)
     activation. With rank 0 virtual, the time slice and the emulation of rank 1 receive what the
     capture kept of rank 0's sends (the assistant sends zeros: rank 1 would run no all-reduce and
     leave its graph)."""
+    kept_sends_reach_the_sandbox(tmp_path, capsys, "cpu")
+
+
+def kept_sends_reach_the_sandbox(tmp_path: Path, capsys, devices: str) -> None:
+    """The check of the test above on ``devices`` (test_emulate_gpu runs it on NCCL)."""
     program = str(ROOT / "tests" / "programs" / "p2p_steps.py")
     out = tmp_path / "run"
-    argv = ["run", "--world", "2", "--sandbox", "1", "--devices", "cpu", "--out", str(out), "--", program]
+    argv = ["run", "--world", "2", "--sandbox", "1", "--devices", devices, "--out", str(out), "--", program]
     assert main(argv) == 0, capsys.readouterr().err
     slice_log = next((out / "time" / "slices").glob("slice-*1.log")).read_text()
     for log in (slice_log, (out / "logs" / "emulate.log").read_text()):

@@ -2,25 +2,33 @@
 run, and a seed), and both ranks run that many all-reduces: rank 0 from its own count, rank 1
 from what it received. A receiver given zeros runs none and leaves rank 0's all-reduces without
 it; one given what rank 0 really sent (solo capture keeps a small send for its receiver) runs the
-real run's path. Then an activation goes 0 -> 1 and its gradient 1 -> 0, as between stages."""
+real run's path. Then an activation goes 0 -> 1 and its gradient 1 -> 0, as between stages. On a
+GPU where one is visible (NCCL), else the CPU (gloo)."""
+
+import os
 
 import torch
 import torch.distributed as dist
 
-dist.init_process_group("gloo")
+if torch.cuda.is_available():
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+else:
+    device = torch.device("cpu")
+dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 rank = dist.get_rank()
-plan = torch.tensor([3, 1234], dtype=torch.int64) if rank == 0 else torch.empty(2, dtype=torch.int64)
+plan = torch.tensor([3, 1234], device=device) if rank == 0 else torch.empty(2, dtype=torch.int64, device=device)
 if rank == 0:
     dist.send(plan, dst=1)
 else:
     dist.recv(plan, src=0)
 steps, seed = (int(x) for x in plan)
 for _ in range(steps):
-    dist.all_reduce(torch.ones(4))
-act = torch.full((4,), 2.5) if rank == 0 else torch.zeros(4)
+    dist.all_reduce(torch.ones(4, device=device))
+act = torch.full((4,), 2.5, device=device) if rank == 0 else torch.zeros(4, device=device)
 if rank == 0:
     dist.send(act, dst=1)
-    grad = torch.zeros(4)
+    grad = torch.zeros(4, device=device)
     dist.recv(grad, src=1)
     print(f"rank 0: {steps} steps, gradient {grad.tolist()}", flush=True)
 else:
