@@ -795,7 +795,7 @@ class PrunedBackend(solo.GeneratedBackend):
         kept = _MESSAGES.broadcast(c.group_ranks, c.index, c.root)
         if kept is None or kept.shape != t.shape or kept.dtype != t.dtype:
             return
-        sc.post = lambda: t.copy_(kept)
+        sc.post = _writes(t, kept)
 
     @staticmethod
     def _take_kept_send(c: Call, t: torch.Tensor, sc: C.SmallCall) -> None:
@@ -806,7 +806,7 @@ class PrunedBackend(solo.GeneratedBackend):
         kept = _MESSAGES.sent(c.group_ranks, c.peer, c.rank)
         if kept is None or kept.shape != t.shape or kept.dtype != t.dtype:
             return
-        sc.post = lambda: t.copy_(kept)
+        sc.post = _writes(t, kept)
 
     def _plans(self, calls: list[Call], tag: int) -> tuple[list[C.SmallCall], list]:
         """Each call's small call, and the (call, outputs) pairs to compare with the recording."""
@@ -991,6 +991,18 @@ class PrunedBackend(solo.GeneratedBackend):
 
     def split_group(self, *a, **k):  # the RecordingProcessGroup splits (_no_split), never its inner
         raise _unsupported(self, "split_group", _SPLIT_FIX)
+
+
+def _writes(tensor: torch.Tensor, value: torch.Tensor) -> Callable[[], None]:
+    """A post step that writes ``value`` into ``tensor`` as a backend writes, outside autograd: a
+    receive buffer may be a leaf that requires grad (``torch.distributed.pipelining``'s are), which
+    an in-place write under grad mode refuses."""
+
+    def write() -> None:
+        with torch.no_grad():
+            tensor.copy_(value)
+
+    return write
 
 
 def _overwrite_after(small: C.SmallCall, tensor: torch.Tensor, payload: torch.Tensor) -> None:
