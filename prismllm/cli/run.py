@@ -119,7 +119,7 @@ def render(s: dict, console: Console) -> None:
     for x in s.get("stages", []):
         rss = x.get("peak_rss_bytes")
         st.add_row(
-            x["name"], fmt_seconds(x["wall_s"]), "" if rss is None else f"{rss / 2**30:.1f} GiB", x.get("what", "")
+            x["name"], fmt_seconds(x["wall_s"]), "" if rss is None else f"host {rss / 2**30:.1f} GiB", x.get("what", "")
         )
     console.print(st)
     console.print(
