@@ -108,13 +108,13 @@ class Ctx:
         return [r for r in members if r in held]
 
     def held_sizes(self) -> np.ndarray:
-        """Per group id: how many of its members the table holds."""
+        """Per group id: how many of its members the table holds (``ranks`` given)."""
         groups = self.trace.groups
         ranks = groups.column("ranks").combine_chunks()
         lengths = pc.list_value_length(ranks).to_numpy(zero_copy_only=False).astype(np.int64)
         flat = pc.list_flatten(ranks).to_numpy(zero_copy_only=False).astype(np.int64)
         held = np.zeros(self.world_size, dtype=bool)
-        held[self.ranks if self.ranks is not None else slice(None)] = True
+        held[self.ranks] = True
         gids = groups.column("group_id").to_numpy(zero_copy_only=False).astype(np.int64)
         out = np.zeros(int(gids.max()) + 1 if len(gids) else 0, dtype=np.int64)
         out[gids] = np.bincount(np.repeat(np.arange(len(gids)), lengths), weights=held[flat], minlength=len(gids))
