@@ -5,17 +5,11 @@ it; one given what rank 0 really sent (solo capture keeps a small send for its r
 real run's path. Then an activation goes 0 -> 1 and its gradient 1 -> 0, as between stages. On a
 GPU where one is visible (NCCL), else the CPU (gloo)."""
 
-import os
-
 import torch
 import torch.distributed as dist
+from gpu_or_cpu import join_world
 
-if torch.cuda.is_available():
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-else:
-    device = torch.device("cpu")
-dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+device = join_world()
 rank = dist.get_rank()
 plan = torch.tensor([3, 1234], device=device) if rank == 0 else torch.empty(2, dtype=torch.int64, device=device)
 if rank == 0:

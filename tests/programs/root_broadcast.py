@@ -4,17 +4,11 @@ whether it holds what the root built. Without a tensor store, the second rank of
 root is virtual (prism time's slices, emulation) or ran apart (solo capture) receives what the
 capture kept of the root's broadcast. On a GPU where one is visible (NCCL), else the CPU (gloo)."""
 
-import os
-
 import torch
 import torch.distributed as dist
+from gpu_or_cpu import join_world
 
-if torch.cuda.is_available():
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    torch.cuda.set_device(device)
-else:
-    device = torch.device("cpu")
-dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+device = join_world()
 rank, world = dist.get_rank(), dist.get_world_size()
 pairs = [dist.new_group([2 * k, 2 * k + 1]) for k in range(world // 2)]
 root = rank - rank % 2
