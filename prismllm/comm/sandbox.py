@@ -723,7 +723,10 @@ class PrunedBackend(solo.GeneratedBackend):
             p = C.plan_once(C.plan_broadcast, n, G, t.shape, self.global_ranks.index(c.root), dtype=t.dtype)
             sc = self._sandbox_call(p, tensor=t)
             if _MESSAGES is not None and not c.is_root and c.root not in _SANDBOX and solo_objects.kept_size(t):
-                self._take_kept_broadcast(c, t, sc)
+                # a virtual root's broadcast the capture kept (a micro-batch's token ids from a virtual
+                # tensor-parallel rank 0), in place of this rank's own copy (zeros where ``t`` was
+                # uninitialised: a model then learns label 0)
+                _take_kept(sc, t, _MESSAGES.broadcast(c.group_ranks, c.index, c.root))
             return p, sc
         if op == "reduce":
             t = _one(c.input, "reduce")
@@ -772,7 +775,11 @@ class PrunedBackend(solo.GeneratedBackend):
             p = C.plan_once(C.plan_send, n, G, src, dst, t.shape, tag=tag, dtype=t.dtype)
             sc = self._sandbox_call(p, tensor=t)
             if op == "recv" and _MESSAGES is not None and c.peer not in _SANDBOX:
-                self._take_kept_send(c, t, sc)
+                # a virtual sender's small send the capture kept (a count, a flag, a small model's
+                # activations), in place of what the assistant sends (zeros). Every receive from a
+                # virtual sender takes its number here, in the program's order (point-to-point
+                # calls never take the native lane's templates)
+                _take_kept(sc, t, _MESSAGES.sent(c.group_ranks, c.peer, c.rank))
             return p, sc
         if op == "gather":
             x = _one(c.input, "gather")
@@ -786,27 +793,6 @@ class PrunedBackend(solo.GeneratedBackend):
             p = C.plan_once(C.plan_barrier, n, G)
             return p, self._sandbox_call(p)
         raise EmulateError(f"{c.where()}: {op} is not supported in emulation")
-
-    @staticmethod
-    def _take_kept_broadcast(c: Call, t: torch.Tensor, sc: C.SmallCall) -> None:
-        """A virtual root's broadcast that the capture kept (a micro-batch's token ids from a
-        virtual tensor-parallel rank 0): once the small call completed, ``t`` holds it, in place of
-        this rank's own copy (zeros where ``t`` was uninitialised: a model then learns label 0)."""
-        kept = _MESSAGES.broadcast(c.group_ranks, c.index, c.root)
-        if kept is None or kept.shape != t.shape or kept.dtype != t.dtype:
-            return
-        sc.post = _writes(t, kept)
-
-    @staticmethod
-    def _take_kept_send(c: Call, t: torch.Tensor, sc: C.SmallCall) -> None:
-        """A virtual sender's small send that the capture kept (a count, a flag, a small model's
-        activations): once the small call completed, ``t`` holds it, in place of what the
-        assistant sent (zeros). Every receive from a virtual sender takes its number here, in the
-        program's order (point-to-point calls never take the native lane's templates)."""
-        kept = _MESSAGES.sent(c.group_ranks, c.peer, c.rank)
-        if kept is None or kept.shape != t.shape or kept.dtype != t.dtype:
-            return
-        sc.post = _writes(t, kept)
 
     def _plans(self, calls: list[Call], tag: int) -> tuple[list[C.SmallCall], list]:
         """Each call's small call, and the (call, outputs) pairs to compare with the recording."""
@@ -993,16 +979,19 @@ class PrunedBackend(solo.GeneratedBackend):
         raise _unsupported(self, "split_group", _SPLIT_FIX)
 
 
-def _writes(tensor: torch.Tensor, value: torch.Tensor) -> Callable[[], None]:
-    """A post step that writes ``value`` into ``tensor`` as a backend writes, outside autograd: a
-    receive buffer may be a leaf that requires grad (``torch.distributed.pipelining``'s are), which
-    an in-place write under grad mode refuses."""
+def _take_kept(small: C.SmallCall, tensor: torch.Tensor, kept: torch.Tensor | None) -> None:
+    """Once ``small`` completed (its post step), ``tensor`` holds ``kept``, what the capture kept of
+    a virtual rank's broadcast or send, where there is one of its shape and dtype. Written outside
+    autograd, as a backend writes: a receive buffer may be a leaf that requires grad
+    (``torch.distributed.pipelining``'s are), which an in-place write under grad mode refuses."""
+    if kept is None or kept.shape != tensor.shape or kept.dtype != tensor.dtype:
+        return
 
     def write() -> None:
         with torch.no_grad():
-            tensor.copy_(value)
+            tensor.copy_(kept)
 
-    return write
+    small.post = write
 
 
 def _overwrite_after(small: C.SmallCall, tensor: torch.Tensor, payload: torch.Tensor) -> None:

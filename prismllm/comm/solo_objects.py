@@ -78,21 +78,14 @@ class SharedObjects:
     # -- is virtual (:meth:`CapturedMessages.broadcast`)
     def keep_broadcast(self, call: Call) -> None:
         """Called on the root of ``call``: its tensor, where it is small, written for the others."""
-        t = call.input
-        if self.dir is None or not isinstance(t, torch.Tensor) or not kept_size(t):
-            return
-        path = os.path.join(self.dir, broadcast_file(call.group_ranks, call.index, call.rank))
-        write_file_atomically(path, msgpack.packb(encode(t)))
+        self._keep(call.input, broadcast_file(call.group_ranks, call.index, call.rank))
 
     def broadcast(self, call: Call) -> torch.Tensor | None:
         """What the root of ``call`` broadcast (waiting for a root of this batch), or None where it
         kept nothing (a later batch, a replica that never runs, a tensor over the bound)."""
-        ts = call.targets
-        if self.dir is None or call.root == call.rank or len(ts) != 1 or not kept_size(ts[0]):
-            return None  # (the root keeps none of this size: no wait)
-        path = os.path.join(self.dir, broadcast_file(call.group_ranks, call.index, call.root))
-        _wait_for(path, time.monotonic() + (self.wait_s if call.root in self.batch else 0.0))
-        return read_tensor(path)
+        if call.root == call.rank:
+            return None
+        return self._kept(call, broadcast_file(call.group_ranks, call.index, call.root), call.root)
 
     # -- a small tensor sent point to point (a pipeline stage's activations of a small model, a
     # -- flag, a count): kept, it answers the receiver's recv (the sender ran before, or beside
@@ -100,11 +93,7 @@ class SharedObjects:
     def keep_sent(self, call: Call) -> None:
         """Called on a send: its tensor, where it is small, written for the receiver."""
         k = _next_message(self._sent, call.group_ranks, call.rank, call.peer)
-        t = call.input
-        if self.dir is None or not isinstance(t, torch.Tensor) or not kept_size(t):
-            return
-        path = os.path.join(self.dir, sent_file(call.group_ranks, call.rank, call.peer, k))
-        write_file_atomically(path, msgpack.packb(encode(t)))
+        self._keep(call.input, sent_file(call.group_ranks, call.rank, call.peer, k))
 
     def count_received(self, call: Call) -> int:
         """The number of the tensor ``call`` receives from its sender (every receive counts,
@@ -115,11 +104,21 @@ class SharedObjects:
         """The ``k``-th tensor the sender of ``call`` sent this rank (waiting for a sender of this
         batch), or None where it kept none (a later batch, a replica that never runs, a tensor
         over the bound)."""
+        return self._kept(call, sent_file(call.group_ranks, call.peer, call.rank, k), call.peer)
+
+    def _keep(self, t: Any, name: str) -> None:
+        """``t`` written to the spool as ``name`` for the ranks that receive it, where it is small."""
+        if self.dir is not None and isinstance(t, torch.Tensor) and kept_size(t):
+            write_file_atomically(os.path.join(self.dir, name), msgpack.packb(encode(t)))
+
+    def _kept(self, call: Call, name: str, sender: int) -> torch.Tensor | None:
+        """What ``sender`` kept as ``name`` for ``call``'s one target (waiting for a sender of this
+        batch); None where it kept none."""
         ts = call.targets
         if self.dir is None or len(ts) != 1 or not kept_size(ts[0]):
-            return None
-        path = os.path.join(self.dir, sent_file(call.group_ranks, call.peer, call.rank, k))
-        _wait_for(path, time.monotonic() + (self.wait_s if call.peer in self.batch else 0.0))
+            return None  # (the sender keeps none of this size: no wait)
+        path = os.path.join(self.dir, name)
+        _wait_for(path, time.monotonic() + (self.wait_s if sender in self.batch else 0.0))
         return read_tensor(path)
 
     def _wait_for_batch(self, call: Call, ranks: list[int]) -> None:

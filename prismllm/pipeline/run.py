@@ -201,13 +201,13 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
 
     def done_stage(name: str, t0: float, what: str) -> None:
         walls[name] = {"name": name, "wall_s": round(time.monotonic() - t0, 2), "what": what}
-        if measured[0]:  # this process's own peak in the stage (its ranks, slices, assistants are others)
+        if measured:  # this process's own peak in the stage (its ranks, slices, assistants are others)
             walls[name]["peak_rss_bytes"] = peak_rss_bytes()
+            reset_peak_rss()
         state["stages"] = [walls[n] for n in STAGES if n in walls]
         _write_state(out, state)
-        measured[0] = reset_peak_rss()
 
-    measured = [reset_peak_rss()]
+    measured = reset_peak_rss()  # False where the kernel offers no way to start again
 
     # ---- capture
     bare = out / BARE_DIR

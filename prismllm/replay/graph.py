@@ -8,10 +8,9 @@ from collections.abc import Iterable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from prismllm.errors import PrismError
-from prismllm.trace.edges import match_p2p
+from prismllm.trace.edges import group_members, match_p2p
 from prismllm.trace.graph import PrismTrace, TraceError, string_codes
 from prismllm.trace.schema import CALL_COLUMNS, COLLECTIVE_OPS, KIND_COMM, P2P_OPS
 
@@ -197,11 +196,7 @@ class ReplayGraph:
     def _groups(self) -> None:
         """Per group id: its size and how many of its members are virtual (a collective with
         fewer virtual members than its size is external)."""
-        g = self.trace.groups
-        gids = g.column("group_id").to_numpy().astype(_I64)
-        ranks = g.column("ranks").combine_chunks()
-        glen = pc.list_value_length(ranks).to_numpy(zero_copy_only=False).astype(_I64)
-        gflat = pc.list_flatten(ranks).to_numpy(zero_copy_only=False).astype(_I64)
+        gids, glen, gflat = group_members(self.trace.groups)
         ng = int(max(gids.max() + 1 if len(gids) else 0, self.group.max() + 1 if self.num_nodes else 0))
         self.group_size: np.ndarray = np.zeros(ng, dtype=_I64)
         self.group_size[gids] = glen

@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prismllm.trace.edges import group_rank_lookup
+from prismllm.trace.edges import group_members, group_rank_lookup
 from prismllm.trace.schema import NODE_SCHEMA
 
 
@@ -42,9 +42,7 @@ def reconcile_all_to_all(trace: Any) -> int:
     out_len = pc.list_value_length(out_l).to_numpy(zero_copy_only=False).astype(np.int64)
     in_flat = pc.list_flatten(in_l).to_numpy(zero_copy_only=False).astype(np.int64)
     in_off = np.cumsum(in_len) - in_len
-    ranks_col = trace.groups.column("ranks").combine_chunks()
-    gsize_of = pc.list_value_length(ranks_col).to_numpy(zero_copy_only=False).astype(np.int64)
-    gids = trace.groups.column("group_id").to_numpy().astype(np.int64)
+    gids, gsize_of, _ = group_members(trace.groups)
     gsize = np.zeros(int(gids.max()) + 1 if len(gids) else 0, dtype=np.int64)
     gsize[gids] = gsize_of
     k = np.where(group >= 0, gsize[np.maximum(group, 0)], 0)

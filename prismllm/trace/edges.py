@@ -19,12 +19,18 @@ from prismllm.trace.schema import (
 )
 
 
+def group_members(groups: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A groups table as arrays (int64, in table order): each group's id, its member count, and
+    every group's members one after another."""
+    ranks = groups.column("ranks").combine_chunks()
+    gids = groups.column("group_id").to_numpy(zero_copy_only=False).astype(np.int64)
+    lengths = pc.list_value_length(ranks).to_numpy(zero_copy_only=False).astype(np.int64)
+    return gids, lengths, pc.list_flatten(ranks).to_numpy(zero_copy_only=False).astype(np.int64)
+
+
 def group_rank_lookup(groups: pa.Table, world_size: int):
     """Return ``f(gid, rank) -> group rank`` (vectorised; -1 where rank is no member)."""
-    ranks_col = groups.column("ranks").combine_chunks()
-    gids = groups.column("group_id").to_numpy().astype(np.int64)
-    lengths = pc.list_value_length(ranks_col).to_numpy(zero_copy_only=False).astype(np.int64)
-    flat = pc.list_flatten(ranks_col).to_numpy(zero_copy_only=False).astype(np.int64)
+    gids, lengths, flat = group_members(groups)
     pair_gid = np.repeat(gids, lengths)
     pair_grank = np.arange(len(flat)) - np.repeat((np.cumsum(lengths) - lengths), lengths)
     ws = max(int(world_size), int(flat.max()) + 1 if len(flat) else 1)
@@ -79,10 +85,10 @@ def build_edges(nodes: pa.Table, groups: pa.Table, world_size: int) -> pa.Table:
         pc.equal(nodes.column("kind"), KIND_COMM), pc.is_in(nodes.column("op"), value_set=pa.array(COLLECTIVE_OPS))
     )
     ci = np.flatnonzero(is_coll.to_numpy(zero_copy_only=False))
-    ci = ci[nodes.column("group").to_numpy()[ci] >= 0]
+    g = nodes.column("group").to_numpy()[ci].astype(np.int64)
+    ci, g = ci[g >= 0], g[g >= 0]
     lookup = group_rank_lookup(groups, world_size)
     if len(ci):
-        g = nodes.column("group").to_numpy()[ci].astype(np.int64)
         s = nodes.column("seq").to_numpy()[ci].astype(np.int64)
         r = rank[ci].astype(np.int64)
         gr = lookup(g, r)

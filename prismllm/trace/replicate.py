@@ -25,7 +25,7 @@ from prismllm.trace.assemble import (
     rank_list,
     read_parts,
 )
-from prismllm.trace.edges import build_edges, group_rank_lookup
+from prismllm.trace.edges import build_edges, group_members, group_rank_lookup
 from prismllm.trace.graph import PrismTrace, TraceError
 from prismllm.trace.ranklog import GroupInfo
 from prismllm.trace.schema import ITERATION_SCHEMA, KIND_COMM, NODE_SCHEMA, REPLICAS_KEY
@@ -292,9 +292,7 @@ def _expand_nodes(
     sel_r = ~is_rep_row & is_rooted & (peer >= 0) & (old_g >= 0)
     if sel_r.any():
         pos = group_rank_lookup(rep_groups, world_size)(old_g[sel_r], peer[sel_r])
-        ranks_col = groups.column("ranks").combine_chunks()
-        flat = pc.list_flatten(ranks_col).to_numpy(zero_copy_only=False).astype(np.int64)
-        lens = pc.list_value_length(ranks_col).to_numpy(zero_copy_only=False).astype(np.int64)
+        _, lens, flat = group_members(groups)
         offs = np.cumsum(lens) - lens
         g2 = new_g[sel_r]
         ok = (pos >= 0) & (pos < lens[g2])

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prismllm.trace.cycles import check_cycles
-from prismllm.trace.edges import group_rank_lookup, match_p2p, run_starts
+from prismllm.trace.edges import group_members, group_rank_lookup, match_p2p, run_starts
 from prismllm.trace.graph import PrismTrace, TraceError, string_codes
 from prismllm.trace.schema import (
     COLLECTIVE_OPS,
@@ -99,7 +99,7 @@ class Ctx:
     def group_size(self, gid: int) -> int:
         return len(self.groups.get(int(gid), {}).get("ranks", []))
 
-    def group_members(self, gid: int) -> list[int]:
+    def held_members(self, gid: int) -> list[int]:
         """The group's members whose nodes the table holds."""
         members = self.groups.get(int(gid), {}).get("ranks", [])
         if self.ranks is None:
@@ -109,13 +109,9 @@ class Ctx:
 
     def held_sizes(self) -> np.ndarray:
         """Per group id: how many of its members the table holds (``ranks`` given)."""
-        groups = self.trace.groups
-        ranks = groups.column("ranks").combine_chunks()
-        lengths = pc.list_value_length(ranks).to_numpy(zero_copy_only=False).astype(np.int64)
-        flat = pc.list_flatten(ranks).to_numpy(zero_copy_only=False).astype(np.int64)
+        gids, lengths, flat = group_members(self.trace.groups)
         held = np.zeros(self.world_size, dtype=bool)
         held[self.ranks] = True
-        gids = groups.column("group_id").to_numpy(zero_copy_only=False).astype(np.int64)
         out = np.zeros(int(gids.max()) + 1 if len(gids) else 0, dtype=np.int64)
         out[gids] = np.bincount(np.repeat(np.arange(len(gids)), lengths), weights=held[flat], minlength=len(gids))
         return out
@@ -417,7 +413,7 @@ def _check_collectives(c: Ctx) -> None:
         k = short[np.argmin(s[first[short]] * (c.world_size + 1) + g[first[short]])] if len(short) > 1 else short[0]
         members = rows[first[k] : first[k] + count[k]]
         gid = int(g[first[k]])
-        granks = c.group_members(gid)
+        granks = c.held_members(gid)
         present = set(int(x) for x in c.rank[members])
         absent = [r for r in granks if r not in present]
         lead = members[0]

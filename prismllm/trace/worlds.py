@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from prismllm.layout import Layout, replica_plan
-from prismllm.trace.edges import build_edges
+from prismllm.trace.edges import build_edges, group_members
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import KIND_COMM, REPLICAS_KEY
 
@@ -108,9 +108,7 @@ def _rows_in(table: pa.Table, world: np.ndarray) -> pa.Table:
 def _groups_whole_along_edp(groups: pa.Table, class_of: np.ndarray, edp_of: np.ndarray, edp: int) -> bool:
     """Every group is within one world (copied world by world) or holds each class it touches
     whole, all ``edp`` of its members (its own copy in every world)."""
-    ranks = groups.column("ranks").combine_chunks()
-    size = pc.list_value_length(ranks).to_numpy(zero_copy_only=False).astype(_I64)
-    flat = pc.list_flatten(ranks).to_numpy(zero_copy_only=False).astype(_I64)
+    _, size, flat = group_members(groups)
     if not len(flat):
         return True
     if flat.min() < 0 or flat.max() >= len(class_of):
