@@ -22,9 +22,10 @@
 #              at N = 4 on one shared GPU (a padded all-reduce in two parts, the device clock); ~3 min
 #   kernels    a DDP job's sandbox rank kernel by kernel (PyTorch profiler): real run, slice, emulation,
 #              at N = 2 and 4 (WORLDS), with the emulation's host under cProfile and a real recording; ~7 min
-#   ddp-tail   the suite's ddp-2 job (batch 16) kernel by kernel at N = 2: its real run, its slice and its emulation under
-#              the PyTorch profiler, summarised by kernel_timeline.py (the tail: what the device ran after the last NCCL
-#              kernel of an iteration, where a slice's timed graph is ~1.7 ms longer than the real run's recording); ~4 min
+#   ddp-tail   the suite's ddp-2 job (batch 16; TAIL_NAME, TAIL_PROGRAM, TAIL_ARGS, TAIL_LAYOUT: another) kernel by
+#              kernel at N = 2: its real run, its slice and its emulation under the PyTorch profiler, summarised by
+#              kernel_timeline.py (each kernel's time by name; the tail: what the device ran after the last NCCL kernel
+#              of an iteration), with each GPU's SM clock, power and temperature sampled every 100 ms; ~3 min
 #   issue-thread  the issue thread's GPU tests, a DDP job's prism run beside its real run, host cost; ~4 min
 #   threads    a DDP job's rank at N = 2, real, in its slice and emulated: each host thread's CPU time and
 #              context switches at the end (profile_rank.py PROFILE_WITH=threads: nothing during the run);
@@ -211,28 +212,38 @@ kernels)
         "$W"/*/emu*/emulate.json 2>/dev/null
     ls -la "$OUT" ;;
 ddp-tail)
-    K=benchmarks/programs/profile_rank.py D=out/ddp-tail W=out/ddp-tail/w B="--mode ddp --batch 16 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
+    # TAIL_NAME/TAIL_PROGRAM/TAIL_ARGS/TAIL_LAYOUT: another job than the suite's ddp-2 (e.g. gpt3d-pp2)
+    K=benchmarks/programs/profile_rank.py N=${TAIL_NAME:-ddp-2} PROG=${TAIL_PROGRAM:-$P} LAY=${TAIL_LAYOUT:-tp=1,pp=1}
+    B=${TAIL_ARGS:---mode ddp --batch 16 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10}
+    D=out/ddp-tail/$N W=out/ddp-tail/$N/w
     mkdir -p "$D"
+    # each GPU's SM clock, power and temperature every 100 ms while each run goes (is a slice's GPU faster
+    # because it runs cooler or under less power than a real run's?)
+    smi() { nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+        --format=csv,noheader -lms 100 >"$D/smi-$1.csv" 2>&1 & }
+    smi real; s=$!
     env PROFILE_WITH=kineto PROFILE_RANK=1 PROFILE_OUT="$D" PROFILE_TAG=real timeout 120 python3 -m torch.distributed.run \
-        --standalone --nproc-per-node 2 $K $P $B >"$D/real.log" 2>&1; echo "real kineto: $?"
-    timeout 200 prism run --world 2 --layout tp=1,pp=1 --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $P $B \
+        --standalone --nproc-per-node 2 $K $PROG $B >"$D/real.log" 2>&1; echo "real kineto: $?"; kill $s
+    timeout 200 prism run --world 2 --layout "$LAY" --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $PROG $B \
         >"$D/prism.log" 2>&1; echo "prism run: $?"
     # which processes hold which GPU while the slice and the emulation run (a second context on the
     # sandbox's GPU time-slices it: on one shared GPU the slice's AdamW kernels ran 15.2 ms against 6.8)
     nvidia-smi --query-compute-apps=timestamp,pid,process_name,gpu_bus_id,used_memory --format=csv -l 2 \
-        >"$OUT/ddp-tail-apps.csv" 2>&1 &
-    smi=$!
+        >"$D/apps.csv" 2>&1 &
+    apps=$!
     for what in slice emu; do
         if [ $what = slice ]; then cmd=(time --graph "$W/bare" --out "$W/time-k"); else
             cmd=(emulate --graph "$W/cal/graph" --sandbox 1 --out "$W/emu-k"); fi
+        smi $what; s=$!
         env PRISM_PROGRAM_CHECK=off PROFILE_WITH=kineto PROFILE_RANK=all PROFILE_OUT="$D" PROFILE_TAG=$what timeout 150 \
-            prism "${cmd[@]}" --devices cuda:0,1 --force -- $K $P $B >"$D/$what.log" 2>&1; echo "$what kineto: $?"
+            prism "${cmd[@]}" --devices cuda:0,1 --force -- $K $PROG $B >"$D/$what.log" 2>&1; echo "$what kineto: $?"
+        kill $s
     done
-    kill $smi 2>/dev/null
-    nvidia-smi --query-gpu=index,pci.bus_id --format=csv >>"$OUT/ddp-tail-apps.csv" 2>&1
-    python3 benchmarks/kernel_timeline.py "$D"/rank*.json.gz --json "$OUT/ddp_tail.json" 2>&1 | tail -5
+    kill $apps 2>/dev/null
+    nvidia-smi --query-gpu=index,pci.bus_id --format=csv >>"$D/apps.csv" 2>&1
+    python3 benchmarks/kernel_timeline.py "$D"/rank*.json.gz --json "$D/kernels.json" 2>&1 | cut -c1-1500
     grep -h "iter time" "$D/real.log" "$D/emu.log" | tail -4
-    tar czf "$OUT/ddp-tail-logs.tgz" "$D"/*.log "$W"/time-k/graph "$W"/cal/summary.json 2>/dev/null ;;
+    tar czf "$OUT/tail-$N.tgz" "$D"/*.log "$D"/*.csv "$D"/*.json "$W"/time-k/graph "$W"/cal/summary.json 2>/dev/null ;;
 issue-thread)
     # the issue thread (the default) on two GPUs (four for the real DDP run beside it): the GPU tests of the
     # pruned all_reduce and of a DP2 emulation's values, a DDP job's prism run beside its real run (GPUs 2, 3),

@@ -110,16 +110,18 @@ def iterations(events: list[dict]) -> list[dict]:
                 "tail_kernels_ms": sum(k["dur"] for k in tail) / 1e3,
                 "tail_main_stream_idle_ms": sum(tail_gaps) / 1e3,
                 "tail_by_name": by_name(tail),
+                "by_name": by_name(ks),
             }
         )
     return out
 
 
 def by_name(kernels: list[dict]) -> dict[str, float]:
-    """Kernels' own time in ms by name (its first 60 characters)."""
+    """Kernels' own time in ms by name (its first 150 characters: a multi-tensor kernel's functor
+    included)."""
     out: dict[str, float] = {}
     for k in kernels:
-        name = k["name"][:60]
+        name = k["name"][:150]
         out[name] = out.get(name, 0.0) + k["dur"] / 1e3
     return out
 
@@ -147,15 +149,20 @@ def summary(path: Path, skip: int, min_kernels: int) -> dict:
     events = load(path)
     its = [x for x in iterations(events) if x["kernels"] >= min_kernels]
     st = its[skip:] or its
-    keys = [k for k in st[0] if k != "tail_by_name"] if st else []
+    keys = [k for k in st[0] if k not in ("tail_by_name", "by_name")] if st else []
     hooks = issuing_hooks(events)
-    names = {n for x in st for n in x["tail_by_name"]}
-    tail = {n: round(statistics.median(x["tail_by_name"].get(n, 0.0) for x in st), 3) for n in names}
+
+    def top(field: str, n: int) -> dict[str, float]:  # the median ms of each name, the n largest
+        names = {name for x in st for name in x[field]}
+        med = {name: round(statistics.median(x[field].get(name, 0.0) for x in st), 3) for name in names}
+        return dict(sorted(med.items(), key=lambda kv: -kv[1])[:n])
+
     return {
         "trace": path.name,
         "iterations": len(its),
         **{k: round(statistics.median(x[k] for x in st), 3) for k in keys},
-        "tail_top": dict(sorted(tail.items(), key=lambda kv: -kv[1])[:12]),
+        "tail_top": top("tail_by_name", 12),
+        "kernels_top": top("by_name", 30),
         "issuing_hooks": len(hooks),
         "issuing_hook_us_median": round(statistics.median(hooks), 1) if hooks else None,
     }

@@ -247,6 +247,17 @@ def test_a_virtual_roots_small_broadcast_on_nccl(tmp_path, capsys, monkeypatch):
     kept_broadcasts_reach_the_sandbox(tmp_path, capsys, EMU_DEVICES)
 
 
+def test_a_virtual_peers_bf16_gradient_share_on_nccl(tmp_path, capsys, monkeypatch):
+    """DDP in bfloat16 on NCCL, its peer virtual: the sandbox's averaged gradient is its own
+    batch's (the pruned all-reduce's pre-multiplied sum; all zeros before the bf16 factor was
+    handed to ProcessGroupNCCL in the form it reads)."""
+    from test_run import own_gradient_reaches_the_optimizer
+
+    for name in ("OMP_NUM_THREADS", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        monkeypatch.setenv(name, ENV[name])
+    own_gradient_reaches_the_optimizer(tmp_path, capsys, EMU_DEVICES, "bfloat16")
+
+
 def test_a_virtual_senders_small_send_on_nccl(tmp_path, capsys, monkeypatch):
     """Kept sends on NCCL: the solo capture writes rank 0's sends from the GPU, and the slice's
     and the emulation's rank 1 (rank 0 virtual) receive them into its GPU buffers."""

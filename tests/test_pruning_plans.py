@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import struct
 import threading
 
 import pytest
@@ -1017,6 +1018,32 @@ def test_premul_factors_give_the_logical_result(n, real, op, like_me):
         expect = C.reference(p, inputs)[real[0]]
         proxy_buf = reduce([inputs[v].reshape(-1) for v in range(n) if v not in real], op, factor).view(own.shape)
     _close(f[0] * own + f[1] * proxy_buf, expect, exact=False)
+
+
+@pytest.mark.parametrize("factor", [2.0, 1.0, 0.5, 0.25, 1 / 3, 4 / 3, 0.0])
+def test_a_bf16_premul_factor_reads_as_itself_both_ways(factor):
+    """ProcessGroupNCCL (torch 2.11) hands NCCL a bfloat16 PREMUL_SUM's factor as a float of which
+    NCCL reads the first two bytes: every factor exact in bfloat16 read as zero, and a sandbox's
+    bf16 gradients came back all zeros. The scalar prismllm hands over reads as bf16(factor) that
+    way and rounded to bfloat16 as a fixed ProcessGroupNCCL rounds it; other dtypes keep theirs."""
+    s = C.nccl_premul_scalar(factor, torch.bfloat16)
+    low_half = int.from_bytes(struct.pack("<f", s)[:2], "little")
+    read_by_nccl = torch.tensor([low_half], dtype=torch.int16).view(torch.bfloat16).item()
+    rounded = torch.tensor(s, dtype=torch.float32).to(torch.bfloat16).item()
+    want = torch.tensor(factor, dtype=torch.float32).to(torch.bfloat16).item()
+    assert read_by_nccl == want and rounded == want, (s, read_by_nccl, rounded, want)
+    assert C.nccl_premul_scalar(factor, torch.float16) == factor
+    assert C.nccl_premul_scalar(factor, torch.float32) == factor
+
+
+def test_a_bf16_plans_factors_are_handed_over_readable():
+    """The sandbox's like-me factor (n / k) and the proxy's factors of a bf16 all-reduce go
+    through nccl_premul_scalar; the program's own PREMUL_SUM factor goes as the program gave it."""
+    bf16 = torch.bfloat16
+    p = C.plan_all_reduce(4, (0,), (ROWS, COLS), "sum", dtype=bf16)
+    assert C.premul_factors(p, like_me=True) == (C.nccl_premul_scalar(4.0, bf16), 0.0)
+    p = C.plan_all_reduce(4, (0,), (ROWS, COLS), "premul_sum", dtype=bf16, factor=0.5)
+    assert C.premul_factors(p, like_me=False) == (0.5, C.nccl_premul_scalar(1.0, bf16))
 
 
 def test_generated_buffers_keep_at_most_their_limit():

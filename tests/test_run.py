@@ -209,6 +209,26 @@ def test_a_virtual_senders_small_send_is_what_the_capture_kept(tmp_path, capsys)
     kept_sends_reach_the_sandbox(tmp_path, capsys, "cpu")
 
 
+def test_a_virtual_peers_gradient_share_is_the_sandboxs_own(tmp_path, capsys):
+    """tests/programs/ddp_own_grad.py: with its DDP peer virtual, the slice's and the emulated
+    sandbox's averaged gradient is its own batch's (the group as if each member held what it
+    holds), every step, the first call of a signature and the later ones alike."""
+    own_gradient_reaches_the_optimizer(tmp_path, capsys, "cpu", "float32")
+
+
+def own_gradient_reaches_the_optimizer(tmp_path: Path, capsys, devices: str, dtype: str) -> None:
+    """The check of the test above on ``devices`` (test_emulate_gpu runs it on NCCL in bfloat16,
+    where ProcessGroupNCCL once gave the sandbox all-zero gradients: pruning.calls.nccl_premul_scalar)."""
+    program = str(ROOT / "tests" / "programs" / "ddp_own_grad.py")
+    out = tmp_path / "run"
+    argv = ["run", "--world", "2", "--sandbox", "1", "--devices", devices, "--out", str(out), "--", program, "4", dtype]
+    assert main(argv) == 0, capsys.readouterr().err
+    slice_log = next((out / "time" / "slices").glob("slice-*1.log")).read_text()
+    for log in (slice_log, (out / "logs" / "emulate.log").read_text()):
+        lines = [ln.split("grad/own")[1].split() for ln in log.splitlines() if "grad/own" in ln]
+        assert len(lines) == 4 and {r for ln in lines for r in ln} == {"1.000"}, log
+
+
 def kept_sends_reach_the_sandbox(tmp_path: Path, capsys, devices: str) -> None:
     """The check of the test above on ``devices`` (test_emulate_gpu runs it on NCCL)."""
     program = str(ROOT / "tests" / "programs" / "p2p_steps.py")

@@ -37,7 +37,7 @@ in the logical group's ring algorithm -- what the model says the target would se
 the two agree (to an element); see each plan for the rest.
 """
 
-from prismllm.pruning.calls import SmallCall, premul_factors, proxy_call, sandbox_call
+from prismllm.pruning.calls import SmallCall, nccl_premul_scalar, premul_factors, proxy_call, sandbox_call
 from prismllm.pruning.executor import issue, issue_batch, lane_template, reference, run
 from prismllm.pruning.generated import GeneratedBuffers, generated_proxy_call, identity
 from prismllm.pruning.groups import PRUNED_PREFIX, small_group
@@ -84,6 +84,7 @@ __all__ = [
     "issue",
     "issue_batch",
     "lane_template",
+    "nccl_premul_scalar",
     "plan",
     "plan_all_gather",
     "plan_all_reduce",

@@ -5,6 +5,7 @@ virtual members' inputs (:func:`proxy_call`); ``SmallCall.finish()`` is the sand
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -297,11 +298,32 @@ def premul_factors(p: Plan, like_me: bool) -> tuple[float, float] | None:
         return None
     n, k = p.group.n, p.group.k
     f = float(p.factor) if p.reduce_op == "premul_sum" else 1.0
+
+    def ours(x: float) -> float:  # a factor of prismllm's making (the program's own f goes as it gave it)
+        return nccl_premul_scalar(x, p.dtype)
+
     if like_me:
-        return {"sum": n / k, "avg": 1.0 / k, "premul_sum": f * n / k}[p.reduce_op], 0.0
+        return ours({"sum": n / k, "avg": 1.0 / k, "premul_sum": f * n / k}[p.reduce_op]), 0.0
     if p.reduce_op == "sum":
         return None
-    return (1.0 / n, 1.0 / n) if p.reduce_op == "avg" else (f, 1.0)
+    return (ours(1.0 / n), ours(1.0 / n)) if p.reduce_op == "avg" else (f, ours(1.0))
+
+
+def nccl_premul_scalar(factor: float, dtype: torch.dtype) -> float:
+    """The host scalar to give NCCL's pre-multiplied sum of a ``dtype`` tensor so that NCCL
+    multiplies by ``factor``. ProcessGroupNCCL (torch 2.11; pytorch/pytorch#190745) hands a
+    bfloat16 PREMUL_SUM's factor to NCCL as a 4-byte float, of which NCCL reads bfloat16's 2
+    bytes: the float's low half, zero for every factor exact in bfloat16 (1, 2, 0.5 ...), so the
+    sandbox's bf16 gradients came back all zeros and its optimizer ran on them (AdamW's kernels 26 %
+    slower on two H200s). The float returned holds the factor's bfloat16 bits in both halves: read
+    as NCCL reads it there, it is the factor; rounded to bfloat16 as a fixed ProcessGroupNCCL
+    does (a low half under 0x8000 rounds down), it is the factor too. A negative factor is exact
+    on the first and one bfloat16 step larger in magnitude on the second. Other dtypes: ``factor``."""
+    if dtype != torch.bfloat16:
+        return factor
+    bits = struct.unpack("<I", struct.pack("<f", factor))[0]
+    b = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF  # to bfloat16, to nearest even
+    return struct.unpack("<f", struct.pack("<I", (b << 16) | b))[0]
 
 
 def premultiplied(call: SmallCall, factors: tuple[float, float] | None, proxy: bool) -> SmallCall:
