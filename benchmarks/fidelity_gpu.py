@@ -14,7 +14,8 @@ Per case (a program, a layout, a world size N):
    iteration: high when the GPU is the bottleneck), and the GPU's busy share (NVML's utilisation,
    sampled every 50 ms over the steady iterations: coarse).
 2. **prism**: ``prism run --world N --layout ... --devices cuda:0,1 --sandbox R`` (GPU 0 the
-   sandbox, GPU 1 the assistant, whatever N): the calibrated prediction (``predicted_ms``) and the
+   sandbox, GPU 1 the assistant, whatever N; ``--prism-devices cuda:1,0`` the other way round, on
+   the GPU the real job's last rank ran on): the calibrated prediction (``predicted_ms``) and the
    sandbox rank's iteration time as the program itself prints it in the emulation
    (``emulated_ms``); the sandbox rank R is the rank that prints (the last).
 
@@ -369,7 +370,7 @@ class Suite:
         cmd = [sys.executable, "-m", "prismllm.cli.main", "run", "--world", str(c.world), "--layout", c.layout]
         # --force: a run of this lease starts over (a machine held across calls keeps the last one's outputs,
         # which prism run would resume from)
-        cmd += ["--devices", "cuda:0,1", "--sandbox", str(c.sandbox), "--out", str(out), "--json", "--force"]
+        cmd += ["--devices", self.a.prism_devices, "--sandbox", str(c.sandbox), "--out", str(out), "--json", "--force"]
         cmd += ["--head-start", self.a.head_start, "--timeout", str(self.a.timeout), "--", *c.command()]
         print(f"[{c.name}] prism run ...", flush=True)
         t0 = time.monotonic()
@@ -386,6 +387,7 @@ class Suite:
             "issue_thread": not self.a.no_issue_thread,
             "native_lane": not self.a.python_path,
             "head_start": head_start_for(self.a.head_start, native_lane=not self.a.python_path) or "off",
+            "devices": self.a.prism_devices,
             "host": self.doc["machine"].get("host"),  # the machine itself: leases of one kind differ by it
         }
         if rc != 0:
@@ -634,6 +636,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=HEAD_START_CHOICES,
         default="auto",
         help="prism run's --head-start (the slices' host head start); rows say which ran (prism.head_start)",
+    )
+    ap.add_argument(
+        "--prism-devices",
+        default="cuda:0,1",
+        help="prism run's --devices (the first the sandbox's GPU, the second the assistant's): cuda:1,0 puts the "
+        "sandbox on the GPU the real job's last rank ran on; rows say which (prism.devices)",
     )
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     a = ap.parse_args(argv)
