@@ -55,6 +55,9 @@
 #   timestamps what a point of the recorder costs the device (benchmarks/programs/timestamp_cost.py: no point, a
 #              plain event, a timing event, a timing event on a side stream, a global-timer stamp kernel between
 #              tiny kernels); one GPU is enough; $OUT/timestamp_cost.json; ~1 min
+#   gpu-pace   two GPUs: does the sandbox's GPU set a power-bound job's prediction? ddp-2 alone on each GPU (N = 1),
+#              real at N = 2 and under prism run with the sandbox on GPU 0 and on GPU 1, ROUNDS (2) rounds, each GPU's
+#              clocks and power sampled; ~8 min
 #   scale      prism run of gpt3d TP2·PP8 at each of WORLDS ranks (1024; "1024 8192 131072") on the GPUs there: wall and
 #              host memory by stage, the assistants' RSS and GPU reservation (run_at_scale.py); ~1 min at 1,024, ~4 at 131,072
 #   lane-memory  the native lane's peak-memory gap (the distributed optimizer of its GPU test, last rank; LAYOUT="--pp 2":
@@ -86,7 +89,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|ddp-tail|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|channels|fidelity-gpu|scale|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|ddp-tail|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|channels|fidelity-gpu|gpu-pace|scale|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -586,6 +589,30 @@ fidelity-gpu)
     tar czf "$OUT/fidelity-graphs.tgz" out/fidelity_gpu/*/prism/time/graph out/fidelity_gpu/*/prism/cal/summary.json \
         out/fidelity_gpu/*/record/*.parquet out/fidelity_gpu/*/record/manifest.json out/fidelity_gpu/*/record-cal/summary.json \
         out/fidelity_gpu/*/prism/emulate/ranklogs 2>/dev/null ;;
+gpu-pace)
+    # does the sandbox's GPU set a power-bound job's prediction? The suite's ddp-2 (it runs into the H200's power
+    # limit): the job alone on each GPU (N = 1, no NCCL), the real N = 2 job, and prism run with the sandbox on
+    # GPU 0 and on GPU 1, ROUNDS (2) rounds alternated; each GPU's SM clock, power and temperature every 100 ms
+    # during every run (smi-<run>.csv); the results (fidelity_gpu_pace_<devices>_<round>.json), logs and samples in
+    # one tarball, $OUT/gpu-pace.tgz; ~8 min
+    D=out/gpu-pace; mkdir -p "$D"
+    smi() { nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+        --format=csv,noheader -lms 100 >"$D/smi-$1.csv" 2>&1 & }
+    for r in $(seq "${ROUNDS:-2}"); do
+        for g in 0 1; do
+            smi "alone$g-$r"; s=$!
+            CUDA_VISIBLE_DEVICES=$g timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 1 $P \
+                --mode ddp --batch 16 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10 >"$D/alone$g-$r.log" 2>&1
+            kill $s; echo "round $r, GPU $g alone: period $(median "$D/alone$g-$r.log" period) ms"
+        done
+        for dev in cuda:0,1 cuda:1,0; do
+            smi "prism-${dev/:/}-$r"; s=$!
+            PRISM_LEASE=${PRISM_LEASE:-pace} timeout 250 python3 benchmarks/fidelity_gpu.py --cases ddp-2 --reals 1 \
+                --prism-devices "$dev" --json "$D/fidelity_gpu_pace_${dev/:/}_$r.json" --work "$D/w-${dev/:/}-$r" \
+                2>&1 | grep -E "real run|prism run:" ; kill $s
+        done
+    done
+    tar czf "$OUT/gpu-pace.tgz" "$D"/*.log "$D"/*.csv "$D"/*.json "$D"/*.md "$D"/w-*/*/*.log 2>/dev/null ;;
 scale)
     # prism run of gpt3d TP2·PP8 (8 layers) at each of WORLDS ranks (default 1024) on the GPUs there, a sandbox rank in
     # the first and the last stage: benchmarks/run_at_scale.py's figures (wall and the prism process's peak host memory

@@ -2,10 +2,10 @@
 report it writes opens in Chromium.
 
     .venv/bin/python benchmarks/run_at_scale.py [--world 1024] [--devices cpu] [--work DIR] [--tag NAME]
-        [--tp 2] [--pp 2] [--layers 2] [--global-batch N] [--sandbox RANKS]
+        [--tp 2] [--pp 2] [--layers 2] [--global-batch N] [--sandbox RANKS] [--ep 8 --num-experts 8]
 
-Runs `prism run --world N --layout tp=TP,pp=PP --sandbox N-1` on examples/gpt3d.py (tiny model;
-global batch N unless given), then opens OUT/report.html in headless Chromium (Debian's
+Runs `prism run --world N --layout tp=TP,pp=PP[,ep=EP] --sandbox N-1` on examples/gpt3d.py (tiny
+model, dense or MoE; global batch N unless given), then opens OUT/report.html in headless Chromium (Debian's
 /usr/bin/chromium through playwright) twice and times each open until the first frame painted
 after the load event; saves a screenshot beside the results. The largest process's peak RSS is
 the kernel's figure for the command's descendants (``RUSAGE_CHILDREN``). Writes
@@ -71,6 +71,8 @@ def main() -> int:
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--global-batch", type=int, default=None, help="default: the world size")
+    ap.add_argument("--ep", type=int, default=1, help="expert parallel size (an MoE layout with --num-experts)")
+    ap.add_argument("--num-experts", type=int, default=0, help="experts per MoE layer (0: dense)")
     ap.add_argument("--sandbox", default=None, help="default: the last rank")
     ap.add_argument("--parallel", type=int, default=None, help="prism run --parallel (default: its own)")
     ap.add_argument(
@@ -83,7 +85,10 @@ def main() -> int:
     prog = [GPT3D, "--tp", str(a.tp), "--pp", str(a.pp), "--layers", str(a.layers), "--hidden", "32",
             "--heads", "4", "--seq", "16", "--vocab", "128", "--micro-batch", "1",
             "--global-batch", str(a.global_batch or a.world), "--iters", "3"]  # fmt: skip
-    cmd = [PRISM, "run", "--world", str(a.world), "--layout", f"tp={a.tp},pp={a.pp}",
+    if a.num_experts:
+        prog += ["--num-experts", str(a.num_experts), "--ep", str(a.ep)]
+    layout = f"tp={a.tp},pp={a.pp}" + (f",ep={a.ep}" if a.ep > 1 else "")
+    cmd = [PRISM, "run", "--world", str(a.world), "--layout", layout,
            "--sandbox", a.sandbox or str(a.world - 1), "--devices", a.devices, "--out", str(out), "--force",
            *(["--parallel", str(a.parallel)] if a.parallel else []), "--", *prog]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
