@@ -55,9 +55,9 @@
 #   timestamps what a point of the recorder costs the device (benchmarks/programs/timestamp_cost.py: no point, a
 #              plain event, a timing event, a timing event on a side stream, a global-timer stamp kernel between
 #              tiny kernels); one GPU is enough; $OUT/timestamp_cost.json; ~1 min
-#   gpu-pace   two GPUs: does the sandbox's GPU set a power-bound job's prediction? ddp-2 alone on each GPU (N = 1),
-#              real at N = 2 and under prism run with the sandbox on GPU 0 and on GPU 1, ROUNDS (2) rounds, each GPU's
-#              clocks and power sampled; ~8 min
+#   gpu-pace   two GPUs: does the sandbox's GPU set a power-bound job's prediction? ddp-2 (ITERS 30, WARMUP 10) alone
+#              on each GPU (N = 1), real at N = 2 and under prism run with the sandbox on GPU 0 and on GPU 1, ROUNDS (2)
+#              rounds, each GPU's clocks and power sampled; ~9 min
 #   scale      prism run of gpt3d TP2·PP8 at each of WORLDS ranks (1024; "1024 8192 131072") on the GPUs there: wall and
 #              host memory by stage, the assistants' RSS and GPU reservation (run_at_scale.py); ~1 min at 1,024, ~4 at 131,072
 #   lane-memory  the native lane's peak-memory gap (the distributed optimizer of its GPU test, last rank; LAYOUT="--pp 2":
@@ -591,25 +591,28 @@ fidelity-gpu)
         out/fidelity_gpu/*/prism/emulate/ranklogs 2>/dev/null ;;
 gpu-pace)
     # does the sandbox's GPU set a power-bound job's prediction? The suite's ddp-2 (it runs into the H200's power
-    # limit): the job alone on each GPU (N = 1, no NCCL), the real N = 2 job, and prism run with the sandbox on
-    # GPU 0 and on GPU 1, ROUNDS (2) rounds alternated; each GPU's SM clock, power and temperature every 100 ms
-    # during every run (smi-<run>.csv); the results (fidelity_gpu_pace_<devices>_<round>.json), logs and samples in
-    # one tarball, $OUT/gpu-pace.tgz; ~8 min
-    D=out/gpu-pace; mkdir -p "$D"
+    # limit) with ITERS (30) iterations, the first WARMUP (10) left out (its real periods rose 96 -> 100 ms over
+    # ten): the job alone on each GPU (N = 1, no NCCL), the real N = 2 job, and prism run with the sandbox on GPU 0
+    # and on GPU 1, ROUNDS (2) rounds alternated; each GPU's SM clock, power and temperature every 100 ms during
+    # every run (smi-<run>.csv); the results (fidelity_gpu_pace_<devices>_<round>.json), logs and samples in one
+    # tarball, $OUT/gpu-pace.tgz; ~9 min
+    D=out/gpu-pace IT=${ITERS:-30} WU=${WARMUP:-10}; mkdir -p "$D"
     smi() { nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
         --format=csv,noheader -lms 100 >"$D/smi-$1.csv" 2>&1 & }
     for r in $(seq "${ROUNDS:-2}"); do
         for g in 0 1; do
             smi "alone$g-$r"; s=$!
             CUDA_VISIBLE_DEVICES=$g timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 1 $P \
-                --mode ddp --batch 16 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10 >"$D/alone$g-$r.log" 2>&1
-            kill $s; echo "round $r, GPU $g alone: period $(median "$D/alone$g-$r.log" period) ms"
+                --mode ddp --batch 16 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters "$IT" >"$D/alone$g-$r.log" 2>&1
+            kill $s
+            echo "round $r, GPU $g alone: periods after $WU: $(grep -o 'period [0-9.]*' "$D/alone$g-$r.log" | tail -n +"$WU" \
+                | awk '{print $2}' | sort -n | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}') ms (median)"
         done
         for dev in cuda:0,1 cuda:1,0; do
             smi "prism-${dev/:/}-$r"; s=$!
             PRISM_LEASE=${PRISM_LEASE:-pace} timeout 250 python3 benchmarks/fidelity_gpu.py --cases ddp-2 --reals 1 \
-                --prism-devices "$dev" --json "$D/fidelity_gpu_pace_${dev/:/}_$r.json" --work "$D/w-${dev/:/}-$r" \
-                2>&1 | grep -E "real run|prism run:" ; kill $s
+                --iters "$IT" --warmup "$WU" --prism-devices "$dev" --json "$D/fidelity_gpu_pace_${dev/:/}_$r.json" \
+                --work "$D/w-${dev/:/}-$r" 2>&1 | grep -E "real run|prism run:" ; kill $s
         done
     done
     tar czf "$OUT/gpu-pace.tgz" "$D"/*.log "$D"/*.csv "$D"/*.json "$D"/*.md "$D"/w-*/*/*.log 2>/dev/null ;;

@@ -113,10 +113,11 @@ class Case:
         return [self.program, *self.args]
 
 
-def cases() -> list[Case]:
+def cases(iters: int | None = None) -> list[Case]:
+    """The suite's cases; ``iters``: each program's --iters in place of the case's own."""
     t = lambda mode, *extra: [TORCH_PAR, ["--mode", mode, *extra, *TORCH_SIZE]]  # noqa: E731
     # in the order they run: one of each stack and layout first
-    return [
+    every = [
         Case("ddp-2", 2, *t("ddp", "--batch", "16"), "tp=1,pp=1", "PyTorch DDP"),
         Case("megatron-tp2", 2, MEGATRON, ["--tp", "2", *MEGATRON_SIZE], "tp=2", "Megatron-core"),
         Case("ddp-4", 4, *t("ddp", "--batch", "16"), "tp=1,pp=1", "PyTorch DDP"),
@@ -135,6 +136,10 @@ def cases() -> list[Case]:
         ),
         Case("ddp-2-hostbound", 2, TORCH_PAR, ["--mode", "ddp", *SMALL], "tp=1,pp=1", "PyTorch DDP (host-bound)"),
     ]
+    if iters is not None:
+        for c in every:
+            c.args[c.args.index("--iters") + 1] = str(iters)
+    return every
 
 
 def same_job(a: list[str], b: list[str]) -> bool:
@@ -173,12 +178,13 @@ def iterations(text: str) -> list[dict]:
     return out
 
 
-def steady(its: list[dict]) -> dict:
-    """Median iteration time, period and host wait over the steady iterations, the peak of the last."""
-    st = [x for x in its if x["iteration"] > WARMUP] or its
+def steady(its: list[dict], warmup: int = WARMUP) -> dict:
+    """Median iteration time, period and host wait over the steady iterations (those after the first
+    ``warmup``), the peak of the last."""
+    st = [x for x in its if x["iteration"] > warmup] or its
     waits = [x["host_wait"] for x in st if x["host_wait"] is not None]
     # a line's period is its previous iteration's: the steady iterations' are on the lines after them
-    periods = [x["period_ms"] for x in its if x["iteration"] > WARMUP + 1 and x.get("period_ms")]
+    periods = [x["period_ms"] for x in its if x["iteration"] > warmup + 1 and x.get("period_ms")]
     return {
         "period_ms": round(statistics.median(periods), 3) if periods else None,
         "ms": round(statistics.median(x["ms"] for x in st), 3),
@@ -352,8 +358,8 @@ class Suite:
         its = iterations(text)
         run = {"rc": rc, "wall_s": round(wall, 1), "log": str(log), "gpus": gpus, "lease": LEASE}
         if rc == 0 and its:
-            run.update(steady(its))
-            lo, hi = seen.get(WARMUP), seen.get(max(seen, default=0))
+            run.update(steady(its, self.a.warmup))
+            lo, hi = seen.get(self.a.warmup), seen.get(max(seen, default=0))
             run["busy_share"] = sampler.share(lo, hi) if lo and hi and hi > lo else sampler.share(0, -1)
         else:
             sampler.share(0, -1)
@@ -402,7 +408,7 @@ class Suite:
         emu_log = (out / "logs" / "emulate.log").read_text(errors="replace")
         its = iterations(emu_log)
         if its:
-            st = steady(its)
+            st = steady(its, self.a.warmup)
             p["emulated_ms"], p["emulated_period_ms"], p["emulated_peak_bytes"], p["emulated_host_wait"] = (
                 st["ms"],
                 st["period_ms"],
@@ -443,7 +449,7 @@ class Suite:
         rec: dict[str, Any] = {"rc": rc, "lease": LEASE}
         its = iterations(text)
         if rc == 0 and its:
-            st = steady(its)
+            st = steady(its, self.a.warmup)
             rec["recorded_ms"], rec["recorded_period_ms"] = st["ms"], st["period_ms"]
             cal = [sys.executable, "-m", "prismllm.cli.main", "calibrate", str(d / "record"), "--force", "--out"]
             crc, _, _ = run_streamed([*cal, str(d / "record-cal")], {}, 300, d / "record-cal.log")
@@ -643,10 +649,20 @@ def main(argv: list[str] | None = None) -> int:
         help="prism run's --devices (the first the sandbox's GPU, the second the assistant's): cuda:1,0 puts the "
         "sandbox on the GPU the real job's last rank ran on; rows say which (prism.devices)",
     )
+    ap.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="each program's --iters (default: the case's own, 10): more, with --warmup, to compare a GPU past the "
+        "first seconds' clock changes",
+    )
+    ap.add_argument(
+        "--warmup", type=int, default=WARMUP, help=f"iterations left out of every median (default {WARMUP})"
+    )
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     a = ap.parse_args(argv)
     a.md = a.md or a.json.with_suffix(".md")
-    every = cases()
+    every = cases(a.iters)
     if a.list:
         for c in every:
             print(f"{c.name:22s} N={c.world} {c.layout:10s} {c.stack}: {' '.join(c.command())}")

@@ -192,3 +192,19 @@ def test_gpu_suite_compares_periods_where_the_program_prints_them():
     row = {"stack": "x", "real_ms": [97.0], "real_runs": [{**old, "peak_bytes": 100}], "prism": {"predicted_ms": 99.0}}
     fg.finish(row)
     assert row["basis"] == "iter time" and row["predicted_error"] == round(2 / 97, 5)
+
+
+def test_gpu_suite_runs_longer_jobs_and_leaves_out_their_first_iterations():
+    """benchmarks/fidelity_gpu.py --iters N --warmup W: every case's program runs N iterations, and
+    the medians leave out the first W (a power-bound GPU's clock still falls over the first ten)."""
+    import fidelity_gpu as fg
+
+    assert {c.args[c.args.index("--iters") + 1] for c in fg.cases(30)} == {"30"}
+    assert fg.cases()[0].args[fg.cases()[0].args.index("--iters") + 1] == "10"
+    lines = [
+        f"iteration {i}/8 | loss 10.5 | iter time {ms} ms | max mem 100 B | period {ms + 1} ms"
+        for i, ms in enumerate([500, 90, 92, 94, 96, 98, 98, 98], 1)
+    ]
+    its = fg.iterations("\n".join(lines))
+    assert fg.steady(its)["ms"] == 97 and fg.steady(its, warmup=5)["ms"] == 98
+    assert fg.steady(its, warmup=5)["period_ms"] == 99
