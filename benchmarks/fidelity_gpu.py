@@ -128,6 +128,9 @@ def cases(iters: int | None = None) -> list[Case]:
         Case("dtensor-tp2", 2, *t("tp", "--batch", "32"), "tp=2", "PyTorch DTensor TP"),
         Case("megatron-pp2", 2, MEGATRON, ["--pp", "2", *MEGATRON_SIZE], "pp=2", "Megatron-core (1F1B)"),
         Case(
+            "pipelining-pp2", 2, *t("pp", "--batch", "32", "--microbatches", "8"), "pp=2", "PyTorch pipelining (1F1B)"
+        ),
+        Case(
             "megatron-dp2-distopt", 2, MEGATRON, ["--dist-opt", *MEGATRON_SIZE], "tp=1,pp=1", "Megatron-core dist-opt"
         ),
         Case("fsdp2-4", 4, *t("fsdp2", "--batch", "16"), "tp=1,pp=1", "PyTorch FSDP2"),

@@ -2,7 +2,8 @@
 report it writes opens in Chromium.
 
     .venv/bin/python benchmarks/run_at_scale.py [--world 1024] [--devices cpu] [--work DIR] [--tag NAME]
-        [--tp 2] [--pp 2] [--layers 2] [--global-batch N] [--sandbox RANKS] [--ep 8 --num-experts 8]
+        [--tp 2] [--pp 2] [--layers 2] [--global-batch N] [--sandbox RANKS]
+        [--ep 8 --num-experts 8 --routing FILE]
 
 Runs `prism run --world N --layout tp=TP,pp=PP[,ep=EP] --sandbox N-1` on examples/gpt3d.py (tiny
 model, dense or MoE; global batch N unless given), then opens OUT/report.html in headless Chromium (Debian's
@@ -73,6 +74,12 @@ def main() -> int:
     ap.add_argument("--global-batch", type=int, default=None, help="default: the world size")
     ap.add_argument("--ep", type=int, default=1, help="expert parallel size (an MoE layout with --num-experts)")
     ap.add_argument("--num-experts", type=int, default=0, help="experts per MoE layer (0: dense)")
+    ap.add_argument(
+        "--routing",
+        default=None,
+        help="MoE: force this routing file on gpt3d's Router (prism run --router-module Router --routing FILE); without "
+        "one a slice's routing is its generated values' and leaves the captured graph",
+    )
     ap.add_argument("--sandbox", default=None, help="default: the last rank")
     ap.add_argument("--parallel", type=int, default=None, help="prism run --parallel (default: its own)")
     ap.add_argument(
@@ -90,7 +97,8 @@ def main() -> int:
     layout = f"tp={a.tp},pp={a.pp}" + (f",ep={a.ep}" if a.ep > 1 else "")
     cmd = [PRISM, "run", "--world", str(a.world), "--layout", layout,
            "--sandbox", a.sandbox or str(a.world - 1), "--devices", a.devices, "--out", str(out), "--force",
-           *(["--parallel", str(a.parallel)] if a.parallel else []), "--", *prog]  # fmt: skip
+           *(["--parallel", str(a.parallel)] if a.parallel else []),
+           *(["--router-module", "Router", "--routing", a.routing] if a.routing else []), "--", *prog]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     t0 = time.monotonic()
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)

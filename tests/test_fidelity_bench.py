@@ -208,3 +208,30 @@ def test_gpu_suite_runs_longer_jobs_and_leaves_out_their_first_iterations():
     its = fg.iterations("\n".join(lines))
     assert fg.steady(its)["ms"] == 97 and fg.steady(its, warmup=5)["ms"] == 98
     assert fg.steady(its, warmup=5)["period_ms"] == 99
+
+
+def test_the_gpu_suites_pipelining_program_emulates_with_its_real_losses(tmp_path):
+    """benchmarks/programs/torch_parallel.py --mode pp (the GPU suite's pipelining-pp2: PyTorch's
+    PipelineStage and Schedule1F1B) on the CPU: plain torchrun, then prism run with its first stage
+    virtual; the emulated last stage prints the real run's losses (the stages' shape metadata and
+    activations, small here, are what the capture kept of the virtual stage's sends)."""
+    prog = [str(ROOT / "benchmarks" / "programs" / "torch_parallel.py"), "--mode", "pp", "--layers", "2"]
+    prog += ["--hidden", "32", "--heads", "2", "--seq", "16", "--vocab", "64", "--batch", "4", "--iters", "3"]
+    prog += ["--dtype", "fp32"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    real = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *prog],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert real.returncode == 0, real.stderr[-2000:]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "prismllm.cli.main", "run", "--world", "2", "--layout", "pp=2", "--devices", "cpu"]
+    cmd += ["--parallel", "2", "--sandbox", "1", "--out", str(out), "--", *prog]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+    def losses(text: str) -> list[str]:
+        return [ln.split(" | ")[1] for ln in text.splitlines() if ln.startswith("iteration ")]
+
+    emulated = losses((out / "logs" / "emulate.log").read_text())
+    assert len(emulated) == 3 and emulated == losses(real.stdout), (emulated, real.stdout)
