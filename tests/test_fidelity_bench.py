@@ -185,6 +185,7 @@ def test_gpu_suite_compares_periods_where_the_program_prints_them():
     assert row["basis"] == "period" and row["real_basis_ms"] == [98]
     assert row["predicted_error"] == round(1 / 98, 5) and row["emulated_error"] == round(2 / 98, 5)
     assert row["emulated_iter_time_error"] == round(1 / 97, 5)
+    assert row["emulated_vs_predicted"] == round(100 / 99 - 1, 5)  # the emulation against its own prediction
     assert " 98.00 p |" in fg.markdown({"rows": [{**row, "case": "ddp-2", "world": 2, "layout": "tp=1"}]})
     # a program that prints no period (Megatron's line): its iter time
     old = fg.steady(fg.iterations(log([500, 120, 97, 97, 97], None)))
