@@ -118,9 +118,14 @@ def main() -> int:
         "wall_s": round(wall, 1),
         "stages_s": {st["name"]: st["wall_s"] for st in state.get("stages", [])},
         # the prism process's own peak in each stage (run.json); the largest of every process
-        # the command started (RUSAGE_CHILDREN: a child forked from it may count its RSS too)
+        # the command started: RUSAGE_CHILDREN (a child forked from it may count its RSS too), or the
+        # prism process's largest stage, which the kernel's figure misses (the process sets its peak
+        # back at each stage, and the kernel keeps the last stage's)
         "stages_peak_rss_bytes": {st["name"]: st.get("peak_rss_bytes") for st in state.get("stages", [])},
-        "largest_process_rss_bytes": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        "largest_process_rss_bytes": max(
+            resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+            *(st.get("peak_rss_bytes") or 0 for st in state.get("stages", [])),
+        ),
         # each assistant's own last line: its peak RSS and (GPU) its tensors' peak reservation
         "assistants": [assistant_fields(line) for line in emulate_log if line.startswith("prism assistant")],
         "summary_lines": len(p.stdout.splitlines()),
