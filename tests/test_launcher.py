@@ -110,7 +110,8 @@ if mode == "ok":
     sys.exit(0)
 if mode == "raise":
     want = int(os.environ.get("WAIT_FOR_GRANDCHILDREN", "0"))  # let the others start theirs
-    while len([n for n in os.listdir(piddir) if n.startswith("grandchild-")]) < want:
+    # a written file only (a ".pid.tmp" is one a rank may be ended before it renames)
+    while len([n for n in os.listdir(piddir) if n.startswith("grandchild-") and n.endswith(".pid")]) < want:
         time.sleep(0.02)
     print("rank %d about to fail" % rank, file=sys.stderr)
     raise RuntimeError("boom on rank %d" % rank)
