@@ -23,6 +23,7 @@ from prismllm.launch.sandbox import ON_THE_CPU
 from prismllm.report.html import fmt_ns
 
 ROOT = Path(__file__).resolve().parents[1]
+PROGRAMS = ROOT / "tests" / "programs"
 JOB = [
     "--",
     GPT3D,
@@ -216,45 +217,43 @@ def test_a_virtual_peers_gradient_share_is_the_sandboxs_own(tmp_path, capsys):
     own_gradient_reaches_the_optimizer(tmp_path, capsys, "cpu", "float32")
 
 
+def run_with_rank_0_virtual(tmp_path: Path, capsys, devices: str, program: str, *args: str) -> tuple[Path, list[str]]:
+    """`prism run` of tests/programs/PROGRAM ARGS at N = 2, rank 1 the sandbox on ``devices``: its
+    directory, and what rank 1 printed in its time slice and in its emulation."""
+    out = tmp_path / "run"
+    argv = ["run", "--world", "2", "--sandbox", "1", "--devices", devices, "--out", str(out)]
+    assert main([*argv, "--", str(PROGRAMS / program), *args]) == 0, capsys.readouterr().err
+    slice_log = next((out / "time" / "slices").glob("slice-*1.log")).read_text()
+    return out, [slice_log, (out / "logs" / "emulate.log").read_text()]
+
+
 def own_gradient_reaches_the_optimizer(tmp_path: Path, capsys, devices: str, dtype: str) -> None:
     """The check of the test above on ``devices`` (test_emulate_gpu runs it on NCCL in bfloat16,
     where ProcessGroupNCCL once gave the sandbox all-zero gradients: pruning.calls.nccl_premul_scalar)."""
-    program = str(ROOT / "tests" / "programs" / "ddp_own_grad.py")
-    out = tmp_path / "run"
-    argv = ["run", "--world", "2", "--sandbox", "1", "--devices", devices, "--out", str(out), "--", program, "4", dtype]
-    assert main(argv) == 0, capsys.readouterr().err
-    slice_log = next((out / "time" / "slices").glob("slice-*1.log")).read_text()
-    for log in (slice_log, (out / "logs" / "emulate.log").read_text()):
+    _, logs = run_with_rank_0_virtual(tmp_path, capsys, devices, "ddp_own_grad.py", "4", dtype)
+    for log in logs:
         lines = [ln.split("grad/own")[1].split() for ln in log.splitlines() if "grad/own" in ln]
         assert len(lines) == 4 and {r for ln in lines for r in ln} == {"1.000"}, log
 
 
 def kept_sends_reach_the_sandbox(tmp_path: Path, capsys, devices: str) -> None:
     """The check of the test above on ``devices`` (test_emulate_gpu runs it on NCCL)."""
-    program = str(ROOT / "tests" / "programs" / "p2p_steps.py")
-    out = tmp_path / "run"
-    argv = ["run", "--world", "2", "--sandbox", "1", "--devices", devices, "--out", str(out), "--", program]
-    assert main(argv) == 0, capsys.readouterr().err
-    slice_log = next((out / "time" / "slices").glob("slice-*1.log")).read_text()
-    for log in (slice_log, (out / "logs" / "emulate.log").read_text()):
+    _, logs = run_with_rank_0_virtual(tmp_path, capsys, devices, "p2p_steps.py")
+    for log in logs:
         assert "rank 1: 3 steps (seed 1234), activation [2.5, 2.5, 2.5, 2.5]" in log, log
 
 
 def kept_broadcasts_reach_the_sandbox(tmp_path: Path, capsys, devices: str) -> None:
     """The check of the test above on ``devices`` (test_emulate_gpu runs it on NCCL)."""
-    program = str(ROOT / "tests" / "programs" / "root_broadcast.py")
-    out = tmp_path / "run"
-    argv = ["run", "--world", "2", "--sandbox", "1", "--devices", devices, "--out", str(out), "--", program]
-    assert main(argv) == 0, capsys.readouterr().err
+    out, logs = run_with_rank_0_virtual(tmp_path, capsys, devices, "root_broadcast.py")
     kept = sorted(p.name for p in (out / "bare" / "objects").glob("broadcast-*.tensor"))
     assert len(kept) == 3, kept  # one per iteration, from rank 0
-    slice_log = next((out / "time" / "slices").glob("slice-*1.log")).read_text()
-    for log in (slice_log, (out / "logs" / "emulate.log").read_text()):
+    for log in logs:
         assert [f"rank 1: iteration {i}: ids as built" in log for i in range(3)] == [True] * 3, log
     for p in (out / "bare" / "objects").glob("broadcast-*.tensor"):
         p.unlink()
     capsys.readouterr()
     emu = ["emulate", "--graph", str(out / "cal" / "graph"), "--sandbox", "1", "--devices", devices]
-    assert main([*emu, "--out", str(tmp_path / "emu"), "--", program]) == 0
+    assert main([*emu, "--out", str(tmp_path / "emu"), "--", str(PROGRAMS / "root_broadcast.py")]) == 0
     printed = capsys.readouterr()
     assert "rank 1: iteration 0: ids not as built" in printed.out + printed.err
