@@ -108,10 +108,13 @@ SMALL="--layers 2 --hidden 512 --heads 8 --seq 256 --vocab 4096 --micro-batch 2 
 # the GPU suite's DDP job (benchmarks/fidelity_gpu.py's ddp-2), which the diagnostic parts below run
 P=benchmarks/programs/torch_parallel.py
 A="--mode ddp --batch 4 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10"
-# median LOG [FIELD]: the median over the steady iterations (all but the first two) of a program's
-# log of FIELD ("iter time X ms" by default; "host wait" for its host wait, in %)
-median() { grep -h 'iter time' "$1" | tail -n +3 | grep -o "${2:-iter time} [0-9.]*" | awk '{print $NF}' | sort -n \
-    | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}'; }
+# median LOG [FIELD] [SKIP]: the median over the steady iterations (all but the first SKIP, default two) of a
+# program's log of FIELD ("iter time X ms" by default; "host wait" for its host wait, in %; "period")
+median() { grep -h 'iter time' "$1" | tail -n +$((${3:-2} + 1)) | grep -o "${2:-iter time} [0-9.]*" | awk '{print $NF}' \
+    | sort -n | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}'; }
+# smi FILE: each GPU's SM clock, power and temperature every 100 ms into FILE, in the background (kill $! to stop)
+smi() { nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
+    --format=csv,noheader -lms 100 >"$1" 2>&1 & }
 
 case "$PART" in
 smoke)
@@ -221,11 +224,9 @@ ddp-tail)
     B=${TAIL_ARGS:---mode ddp --batch 16 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10}
     D=out/ddp-tail/$N W=out/ddp-tail/$N/w
     mkdir -p "$D"
-    # each GPU's SM clock, power and temperature every 100 ms while each run goes (is a slice's GPU faster
-    # because it runs cooler or under less power than a real run's?)
-    smi() { nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
-        --format=csv,noheader -lms 100 >"$D/smi-$1.csv" 2>&1 & }
-    smi real; s=$!
+    # each GPU's clocks and power while each run goes (is a slice's GPU faster because it runs cooler or
+    # under less power than a real run's?)
+    smi "$D/smi-real.csv"; s=$!
     env PROFILE_WITH=kineto PROFILE_RANK=1 PROFILE_OUT="$D" PROFILE_TAG=real timeout 120 python3 -m torch.distributed.run \
         --standalone --nproc-per-node 2 $K $PROG $B >"$D/real.log" 2>&1; echo "real kineto: $?"; kill $s
     timeout 200 prism run --world 2 --layout "$LAY" --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $PROG $B \
@@ -238,7 +239,7 @@ ddp-tail)
     for what in slice emu; do
         if [ $what = slice ]; then cmd=(time --graph "$W/bare" --out "$W/time-k"); else
             cmd=(emulate --graph "$W/cal/graph" --sandbox 1 --out "$W/emu-k"); fi
-        smi $what; s=$!
+        smi "$D/smi-$what.csv"; s=$!
         env PRISM_PROGRAM_CHECK=off PROFILE_WITH=kineto PROFILE_RANK=all PROFILE_OUT="$D" PROFILE_TAG=$what timeout 150 \
             prism "${cmd[@]}" --devices cuda:0,1 --force -- $K $PROG $B >"$D/$what.log" 2>&1; echo "$what kineto: $?"
         kill $s
@@ -597,19 +598,17 @@ gpu-pace)
     # every run (smi-<run>.csv); the results (fidelity_gpu_pace_<devices>_<round>.json), logs and samples in one
     # tarball, $OUT/gpu-pace.tgz; ~9 min
     D=out/gpu-pace IT=${ITERS:-30} WU=${WARMUP:-10}; mkdir -p "$D"
-    smi() { nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu,utilization.gpu \
-        --format=csv,noheader -lms 100 >"$D/smi-$1.csv" 2>&1 & }
     for r in $(seq "${ROUNDS:-2}"); do
         for g in 0 1; do
-            smi "alone$g-$r"; s=$!
+            smi "$D/smi-alone$g-$r.csv"; s=$!
             CUDA_VISIBLE_DEVICES=$g timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 1 $P \
                 --mode ddp --batch 16 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters "$IT" >"$D/alone$g-$r.log" 2>&1
             kill $s
-            echo "round $r, GPU $g alone: periods after $WU: $(grep -o 'period [0-9.]*' "$D/alone$g-$r.log" | tail -n +"$WU" \
-                | awk '{print $2}' | sort -n | awk '{a[NR]=$1} END {print (NR ? a[int((NR + 1) / 2)] : "-")}') ms (median)"
+            # a line's period is its previous iteration's, as fidelity_gpu.py reads them
+            echo "round $r, GPU $g alone: period $(median "$D/alone$g-$r.log" period $((WU + 1))) ms"
         done
         for dev in cuda:0,1 cuda:1,0; do
-            smi "prism-${dev/:/}-$r"; s=$!
+            smi "$D/smi-prism-${dev/:/}-$r.csv"; s=$!
             PRISM_LEASE=${PRISM_LEASE:-pace} timeout 250 python3 benchmarks/fidelity_gpu.py --cases ddp-2 --reals 1 \
                 --iters "$IT" --warmup "$WU" --prism-devices "$dev" --json "$D/fidelity_gpu_pace_${dev/:/}_$r.json" \
                 --work "$D/w-${dev/:/}-$r" 2>&1 | grep -E "real run|prism run:" ; kill $s
