@@ -170,13 +170,13 @@ def pipeline(a: argparse.Namespace, model: nn.Module, device: torch.device) -> C
 
     def step(tokens: torch.Tensor) -> torch.Tensor | None:
         if rank == 0:
-            schedule.step(tokens[:, :-1])
+            schedule.step(tokens[:, :-1].contiguous())  # the stages check strides against the first micro-batch
             return None
         if rank < world - 1:
             schedule.step()
             return None
         losses: list[torch.Tensor] = []
-        schedule.step(target=tokens[:, 1:], losses=losses)
+        schedule.step(target=tokens[:, 1:].contiguous(), losses=losses)
         return torch.stack(losses).mean().detach()
 
     return step
