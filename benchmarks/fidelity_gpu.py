@@ -70,18 +70,21 @@ TORCH_PAR = str(ROOT / "benchmarks" / "programs" / "torch_parallel.py")
 GPT3D = str(ROOT / "examples" / "gpt3d.py")
 MEGATRON = str(ROOT / "examples" / "megatron_gpt.py")
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-WARMUP = 2  # iterations left out of every median
+# iterations left out of every median, the real runs' and prism's (prism run --warmup): an H200 that
+# runs into its power limit lowers its clock over the first ten of the suite's DDP job (its period
+# 93 -> 100 ms), so a median from iteration 3 on sets a slice's cooler GPU against a warmer real one
+WARMUP = 10
 # which machine lease a step ran in (PRISM_LEASE, set by the caller): a resumed suite may compare
 # real runs and prism runs from two machines of one kind
 LEASE = os.environ.get("PRISM_LEASE")
 # sizes that keep an H100 busy (hidden 2048, 8 layers, seq 1024, bf16; batches four times those at
 # which FSDP2's, DTensor's and gpt3d's real runs were host-bound, spread 6-28 %), and a host-bound one
-TORCH_SIZE = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq", "1024", "--iters", "10"]
+TORCH_SIZE = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq", "1024", "--iters", "30"]
 GPT3D_SIZE = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq", "1024", "--vocab", "32000"]
-GPT3D_SIZE += ["--micro-batch", "4", "--global-batch", "32", "--iters", "10"]
+GPT3D_SIZE += ["--micro-batch", "4", "--global-batch", "32", "--iters", "30"]
 MEGATRON_SIZE = ["--layers", "8", "--hidden", "2048", "--heads", "16", "--seq-len", "1024", "--vocab", "32000"]
-MEGATRON_SIZE += ["--micro-batch", "2", "--global-batch", "16", "--iters", "10"]
-SMALL = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--batch", "2", "--iters", "20"]
+MEGATRON_SIZE += ["--micro-batch", "2", "--global-batch", "16", "--iters", "30"]
+SMALL = ["--layers", "4", "--hidden", "256", "--heads", "4", "--seq", "128", "--batch", "2", "--iters", "30"]
 
 # the program's own per-iteration line: (iteration, ms, peak bytes or None, host wait share or None)
 ITER_LINES = (
@@ -380,7 +383,8 @@ class Suite:
         # --force: a run of this lease starts over (a machine held across calls keeps the last one's outputs,
         # which prism run would resume from)
         cmd += ["--devices", self.a.prism_devices, "--sandbox", str(c.sandbox), "--out", str(out), "--json", "--force"]
-        cmd += ["--head-start", self.a.head_start, "--timeout", str(self.a.timeout), "--", *c.command()]
+        cmd += ["--head-start", self.a.head_start, "--warmup", str(self.a.warmup), "--timeout", str(self.a.timeout)]
+        cmd += ["--", *c.command()]
         print(f"[{c.name}] prism run ...", flush=True)
         t0 = time.monotonic()
         env = {**NVLS_OFF, **({"PRISM_ISSUE_THREAD": "0"} if self.a.no_issue_thread else {})}
@@ -397,6 +401,7 @@ class Suite:
             "native_lane": not self.a.python_path,
             "head_start": head_start_for(self.a.head_start, native_lane=not self.a.python_path) or "off",
             "devices": self.a.prism_devices,
+            "warmup": self.a.warmup,  # prism run --warmup: its prediction's and emulation's medians
             "host": self.doc["machine"].get("host"),  # the machine itself: leases of one kind differ by it
         }
         if rc != 0:
@@ -575,10 +580,10 @@ def markdown(doc: dict) -> str:
         "as the program prints them: the period (one iteration's start to the next's) where it prints one (`p`), "
         "else its iter time; errors against the mean of the real runs.",
         "",
-        "| case | N | stack | layout | real ms (runs) | real spread | host wait | GPU busy | predicted | "
+        "| case | N | stack | layout | iterations (left out) | real ms (runs) | real spread | host wait | GPU busy | predicted | "
         "error | emulated | error | emulated vs predicted | real recording solved | error | peak memory | machine "
         "| leases (real / prism) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     done = []
     for r in doc.get("rows", []):
@@ -588,8 +593,10 @@ def markdown(doc: dict) -> str:
         if r.get("captured_peak_equal") is not None or r.get("emulated_peak_equal") is not None:
             peak = "equal" if r.get("captured_peak_equal") and r.get("emulated_peak_equal") else "differs"
         hw, busy = r.get("real_host_wait"), r.get("busy_share")
+        first = (r.get("real_runs") or [{}])[0]
+        its = f"{first['iterations']} ({first['first_steady'] - 1})" if "first_steady" in first else "–"
         lines.append(
-            f"| {r['case']} | {r['world']} | {r['stack']} | {r['layout']} | {runs or '–'} | "
+            f"| {r['case']} | {r['world']} | {r['stack']} | {r['layout']} | {its} | {runs or '–'} | "
             f"{_pct(r.get('real_spread')).lstrip('+')} | {'–' if hw is None else f'{hw * 100:.0f} %'} | "
             f"{'–' if busy is None else f'{busy * 100:.0f} %'} | "
             f"{r.get('predicted_ms') or '–'} | {_pct(r.get('predicted_error'))} | {r.get('emulated_ms') or '–'} | "
@@ -667,11 +674,14 @@ def main(argv: list[str] | None = None) -> int:
         "--iters",
         type=int,
         default=None,
-        help="each program's --iters (default: the case's own, 10): more, with --warmup, to compare a GPU past the "
-        "first seconds' clock changes",
+        help="each program's --iters (default: the case's own, 30): more, with --warmup, to compare a GPU past "
+        "the first seconds' clock changes",
     )
     ap.add_argument(
-        "--warmup", type=int, default=WARMUP, help=f"iterations left out of every median (default {WARMUP})"
+        "--warmup",
+        type=int,
+        default=WARMUP,
+        help=f"iterations left out of every median, the real runs' and prism run's (--warmup; default {WARMUP})",
     )
     ap.add_argument("--list", action="store_true", help="print the cases and exit")
     a = ap.parse_args(argv)

@@ -365,6 +365,30 @@ def test_durations_from_a_scaled_graph(recorded, calibrated, tmp_path):
     assert base < s["predicted_iteration_ns"] < 2 * base
 
 
+def test_warmup_leaves_the_first_iterations_out_of_the_prediction(recorded, calibrated, tmp_path):
+    """``--warmup 3``: the prediction, the recording's figure beside it and the calibrated graph
+    (which an emulation of it reads) leave out iterations 0-2, where the default leaves out 0."""
+    _, base = calibrated["pp"]
+    assert base["warmup"] == 1 and base["steady_iterations"] == [1, 2, 3, 4]
+    cal = tmp_path / "cal-w3"
+    p = prism("calibrate", str(recorded["pp"]), "--out", str(cal), "--warmup", "3", "--write-graph", "--json")
+    assert p.returncode == 0, p.stderr[-3000:]
+    s = json.loads(p.stdout)
+    assert s["warmup"] == 3 and s["steady_iterations"] == [3, 4]
+    per = {x["iteration"]: x for x in s["iterations"]}
+    assert [per[k]["predicted_ns"] for k in (0, 1, 2, 3, 4)] == [x["predicted_ns"] for x in base["iterations"]]
+    assert s["predicted_iteration_ns"] == int(np.median([per[3]["predicted_ns"], per[4]["predicted_ns"]]))
+    assert s["recorded_iteration_ns"] == int(np.median([per[3]["recorded_ns"], per[4]["recorded_ns"]]))
+    assert PrismTrace.load(cal / "graph").manifest["calibration"]["warmup"] == 3
+    # none left: refused, naming the option and how many the graph has
+    assert_error(
+        prism("calibrate", str(recorded["pp"]), "--out", str(tmp_path / "cal-w5"), "--warmup", "5"),
+        "--warmup 5",
+        "5 iteration(s), of which at most 4 can be left out",
+    )
+    assert not (tmp_path / "cal-w5" / "summary.json").exists()
+
+
 # ---------------------------------------------------------------------- bad input
 def assert_error(p: subprocess.CompletedProcess, *needles: str, code: int = ExitCode.BAD_INPUT) -> str:
     assert p.returncode == code, (p.returncode, p.stdout[-500:], p.stderr[-2000:])

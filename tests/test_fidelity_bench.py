@@ -176,9 +176,9 @@ def test_gpu_suite_compares_periods_where_the_program_prints_them():
         return "\n".join(lines)
 
     # iterations 3-6 steady; their periods are on lines 4-7
-    real = fg.steady(fg.iterations(log([500, 120, 97, 97, 98, 97, 99], [130, 121, 98, 98, 99, 98])))
+    real = fg.steady(fg.iterations(log([500, 120, 97, 97, 98, 97, 99], [130, 121, 98, 98, 99, 98])), warmup=2)
     assert (real["ms"], real["period_ms"], real["host_wait"]) == (97, 98, 0.7)
-    emu = fg.steady(fg.iterations(log([500, 120, 98, 98, 98, 98, 98], [130, 121, 100, 100, 100, 100])))
+    emu = fg.steady(fg.iterations(log([500, 120, 98, 98, 98, 98, 98], [130, 121, 100, 100, 100, 100])), warmup=2)
     row = {"stack": "PyTorch DDP", "real_ms": [97.0], "real_runs": [{**real, "peak_bytes": 100}]}
     row["prism"] = {"predicted_ms": 99.0, "emulated_ms": emu["ms"], "emulated_period_ms": emu["period_ms"]}
     fg.finish(row)
@@ -186,9 +186,9 @@ def test_gpu_suite_compares_periods_where_the_program_prints_them():
     assert row["predicted_error"] == round(1 / 98, 5) and row["emulated_error"] == round(2 / 98, 5)
     assert row["emulated_iter_time_error"] == round(1 / 97, 5)
     assert row["emulated_vs_predicted"] == round(100 / 99 - 1, 5)  # the emulation against its own prediction
-    assert " 98.00 p |" in fg.markdown({"rows": [{**row, "case": "ddp-2", "world": 2, "layout": "tp=1"}]})
+    assert " 7 (2) | 98.00 p |" in fg.markdown({"rows": [{**row, "case": "ddp-2", "world": 2, "layout": "tp=1"}]})
     # a program that prints no period (Megatron's line): its iter time
-    old = fg.steady(fg.iterations(log([500, 120, 97, 97, 97], None)))
+    old = fg.steady(fg.iterations(log([500, 120, 97, 97, 97], None)), warmup=2)
     assert old["period_ms"] is None
     row = {"stack": "x", "real_ms": [97.0], "real_runs": [{**old, "peak_bytes": 100}], "prism": {"predicted_ms": 99.0}}
     fg.finish(row)
@@ -201,13 +201,13 @@ def test_gpu_suite_runs_longer_jobs_and_leaves_out_their_first_iterations():
     import fidelity_gpu as fg
 
     assert {c.args[c.args.index("--iters") + 1] for c in fg.cases(30)} == {"30"}
-    assert fg.cases()[0].args[fg.cases()[0].args.index("--iters") + 1] == "10"
+    assert {c.args[c.args.index("--iters") + 1] for c in fg.cases()} == {"30"} and fg.WARMUP == 10
     lines = [
         f"iteration {i}/8 | loss 10.5 | iter time {ms} ms | max mem 100 B | period {ms + 1} ms"
         for i, ms in enumerate([500, 90, 92, 94, 96, 98, 98, 98], 1)
     ]
     its = fg.iterations("\n".join(lines))
-    assert fg.steady(its)["ms"] == 97 and fg.steady(its, warmup=5)["ms"] == 98
+    assert fg.steady(its, warmup=2)["ms"] == 97 and fg.steady(its, warmup=5)["ms"] == 98
     assert fg.steady(its, warmup=5)["period_ms"] == 99
 
 

@@ -110,6 +110,29 @@ def test_run_goes_from_the_program_to_the_report_and_resumes(ran, tmp_path, caps
     assert (tmp_path / "other" / "keep.txt").exists()
 
 
+def test_another_warmup_recalibrates_and_reemulates_but_keeps_the_slices(ran, tmp_path, capsys):
+    """`prism run --warmup 2` on a finished run of three iterations: the capture and the slices are
+    kept, the prediction, the emulated rank's median and the virtual ranks' replay all leave out
+    iterations 0 and 1; a warm-up that leaves none is refused, naming the option."""
+    out = tmp_path / "run"
+    shutil.copytree(ran[0], out)
+    before = {x["name"]: x["wall_s"] for x in json.loads((out / "run.json").read_text())["stages"]}
+    assert main([*ARGV, "--out", str(out), "--warmup", "2", *JOB]) == 0
+    after = {x["name"]: x["wall_s"] for x in json.loads((out / "run.json").read_text())["stages"]}
+    assert [after[k] for k in ("capture", "time")] == [before[k] for k in ("capture", "time")]
+    assert after["calibrate"] != before["calibrate"] or after["emulate"] != before["emulate"]
+    cal = json.loads((out / "cal" / "summary.json").read_text())
+    assert cal["warmup"] == 2 and cal["steady_iterations"] == [2]
+    assert cal["predicted_iteration_ns"] == cal["iterations"][2]["predicted_ns"]
+    emu = json.loads((out / "emulate" / "emulate.json").read_text())
+    sb = emu["sandbox_results"]["7"]
+    assert sb["iterations"] == [0, 1, 2] and sb["median_steady_iteration_ns"] == sb["iteration_ns"][2]
+    assert emu["replay"]["steady_iterations"] == [2]
+    capsys.readouterr()
+    assert main([*ARGV, "--out", str(out), "--warmup", "3", *JOB]) != 0
+    assert "--warmup 3: graph" in capsys.readouterr().err
+
+
 def test_the_run_and_its_stages_print_one_json_document(ran, tmp_path, capsys):
     """--json: the figures and the paths written on stdout, the progress and the program's lines on
     stderr; a CPU rank's peak memory is null, with why."""

@@ -150,3 +150,21 @@ def test_a_full_disk_or_a_signal_ends_the_sweep(tmp_path, monkeypatch, stop):
     with pytest.raises(type(stop)):
         sweep.run_sweep(opts)
     assert len(ran) == 1
+
+
+def test_every_pipeline_flag_reaches_each_points_run():
+    """Each flag prism sweep shares with prism run (``PIPELINE_FLAGS``) is a field of the sweep's
+    options, so that FromFields hands it to every point's run (a flag without one would be parsed
+    and silently dropped, as --capture and --head-start once were)."""
+    import argparse
+    import dataclasses
+
+    from prismllm.cli import options
+    from prismllm.cli.run import PIPELINE_FLAGS
+    from prismllm.pipeline.run import RunOptions
+
+    p = argparse.ArgumentParser()
+    options.add(p, *PIPELINE_FLAGS)
+    dests = {a.dest for a in p._actions if a.dest not in ("help", "json")}
+    for cls in (SweepOptions, RunOptions):
+        assert dests <= {f.name for f in dataclasses.fields(cls)}, (cls.__name__, dests)

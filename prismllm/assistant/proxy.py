@@ -89,6 +89,7 @@ from prismllm.replay.mirror import mirror_plan
 from prismllm.trace.edges import match_p2p
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import KIND_COMM, P2P_OPS, split_reduce_op
+from prismllm.trace.summary import warmup_of
 
 IN_FLIGHT = 16  # calls a proxy may have entered on a group and not seen complete (PRISM_IN_FLIGHT)
 
@@ -201,7 +202,13 @@ class Assistant:
             d = R.durations_for(
                 self.graph, R.measured(trace, self.graph.row), R.resolve_rule("auto", trace), R.slice_of_rank(trace)
             )
-            self.replay = Replay(self.graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)
+            self.replay = Replay(
+                self.graph,
+                compute=d.compute_ns,
+                transfer=d.transfer_ns,
+                issue=d.issue_ns,
+                warmup=warmup_of(trace.manifest),
+            )
             # the planned end of each instance with the sandbox: where the solve of the whole
             # graph (sandbox ranks with their calibrated times) ends it
             sol = R.solve(trace, validate_graph=False, mirror=mirror)
@@ -211,7 +218,9 @@ class Assistant:
             first = self.graph.inst_nodes[self.graph.inst_ptr[:-1]]
             self._planned_end = sol.result.instance_end_ns[full.inst_of[pos[self.graph.row[first]]]]
         else:
-            self.replay = Replay(self.graph, compute="zero", transfer="zero", issue="zero")
+            self.replay = Replay(
+                self.graph, compute="zero", transfer="zero", issue="zero", warmup=warmup_of(trace.manifest)
+            )
         # generated inputs: what each group's proxy keeps of its buffers (an eighth of the GPU)
         self._kept_limit = torch.cuda.get_device_properties(self.device).total_memory // 8 if self.device else 1 << 30
         # "real" timing: the schedule of the calls with the sandbox (made once they are planned)

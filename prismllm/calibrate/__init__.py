@@ -30,7 +30,7 @@ from prismllm.replay import TRANSFER_RULES, CalibrationError, Solution, solve
 from prismllm.replay.graph import MirrorError
 from prismllm.replay.mirror import mirror_plan
 from prismllm.trace.graph import PrismTrace
-from prismllm.trace.summary import steady_iteration_time
+from prismllm.trace.summary import WARMUP, steady_iteration_time
 
 
 def calibrate(
@@ -43,11 +43,13 @@ def calibrate(
     write_graph: bool = False,
     force: bool = False,
     verify: bool = True,
+    warmup: int = WARMUP,
 ) -> dict[str, Any]:
     """Load GRAPH (and OTHER; their files' checksums verified unless ``verify`` is False), solve,
     write CAL when ``out`` is given (with ``write_graph`` also CAL/graph, the calibrated
     PrismTrace), as its one writer from the start (``prismllm.outdir``); return the summary. A
-    non-empty CAL is replaced only with ``force``, and only when it holds a calibration."""
+    non-empty CAL is replaced only with ``force``, and only when it holds a calibration. ``warmup``:
+    the iterations left out of the prediction's steady median (``prism calibrate --warmup``)."""
     with writing(out):
         if out is not None:  # before the solve: a refused CAL costs nothing
             must_replace(Path(out), force, (SUMMARY_FILE,), "calibration")
@@ -66,15 +68,17 @@ def calibrate(
                 validate_graph=validate_graph,
                 names=names,
                 mirror=mirror_plan(trace) if other is None else None,
+                warmup=warmup,
             )
         except MirrorError:  # a pair of calls across DP replicas: every rank solved (validated above)
-            sol = solve(trace, durations=other, rule=rule, validate_graph=False, names=names)
+            sol = solve(trace, durations=other, rule=rule, validate_graph=False, names=names, warmup=warmup)
+        check_warmup(len(sol.graph.iterations), warmup, str(graph))
         t0 = time.perf_counter()
         summary = summarize(
             sol, str(graph), str(durations) if durations is not None else None, {"load": load_s, **sol.timings_s}
         )
         if other is not None:
-            ref = steady_iteration_time(other)
+            ref = steady_iteration_time(other, warmup=warmup)
             pred = summary["predicted_iteration_ns"]
             summary["durations_recorded_iteration_ns"] = ref
             summary["durations_rel_error"] = (pred - ref) / ref if (ref and pred is not None) else None
@@ -85,6 +89,15 @@ def calibrate(
             write(out, table, summary, calibrated_trace(sol) if write_graph else None)
             summary["solve"]["write_s"] = round(time.perf_counter() - t0, 4)
         return summary
+
+
+def check_warmup(n: int, warmup: int, name: str) -> None:
+    """Refuse a warm-up that leaves none of a graph's ``n`` iterations steady (or is negative)."""
+    if warmup < 0 or (n and warmup >= n):
+        raise CalibrationError(
+            f"--warmup {warmup}: graph {name} has {n} iteration(s), of which at most {max(n - 1, 0)} can be left "
+            f"out (or run the program for more iterations)"
+        )
 
 
 __all__ = [

@@ -146,7 +146,12 @@ def calibrated_trace(sol: Solution) -> PrismTrace:
         **{k: v for k, v in trace.manifest.items() if k != REPLICAS_KEY or sol.replicas_copied},
         "mode": "calibrated",
         "clock": "logical",
-        "calibration": {"transfer_rule": sol.rule, "from_mode": trace.manifest.get("mode")},
+        # an emulation of the calibrated graph leaves the same iterations out (trace.summary.warmup_of)
+        "calibration": {
+            "transfer_rule": sol.rule,
+            "from_mode": trace.manifest.get("mode"),
+            "warmup": sol.result.warmup,
+        },
     }
     return PrismTrace(manifest=manifest, nodes=nodes, edges=trace.edges, groups=trace.groups, iterations=iterations)
 
@@ -233,6 +238,7 @@ def summarize(
         },
         "time_origin": "logical: every rank starts at 0 ns",
         "iterations": iterations,
+        "warmup": res.warmup,
         "steady_iterations": steady,
         "predicted_iteration_ns": pred,
         "recorded_iteration_ns": recorded_median,

@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also write CAL/graph: GRAPH with the solved times (a PrismTrace, mode calibrated)",
     )
-    options.add(p, "force", "no_validate", "no_verify", "json")
+    options.add(p, "warmup", "force", "no_validate", "no_verify", "json")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
             write_graph=args.write_graph,
             force=args.force,
             verify=args.verify,
+            warmup=args.warmup,
         )
     except ValueError as e:  # a duration array the engine refuses: report it as one line
         raise CalibrationError(str(e)) from None

@@ -16,6 +16,7 @@ from typing import Any
 from prismllm.childenv import HEAD_START_CHOICES
 from prismllm.errors import EXIT_CODES_HELP
 from prismllm.trace.graph import PrismTrace
+from prismllm.trace.summary import WARMUP
 from prismllm.trace.validate import validate
 
 
@@ -29,14 +30,18 @@ def _positive(value: str) -> float:
     return v
 
 
-def _count(value: str) -> int:
+def _whole(value: str, least: int = 0) -> int:
     try:
         v = int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{value!r}: expected a whole number") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: must be at least 1")
+    if v < least:
+        raise argparse.ArgumentTypeError(f"{value!r}: must be at least {least}")
     return v
+
+
+def _count(value: str) -> int:
+    return _whole(value, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +197,17 @@ SHARED: dict[str, Option] = {
             "action": "store_true",
             "help": "print the result (its figures and the paths written) as one JSON document on stdout instead "
             "of tables; every other line goes to stderr",
+        },
+    ),
+    "warmup": Option(
+        ("--warmup",),
+        {
+            "type": _whole,
+            "default": WARMUP,
+            "metavar": "N",
+            "help": f"iterations left out of the predicted iteration time, a median over the others (default {WARMUP}: "
+            "the first, which holds the set-up); more where the real job takes longer to settle, as a GPU does "
+            "that heats up and lowers its clock over its first seconds",
         },
     ),
     "ranks": Option(("--ranks",), {"default": None, "metavar": "RANKS", "help": "only these ranks, e.g. 0-7,12"}),

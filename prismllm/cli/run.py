@@ -48,7 +48,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 # the flags of a whole pipeline run (prism run; prism sweep, for each point)
 PIPELINE_FLAGS = ("capture", "layout", "devices", "cuda_on_cpu", "router_module", "routing", "parallel", "sandbox", "inputs",
-                  "tensors", "rules", "head_start", "timeout", "force", "json")  # fmt: skip
+                  "tensors", "rules", "head_start", "warmup", "timeout", "force", "json")  # fmt: skip
 
 
 class UI:

@@ -56,6 +56,7 @@ from prismllm.specs import DeviceSpec, cuda_on_cpu_devices, format_ranks, parse_
 from prismllm.trace.graph import PrismTrace, read_manifest
 from prismllm.trace.ranklog import ranklog_path, read_ranklog
 from prismllm.trace.schema import TENSORS_DIR
+from prismllm.trace.summary import WARMUP, steady as steady_of, warmup_of
 
 PIDS_FILE = "pids.json"
 ASSISTANT_MODULE = "prismllm.assistant"
@@ -229,7 +230,7 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
         replay = None
     return SandboxRun(
         launch=result,
-        sandbox_results=measured(ranklogs, local),
+        sandbox_results=measured(ranklogs, local, warmup_of(manifest)),
         replay=replay,
         checks=checks,
         shared_gpu=shared,
@@ -344,10 +345,10 @@ def gpus_of(devices: DeviceSpec, n_sandbox: int, n_assistants: int) -> tuple[lis
     return gpus[:n_sandbox], gpus[n_sandbox:]
 
 
-def measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
+def measured(ranklogs: Path, sandbox: Sequence[int], warmup: int = WARMUP) -> dict[int, dict]:
     """Per sandbox rank, from its rank log: each iteration's time (its own begin to end) and
     the time its compute spans took in it, the median over the steady ones (all but the first
-    when there are two or more) and the peak device memory (torch.cuda.max_memory_allocated;
+    ``warmup``: trace.summary.steady) and the peak device memory (torch.cuda.max_memory_allocated;
     None, with ``peak_memory_reason``, where there is none to measure)."""
     out = {}
     for r in sandbox:
@@ -360,7 +361,7 @@ def measured(ranklogs: Path, sandbox: Sequence[int]) -> dict[int, dict]:
             key=lambda it: it["iteration"],
         )
         times = [int(it["end_ns"] - it["start_ns"]) for it in its]
-        steady = times[1:] if len(times) >= 2 else times
+        steady = steady_of(times, warmup)
         med = int(statistics.median(steady)) if steady else None
         compute: dict[int, int] = {}
         for nd in log.nodes:

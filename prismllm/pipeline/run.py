@@ -56,6 +56,7 @@ from prismllm.report import write_report
 from prismllm.report.data import coords_text
 from prismllm.time import TimeOptions, check_time_devices, plan_slices, slice_dir, time_slices
 from prismllm.trace.schema import MANIFEST_FILE, TENSORS_DIR
+from prismllm.trace.summary import WARMUP
 
 STAGES = ("capture", "time", "calibrate", "emulate", "report")
 # capture and time resume inside their own directories; the run's ``force`` starts OUT over as a
@@ -83,6 +84,7 @@ class RunOptions(FromFields):
     timeout: float | None = None
     force: bool = False
     head_start: str = "auto"  # GPU slices: the host's head start (TimeOptions.head_start)
+    warmup: int = WARMUP  # iterations left out of the prediction (prism calibrate --warmup)
     stop_after: str | None = None  # "capture": peak memory only (no time, calibrate, emulate or report)
     # a run directory whose stages up to ``reuse_through`` ("capture" or "calibrate") are this
     # run's: the same capture_job (and for "calibrate" the same time_job)
@@ -274,10 +276,13 @@ def _run_pipeline(opts: RunOptions, ui: RunUI) -> dict[str, Any]:
 
     # ---- calibrate
     cal = out / CAL_DIR
-    if not (cal / GRAPH_DIR / MANIFEST_FILE).is_file() or "calibrate" not in walls:
+    # another --warmup on a resume: the calibration and what follows it redone, the capture and slices kept
+    warmup_was = (read_json(cal / SUMMARY_FILE) or {}).get("warmup", WARMUP)
+    if not (cal / GRAPH_DIR / MANIFEST_FILE).is_file() or "calibrate" not in walls or warmup_was != opts.warmup:
+        walls.pop("emulate", None)
         t0 = time.monotonic()
         ui.stage("calibrate")
-        summary = calibrate(timed, cal, write_graph=True, force=True)  # the run's own stage, redone
+        summary = calibrate(timed, cal, write_graph=True, force=True, warmup=opts.warmup)  # the run's own, redone
         done_stage("calibrate", t0, f"{summary['nodes']:,} nodes solved")
     summary = json.loads((cal / SUMMARY_FILE).read_text())
 

@@ -40,6 +40,7 @@ from prismllm.outputs import BARE_DIR, CAL_DIR, GRAPH_DIR
 from prismllm.pipeline.run import RunOptions, RunUI, run_pipeline
 from prismllm.report.sweep import write_sweep_report
 from prismllm.trace.schema import MANIFEST_FILE
+from prismllm.trace.summary import WARMUP
 
 SWEEP_FILE = "sweep.json"
 SWEEP_REPORT = "sweep.html"
@@ -57,6 +58,7 @@ class SweepOptions(FromFields):
     layout: str | None = None  # may hold {key} placeholders
     sandbox: str | None = None  # may hold {key} placeholders
     memory_only: bool = False  # capture only: peak memory per rank, no iteration time
+    capture: str = "solo"  # the capture's mode (prism capture --mode)
     devices: str = "auto"
     cuda_on_cpu: bool = False
     router_module: str | None = None
@@ -65,6 +67,8 @@ class SweepOptions(FromFields):
     inputs: str = "auto"
     tensors: str | None = None
     rules: str | None = None
+    head_start: str = "auto"
+    warmup: int = WARMUP
     timeout: float | None = None
     force: bool = False
 

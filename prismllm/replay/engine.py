@@ -47,6 +47,7 @@ import numpy as np
 
 from prismllm.replay.graph import INST_P2P, ReplayError, ReplayGraph, ranges
 from prismllm.trace.graph import PrismTrace
+from prismllm.trace.summary import WARMUP, steady as steady_of
 
 # A duration source: "graph" (recorded), "zero", an int64 array, or a function of the graph
 # returning one (vectorised: one call, never one call per node).
@@ -101,8 +102,9 @@ class ReplayResult:
     instance_end_ns: np.ndarray
     rank_iteration_ns: np.ndarray
     iteration_ns: np.ndarray  # per iteration, max over ranks
-    steady_iterations: np.ndarray  # all but the first when there are two or more
+    steady_iterations: np.ndarray  # all but the first ``warmup`` (trace.summary.steady)
     predicted_iteration_ns: int | None  # median over steady iterations of iteration_ns
+    warmup: int = WARMUP  # the iterations left out of steady_iterations
 
     def node_times(self, rank: int) -> tuple[np.ndarray, np.ndarray]:
         """(start_ns, end_ns) of one virtual rank's nodes in program order."""
@@ -136,8 +138,10 @@ class Replay:
         compute: DurationSource = "graph",
         transfer: DurationSource = "graph",
         issue: DurationSource = "graph",
+        warmup: int = WARMUP,
     ) -> None:
         self.graph = graph
+        self.warmup = warmup  # iterations left out of the steady median (trace.summary.steady)
         n, ni, nr = graph.num_nodes, graph.num_instances, len(graph.ranks)
         self.compute_ns = self._resolve(compute, graph.recorded_compute_ns, n, "compute")
         self.transfer_ns = self._resolve(transfer, graph.recorded_transfer_ns, ni, "transfer")
@@ -373,7 +377,7 @@ class Replay:
             known = has & (begin >= 0) & (finish >= 0)
             per.reshape(-1)[known] = (finish - begin)[known]
         iteration_ns = np.where((per >= 0).any(axis=0), per.max(axis=0, initial=-1), -1) if nk else np.zeros(0, _I64)
-        steady = np.arange(nk)[1:] if nk >= 2 else np.arange(nk)
+        steady = np.asarray(steady_of(list(range(nk)), self.warmup), dtype=np.int64)
         vals = iteration_ns[steady]
         vals = vals[vals >= 0]
         pred = int(np.median(vals)) if len(vals) else None
@@ -388,6 +392,7 @@ class Replay:
             iteration_ns=iteration_ns,
             steady_iterations=its[steady],
             predicted_iteration_ns=pred,
+            warmup=self.warmup,
         )
 
     # ------------------------------------------------------------------ deadlock

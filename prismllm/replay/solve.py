@@ -24,6 +24,7 @@ from prismllm.replay.engine import Replay, ReplayResult
 from prismllm.replay.graph import ReplayGraph
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import REPLICAS_KEY
+from prismllm.trace.summary import WARMUP
 from prismllm.trace.validate import validate
 
 
@@ -54,12 +55,14 @@ def solve(
     validate_graph: bool = True,
     adjust: Callable[[ReplayGraph, Durations], None] | None = None,
     mirror: np.ndarray | None = None,
+    warmup: int = WARMUP,
 ) -> Solution:
     """Solve ``trace`` with its own measured durations, or with those of ``durations`` (a graph
     of the same structure). ``rule``: see :func:`instance_transfer`; ``auto`` picks it from the
     graph the durations come from (:func:`resolve_rule`). ``adjust(graph, durations)`` may change
     the durations in place before the replay (``prism whatif``). ``mirror``: the ranks left out
-    as copies (:func:`prismllm.replay.mirror.mirror_plan`); the solution then holds the others."""
+    as copies (:func:`prismllm.replay.mirror.mirror_plan`); the solution then holds the others.
+    ``warmup``: the iterations left out of the steady median (:func:`prismllm.trace.summary.steady`)."""
     source = durations if durations is not None else trace
     if mirror is not None and durations is not None:
         raise ValueError("a solve with another graph's durations replays every rank (mirror=None)")
@@ -88,7 +91,7 @@ def solve(
         adjust(graph, d)
     t["durations"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    rep = Replay(graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns)
+    rep = Replay(graph, compute=d.compute_ns, transfer=d.transfer_ns, issue=d.issue_ns, warmup=warmup)
     res = rep.run_to_end()
     t["replay"] = time.perf_counter() - t0
     copied = adjust is None and REPLICAS_KEY in trace.manifest and REPLICAS_KEY in source.manifest

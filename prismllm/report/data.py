@@ -53,7 +53,7 @@ from prismllm.outputs import (
     SUMMARY_FILE,
 )
 from prismllm.trace.graph import PrismTrace, group_desc, ranks_text, read_manifest, read_rows_of_ranks
-from prismllm.trace.summary import steady_iteration_time
+from prismllm.trace.summary import WARMUP, steady_iteration_time
 
 FORMAT = "prism-report"
 MAX_TIMELINE_RANKS = 8
@@ -437,6 +437,7 @@ def _reference(ref: Path, s: dict[str, Any], bare: dict[str, Any]) -> dict[str, 
     the peak memory."""
     real = PrismTrace.load(ref)
     world = int(s["world_size"])
+    warmup = int(s.get("warmup", WARMUP))  # the real run's steady iterations are the prediction's
     if real.world_size != world:
         raise PrismError(f"--reference {ref}: a run of {real.world_size} ranks, the report's job has {world}")
     pr = s.get("per_rank") or {}
@@ -444,7 +445,7 @@ def _reference(ref: Path, s: dict[str, Any], bare: dict[str, Any]) -> dict[str, 
     it = real.iterations.to_pydict()
     per: dict[int, list[int]] = {}
     for r, k, a, b in zip(it["rank"], it["iteration"], it["start_ns"], it["end_ns"]):
-        if k >= 1 and a >= 0 and b >= a:
+        if k >= warmup and a >= 0 and b >= a:
             per.setdefault(int(r), []).append(int(b - a))
     real_peak = real.manifest.get("peak_memory_bytes") or {}
     pred_peak = bare.get("peak_memory_bytes") or {}
@@ -460,7 +461,7 @@ def _reference(ref: Path, s: dict[str, Any], bare: dict[str, Any]) -> dict[str, 
                 "real_bytes": int(real_peak.get(str(r), -1)),
             }
         )
-    pred, truth = s.get("predicted_iteration_ns"), steady_iteration_time(real)
+    pred, truth = s.get("predicted_iteration_ns"), steady_iteration_time(real, warmup=warmup)
     return {
         "source": str(ref),
         "per_rank": rows,

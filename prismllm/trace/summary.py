@@ -15,7 +15,7 @@
 - ``iteration_times``: list per iteration (ascending): {``iteration``, ``ranks`` (ranks that
   timed it), ``mean_ns``, ``max_ns``} of end_ns - start_ns over ranks; empty without times
 - ``steady_iterations``: the iteration numbers counted as steady (all but the first when there
-  are at least two)
+  are at least two; see :func:`steady`)
 - ``iteration_time_ns``: median over the steady iterations of the per-iteration ``max_ns``
   (the iteration is over when its slowest rank is), null without times
 - ``iteration_time_mean_ns``: the same median taken over ``mean_ns``
@@ -55,21 +55,33 @@ def iteration_times(trace: PrismTrace) -> list[dict[str, Any]]:
     ]
 
 
-def steady(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """All iterations but the first (warm-up) when there are at least two."""
-    return items[1:] if len(items) >= 2 else items
+# iterations left out of a steady median unless told otherwise: the first, whose time holds the
+# program's set-up (a GPU that heats up and throttles needs more: prism calibrate --warmup)
+WARMUP = 1
 
 
-def steady_rows(iteration: np.ndarray, sel: np.ndarray) -> np.ndarray:
-    """``sel`` (a row mask) less the rows of its first iteration (warm-up), when the selected
-    rows hold at least two iterations: :func:`steady` for columns of iteration numbers."""
-    its = np.unique(iteration[sel])
-    return sel & (iteration != its[0]) if len(its) >= 2 else sel
+def steady(items: list[dict[str, Any]], warmup: int = WARMUP) -> list[dict[str, Any]]:
+    """The iterations after the first ``warmup``; the last alone when there are no more (prism
+    calibrate refuses a ``--warmup`` that leaves its graph none)."""
+    return items[warmup:] if len(items) > warmup else items[-1:]
 
 
-def steady_iteration_time(trace: PrismTrace, key: str = "max_ns") -> int | None:
+def steady_rows(iteration: np.ndarray, sel: np.ndarray, warmup: int = WARMUP) -> np.ndarray:
+    """``sel`` (a row mask) less the rows of its first ``warmup`` iterations: :func:`steady` for
+    columns of iteration numbers."""
+    its = steady(list(np.unique(iteration[sel])), warmup)
+    return sel & (iteration >= its[0]) if its else sel
+
+
+def warmup_of(manifest: dict[str, Any]) -> int:
+    """The iterations a calibrated graph's prediction left out (``prism calibrate --warmup``), else
+    the default: what an emulation of that graph leaves out of its own medians."""
+    return int((manifest.get("calibration") or {}).get("warmup", WARMUP))
+
+
+def steady_iteration_time(trace: PrismTrace, key: str = "max_ns", warmup: int = WARMUP) -> int | None:
     """Median over steady iterations of the per-iteration time (max over ranks by default)."""
-    its = steady(iteration_times(trace))
+    its = steady(iteration_times(trace), warmup)
     if not its:
         return None
     return int(np.median([x[key] for x in its]))
