@@ -92,8 +92,9 @@ def calibrate(
 
 
 def check_warmup(n: int, warmup: int, name: str) -> None:
-    """Refuse a warm-up that leaves none of a graph's ``n`` iterations steady (or is negative)."""
-    if warmup < 0 or (n and warmup >= n):
+    """Refuse a warm-up that leaves none of a graph's ``n`` iterations steady (or is negative); the
+    default's one, of a graph of one iteration, leaves that one (the first is all there is)."""
+    if warmup < 0 or (warmup > WARMUP and warmup >= n > 0):
         raise CalibrationError(
             f"--warmup {warmup}: graph {name} has {n} iteration(s), of which at most {max(n - 1, 0)} can be left "
             f"out (or run the program for more iterations)"
