@@ -132,11 +132,11 @@ def make_trace(programs: list[list[dict]], iterations: int) -> PrismTrace:
     return assemble(logs, {"mode": "record", "command": ["test"]})
 
 
-def hand_made_pipeline(**rank0_compute) -> tuple[list[dict], list[dict]]:
-    """The two-stage programs of test_hand_made_pipeline_bubble_and_critical_path (rank 0's
-    compute nodes take ``rank0_compute`` too, e.g. a label)."""
+def hand_made_pipeline(iterations: int = 2, **rank0_compute) -> tuple[list[dict], list[dict]]:
+    """The two-stage programs of test_hand_made_pipeline_bubble_and_critical_path, ``iterations``
+    of them (rank 0's compute nodes take ``rank0_compute`` too, e.g. a label)."""
     prog0, prog1 = [], []
-    for k in range(2):
+    for k in range(iterations):
         t = 215 * k
         prog0 += [
             C(t, 100, iteration=k, **rank0_compute),

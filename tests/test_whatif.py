@@ -90,6 +90,16 @@ def test_out_writes_a_calibration(cal, tmp_path):
     assert s["whatif"]["changes"] == ["op=compute:x0.5"]
 
 
+def test_the_what_if_leaves_out_the_calibrations_warmup(tmp_path):
+    """A calibration with ``warmup=2`` (of three iterations): the what-if's baseline and its
+    changed solve take their medians from iteration 2 alone, as the calibration did."""
+    make_trace(list(hand_made_pipeline(3, label="fwd")), 3).save(tmp_path / "graph")
+    calibrate(tmp_path / "graph", tmp_path / "cal", warmup=2)
+    whatif(tmp_path / "cal", [parse_change("op=compute:0.5")], out=tmp_path / "faster")
+    s = json.loads((tmp_path / "faster" / "summary.json").read_text())
+    assert (s["warmup"], s["steady_iterations"], s["predicted_iteration_ns"]) == (2, [2], 50 + 10 + 50 + 5)
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [

@@ -67,7 +67,7 @@ from prismllm.specs import parse_ranks
 from prismllm.terminal import Table
 from prismllm.trace.graph import PrismTrace
 from prismllm.trace.schema import COMM_OPS
-from prismllm.trace.summary import fmt_ns
+from prismllm.trace.summary import WARMUP, fmt_ns
 
 _I64 = np.int64
 _UNITS_NS = {"ns": 1, "us": 1_000, "µs": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
@@ -451,6 +451,7 @@ def calibration_source(cal: Path) -> dict[str, Any]:
         "graph": resolve(summary.get("graph")),
         "durations": resolve(summary.get("durations_from")),
         "rule": summary.get("transfer_rule") or "auto",
+        "warmup": int(summary.get("warmup", WARMUP)),  # the baseline's and the what-if's medians leave out as many
     }
 
 
@@ -473,7 +474,9 @@ def whatif(
             raise WhatIfError("nothing to change: give --scale SELECTOR:AMOUNT and/or --network FILE")
         cal_path = Path(cal)
         src = (
-            calibration_source(cal_path) if graph is None else {"graph": str(graph), "durations": None, "rule": "auto"}
+            calibration_source(cal_path)
+            if graph is None
+            else {"graph": str(graph), "durations": None, "rule": "auto", "warmup": WARMUP}
         )
         trace = PrismTrace.load(src["graph"])
         other = PrismTrace.load(src["durations"]) if src["durations"] else None
@@ -484,7 +487,7 @@ def whatif(
                 f"e.g. --layout tp=2,pp=2, or select by size=N"
             )
         names = (src["graph"], str(src["durations"]))
-        base = solve(trace, durations=other, rule=src["rule"], names=names)
+        base = solve(trace, durations=other, rule=src["rule"], names=names, warmup=src["warmup"])
         log: list[Applied] = []
         new = solve(
             trace,
@@ -493,6 +496,7 @@ def whatif(
             names=names,
             validate_graph=False,
             adjust=lambda g, d: _apply(g, d, changes, network, lay, log),
+            warmup=src["warmup"],
         )
         before = summarize(base, src["graph"], src["durations"])
         after = summarize(new, src["graph"], src["durations"])

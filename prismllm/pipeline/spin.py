@@ -72,7 +72,8 @@ def spin_whatif(opts: SpinOptions, say: Callable[[str], None] | None = None) -> 
             ),
             say=say,
         )
-        measured = calibrate(timed.graph, out / CAL_DIR, force=True)  # this what-if's own, redone on a resume
+        # this what-if's own, redone on a resume; its medians leave out what the baseline's did
+        measured = calibrate(timed.graph, out / CAL_DIR, force=True, warmup=src["warmup"])
         base = resolve["baseline_iteration_ns"]
         m = measured["predicted_iteration_ns"]
         return {
