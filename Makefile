@@ -12,7 +12,7 @@ DEMO_OUT ?= out/demo
 DEMO_ARGS := --tp 2 --pp 2 --layers 2 --hidden 32 --heads 4 --seq 16 --vocab 128 --micro-batch 1 \
              --global-batch 32 --iters 3
 
-.PHONY: venv test-env demo test test-gpu clean
+.PHONY: venv test-env demo test test-gpu check-extras clean
 
 venv: $(VENV)/.installed
 test-env: $(VENV)/.test-installed
@@ -32,10 +32,10 @@ $(VENV)/.installed: pyproject.toml
 # ... and what the tests use (pyproject's test extras; Holistic Trace Analysis without its
 # declared requirements, which pull in Jupyter), and the training stacks the stack tests run
 # (docs/stacks/): megatron-core, and torchtitan without its declared requirements (wandb and
-# more), its imports being pyproject's torchtitan extras. About 40 s more than the test extras
+# more), its imports being pyproject's torchtitan-imports extras. About 40 s more than the test extras
 # alone in a fresh venv here (triton's wheel is 286 MB, 1 GB installed).
 $(VENV)/.test-installed: $(VENV)/.installed
-	$(PY) -m pip install -q --no-build-isolation -e '.[test,megatron,torchtitan]'
+	$(PY) -m pip install -q --no-build-isolation -e '.[test,megatron,torchtitan-imports]'
 	$(PY) -m pip install -q --no-deps holistictraceanalysis==0.5.0 torchtitan==0.3.0
 	touch $@
 
@@ -54,6 +54,10 @@ test: test-env
 	$(VENV)/bin/ruff check prismllm tests benchmarks examples
 	$(VENV)/bin/ruff format --check prismllm tests benchmarks examples
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+
+# Each extra installed by itself into a fresh venv and used as its page says (minutes; network).
+check-extras:
+	.ci/check-extras
 
 # On a GPU machine (see README): the GPU-marked tests.
 test-gpu: test-env
