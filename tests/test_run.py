@@ -117,7 +117,9 @@ def test_another_warmup_recalibrates_and_reemulates_but_keeps_the_slices(ran, tm
     out = tmp_path / "run"
     shutil.copytree(ran[0], out)
     before = {x["name"]: x["wall_s"] for x in json.loads((out / "run.json").read_text())["stages"]}
+    capsys.readouterr()
     assert main([*ARGV, "--out", str(out), "--warmup", "2", *JOB]) == 0
+    assert "(calibrated, median of iteration 2, all ranks)" in " ".join(capsys.readouterr().out.split())
     after = {x["name"]: x["wall_s"] for x in json.loads((out / "run.json").read_text())["stages"]}
     assert [after[k] for k in ("capture", "time")] == [before[k] for k in ("capture", "time")]
     assert after["calibrate"] != before["calibrate"] or after["emulate"] != before["emulate"]

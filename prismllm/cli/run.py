@@ -25,6 +25,7 @@ from prismllm.cli.program import add_program_args, program_args
 from prismllm.cli.progress import Display, fmt_seconds
 from prismllm.launch import LaunchInterrupted, RankOutOfMemory
 from prismllm.pipeline.run import RunOptions, run_pipeline
+from prismllm.report.html import iterations_text
 from prismllm.terminal import Table
 
 SUMMARY = "capture, time, calibrate (and emulate) a job of N ranks, then write its report"
@@ -82,10 +83,9 @@ def render(s: dict, console: Console) -> None:
     t.add_column()
     cmd = " ".join(s.get("command") or [])
     t.add_row("job", f"{cmd} at {s['world_size']} ranks")
-    t.add_row(
-        "predicted iteration",
-        f"{_ms(s['predicted_iteration_ns'])}  (calibrated, median of the steady iterations, all ranks)",
-    )
+    its = s.get("steady_iterations") or []
+    which = f"iteration {its[0]}" if len(its) == 1 else f"iterations {iterations_text(its)}" if its else "none"
+    t.add_row("predicted iteration", f"{_ms(s['predicted_iteration_ns'])}  (calibrated, median of {which}, all ranks)")
     for r, m in sorted((s.get("emulated") or {}).items(), key=lambda kv: int(kv[0])):
         where = s.get("emulated_devices") or "?"
         t.add_row(

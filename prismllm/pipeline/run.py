@@ -392,6 +392,7 @@ def _summary(out: Path, state: dict[str, Any], s: dict[str, Any] | None, emu: di
         "command": bare.get("command"),
         "device": bare.get("device"),
         "predicted_iteration_ns": s.get("predicted_iteration_ns"),
+        "steady_iterations": s.get("steady_iterations"),
         "pipeline_bubble": (s.get("pipeline_bubble") or {}).get("fraction"),
         "critical_path_shares": shares,
         "peak_memory": peak,

@@ -149,7 +149,7 @@ def _card(label: str, value: str, note: str, cls: str = "") -> str:
     )
 
 
-def _iters_text(its: list[int]) -> str:
+def iterations_text(its: list[int]) -> str:
     if not its:
         return "none"
     if len(its) > 2 and its == list(range(its[0], its[-1] + 1)):
@@ -183,7 +183,7 @@ def _header(d: dict[str, Any]) -> str:
         _card(
             "Predicted iteration",
             fmt_ns(ipred),
-            f"calibrated prediction for all {world:,} ranks: median of the steady iterations ({_iters_text(steady)})"
+            f"calibrated prediction for all {world:,} ranks: median of the steady iterations ({iterations_text(steady)})"
             if ipred is not None
             else "no prediction (the calibration found no steady iteration)",
             "main",
@@ -789,4 +789,4 @@ def render_html(data: dict[str, Any]) -> str:
     )
 
 
-__all__ = ["coords_text", "fmt_bytes", "fmt_ns", "json_for_script", "layout_text", "render_html"]
+__all__ = ["coords_text", "fmt_bytes", "fmt_ns", "iterations_text", "json_for_script", "layout_text", "render_html"]
