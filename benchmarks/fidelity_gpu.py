@@ -687,6 +687,9 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     a.md = a.md or a.json.with_suffix(".md")
     every = cases(a.iters)
+    short = [c.name for c in every if int(c.args[c.args.index("--iters") + 1]) <= a.warmup]
+    if short:
+        ap.error(f"--warmup {a.warmup} leaves no steady iteration of {', '.join(short)}: give more --iters")
     if a.list:
         for c in every:
             print(f"{c.name:22s} N={c.world} {c.layout:10s} {c.stack}: {' '.join(c.command())}")
