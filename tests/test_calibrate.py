@@ -380,6 +380,8 @@ def test_warmup_leaves_the_first_iterations_out_of_the_prediction(recorded, cali
     assert s["predicted_iteration_ns"] == int(np.median([per[3]["predicted_ns"], per[4]["predicted_ns"]]))
     assert s["recorded_iteration_ns"] == int(np.median([per[3]["recorded_ns"], per[4]["recorded_ns"]]))
     assert PrismTrace.load(cal / "graph").manifest["calibration"]["warmup"] == 3
+    shown = json.loads(prism("show", str(cal / "graph"), "--json").stdout)  # the prediction's iterations
+    assert shown["steady_iterations"] == [3, 4] and shown["iteration_time_ns"] == s["predicted_iteration_ns"]
     # none left: refused, naming the option and how many the graph has
     assert_error(
         prism("calibrate", str(recorded["pp"]), "--out", str(tmp_path / "cal-w5"), "--warmup", "5"),

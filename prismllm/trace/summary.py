@@ -15,7 +15,8 @@
 - ``iteration_times``: list per iteration (ascending): {``iteration``, ``ranks`` (ranks that
   timed it), ``mean_ns``, ``max_ns``} of end_ns - start_ns over ranks; empty without times
 - ``steady_iterations``: the iteration numbers counted as steady (all but the first when there
-  are at least two; see :func:`steady`)
+  are at least two; of a graph calibrated with ``--warmup N``, all but the first N: see
+  :func:`steady`)
 - ``iteration_time_ns``: median over the steady iterations of the per-iteration ``max_ns``
   (the iteration is over when its slowest rank is), null without times
 - ``iteration_time_mean_ns``: the same median taken over ``mean_ns``
@@ -184,7 +185,7 @@ def summarize(trace: PrismTrace) -> dict[str, Any]:
             e["ops"] = dict(sorted(e["ops"].items(), key=lambda kv: (-kv[1], kv[0])))
 
     its = iteration_times(trace)
-    st = steady(its)
+    st = steady(its, warmup_of(m))  # a calibrated graph's: those its prediction took
     n_iters = len(np.unique(trace.iterations.column("iteration").to_numpy())) if trace.iterations.num_rows else 0
     peak = m.get("peak_memory_bytes") or {}
     peak = {str(k): int(v) for k, v in peak.items() if v is not None and int(v) >= 0}
