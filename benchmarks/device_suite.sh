@@ -58,6 +58,10 @@
 #   gpu-pace   two GPUs: does the sandbox's GPU set a power-bound job's prediction? ddp-2 (ITERS 30, WARMUP 10) alone
 #              on each GPU (N = 1), real at N = 2 and under prism run with the sandbox on GPU 0 and on GPU 1, ROUNDS (2)
 #              rounds, each GPU's clocks and power sampled; ~9 min
+#   lanecost   two GPUs: the native lane's host time a pruned call (93-101 µs in the suite's TP jobs) against a real
+#              call's, and what NCCL's pre-multiplied sum (the lane's small call at N = 2) costs the host by itself:
+#              issue_cost.py real with a plain sum and with PREMUL_SUM by 2, fp32 and bf16, then prism run of the plain
+#              one (its emulate.json: the lane's calls and their issue time); lanecost.tgz; ~4 min
 #   scale      prism run of gpt3d TP2·PP8 at each of WORLDS ranks (1024; "1024 8192 131072") on the GPUs there: wall and
 #              host memory by stage, the assistants' RSS and GPU reservation (run_at_scale.py); ~1 min at 1,024, ~4 at 131,072
 #   lane-memory  the native lane's peak-memory gap (the distributed optimizer of its GPU test, last rank; LAYOUT="--pp 2":
@@ -89,7 +93,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|ddp-tail|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|channels|fidelity-gpu|gpu-pace|scale|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|ddp-tail|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|channels|fidelity-gpu|gpu-pace|lanecost|scale|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -615,6 +619,21 @@ gpu-pace)
         done
     done
     tar czf "$OUT/gpu-pace.tgz" "$D"/*.log "$D"/*.csv "$D"/*.json "$D"/*.md "$D"/w-*/*/*.log 2>/dev/null ;;
+lanecost)
+    P=benchmarks/programs/issue_cost.py D=out/lanecost; mkdir -p "$D"
+    for dt in float32 bfloat16; do
+        for pm in "" "--premul 2"; do
+            name=real-$dt${pm:+-premul}
+            timeout 90 python3 -m torch.distributed.run --standalone --nproc-per-node 2 $P --dtype $dt $pm >"$D/$name.log" 2>&1
+            echo "$name: $(grep -h '^ISSUE' "$D/$name.log")"
+        done
+        timeout 200 prism run --world 2 --devices cuda:0,1 --sandbox 1 --out "$D/prism-$dt" --force -- $P --dtype $dt \
+            >"$D/prism-$dt.log" 2>&1
+        echo "prism-$dt: $(grep -h '^ISSUE' "$D/prism-$dt/logs/emulate.log")"
+        python3 -c "import json, sys; d = json.load(open(sys.argv[1]))
+print({r: m.get('emulation_native_lane') for r, m in d['sandbox_results'].items()})" "$D/prism-$dt/emulate/emulate.json"
+    done
+    tar czf "$OUT/lanecost.tgz" "$D"/*.log "$D"/prism-*/emulate/emulate.json "$D"/prism-*/logs/*.log 2>/dev/null ;;
 scale)
     # prism run of gpt3d TP2·PP8 (8 layers) at each of WORLDS ranks (default 1024) on the GPUs there, a sandbox rank in
     # the first and the last stage: benchmarks/run_at_scale.py's figures (wall and the prism process's peak host memory

@@ -4,14 +4,17 @@ torchrun and by `prism run`/`prism emulate`, so that the two costs can be set si
 
     python -m torch.distributed.run --nproc-per-node 2 benchmarks/programs/issue_cost.py \
         [--calls 26] [--numel 8388608] [--iters 20] [--op all_reduce|reduce_scatter|all_gather] [--between-us 0]
+        [--dtype float32|bfloat16] [--premul F]
 
 Each iteration: (GPU) the device first sleeps ~``--ahead-ms`` so that the host runs ahead of it,
 then the host issues ``--calls`` asynchronous calls of ``--numel`` float32 elements each
-(``async_op=True``, as DDP's reducer does), timing each issue on the host clock
+(``async_op=True``, as DDP's reducer does; ``--dtype``), timing each issue on the host clock
 (``perf_counter``), then waits for all and synchronizes. ``--between-us``: between two calls the
 host launches small tensor operations for that long, as DDP's backward launches its kernels between
 two buckets: each call then finds the caches and the CPU as a bucket's hook does, not warm from the
-call before (a Python layer's cost a call grows several times that way). The last rank prints one line per
+call before (a Python layer's cost a call grows several times that way). ``--premul F``: each
+all-reduce is NCCL's pre-multiplied sum by F, the kind of call a pruned sum is on the sandbox's
+side (NCCL only), to set its host cost beside a plain sum's. The last rank prints one line per
 iteration (the suite's format, so `prism` reads it) and, at the end::
 
     ISSUE {"op": ..., "world": .., "backend": .., "issue_us_median": .., "issue_us_p90": .., "calls": ..}
@@ -40,6 +43,8 @@ def main() -> None:
     ap.add_argument("--ahead-ms", type=float, default=20.0)
     ap.add_argument("--op", default="all_reduce", choices=["all_reduce", "reduce_scatter", "all_gather"])
     ap.add_argument("--between-us", type=float, default=0.0)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--premul", type=float, default=None, help="all_reduce as a pre-multiplied sum by F (NCCL)")
     a = ap.parse_args()
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -47,10 +52,14 @@ def main() -> None:
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
+    if a.premul is not None and (not cuda or a.op != "all_reduce"):
+        raise SystemExit("issue_cost: --premul is NCCL's pre-multiplied all_reduce: on GPUs, with --op all_reduce")
+    red = dist._make_nccl_premul_sum(a.premul) if a.premul is not None else dist.ReduceOp.SUM
+    dtype = getattr(torch, a.dtype)
     n = a.numel - a.numel % world
-    bufs = [torch.ones(n, device=dev) for _ in range(a.calls)]
+    bufs = [torch.ones(n, device=dev, dtype=dtype) for _ in range(a.calls)]
     out_numel = {"all_reduce": 0, "reduce_scatter": n // world, "all_gather": n * world}[a.op]
-    outs = [torch.empty(out_numel, device=dev) for _ in range(a.calls)]
+    outs = [torch.empty(out_numel, device=dev, dtype=dtype) for _ in range(a.calls)]
     cycles = None
     if cuda:  # the clock rate of torch.cuda._sleep: measured once
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -78,7 +87,7 @@ def main() -> None:
                 host_work()
             t0 = time.perf_counter()
             if a.op == "all_reduce":
-                works.append(dist.all_reduce(bufs[i], async_op=True))
+                works.append(dist.all_reduce(bufs[i], op=red, async_op=True))
             elif a.op == "reduce_scatter":
                 works.append(dist.reduce_scatter_tensor(outs[i], bufs[i], async_op=True))
             else:
@@ -97,7 +106,8 @@ def main() -> None:
         steady = [t for times in per_iter[2:] for t in times]
         q = statistics.quantiles(steady, n=10)
         doc = {
-            "op": a.op,
+            "op": a.op if a.premul is None else f"all_reduce premul {a.premul:g}",
+            "dtype": a.dtype,
             "world": world,
             "backend": "nccl" if cuda else "gloo",
             "numel": n,
