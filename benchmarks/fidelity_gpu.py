@@ -71,8 +71,9 @@ GPT3D = str(ROOT / "examples" / "gpt3d.py")
 MEGATRON = str(ROOT / "examples" / "megatron_gpt.py")
 NVLS_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 # iterations left out of every median, the real runs' and prism's (prism run --warmup): an H200 that
-# runs into its power limit lowers its clock over the first ten of the suite's DDP job (its period
-# 93 -> 100 ms), so a median from iteration 3 on sets a slice's cooler GPU against a warmer real one
+# runs into its power limit lowers its clock over the first seconds (the suite's DDP job alone: iterations
+# 2-9 1.0-2.9 % faster than 11-29), so a median from iteration 3 on sets a slice's cooler GPU against a
+# warmer real one
 WARMUP = 10
 # which machine lease a step ran in (PRISM_LEASE, set by the caller): a resumed suite may compare
 # real runs and prism runs from two machines of one kind
