@@ -116,6 +116,10 @@ class Case:
     def command(self) -> list[str]:
         return [self.program, *self.args]
 
+    @property
+    def iters(self) -> int:
+        return int(self.args[self.args.index("--iters") + 1])
+
 
 def cases(iters: int | None = None) -> list[Case]:
     """The suite's cases; ``iters``: each program's --iters in place of the case's own."""
@@ -688,7 +692,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     a.md = a.md or a.json.with_suffix(".md")
     every = cases(a.iters)
-    short = [c.name for c in every if int(c.args[c.args.index("--iters") + 1]) <= a.warmup]
+    short = [c.name for c in every if c.iters <= a.warmup]
     if short:
         ap.error(f"--warmup {a.warmup} leaves no steady iteration of {', '.join(short)}: give more --iters")
     if a.list:

@@ -200,8 +200,8 @@ def test_gpu_suite_runs_longer_jobs_and_leaves_out_their_first_iterations():
     the medians leave out the first W (a power-bound GPU's clock still falls over the first ten)."""
     import fidelity_gpu as fg
 
-    assert {c.args[c.args.index("--iters") + 1] for c in fg.cases(30)} == {"30"}
-    assert {c.args[c.args.index("--iters") + 1] for c in fg.cases()} == {"30"} and fg.WARMUP == 10
+    assert {c.iters for c in fg.cases(40)} == {40}
+    assert {c.iters for c in fg.cases()} == {30} and fg.WARMUP == 10
     lines = [
         f"iteration {i}/8 | loss 10.5 | iter time {ms} ms | max mem 100 B | period {ms + 1} ms"
         for i, ms in enumerate([500, 90, 92, 94, 96, 98, 98, 98], 1)

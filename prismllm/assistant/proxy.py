@@ -198,6 +198,7 @@ class Assistant:
         mirror = mirror_plan(trace, keep=self.sandbox) if copies else None
         self.graph = ReplayGraph(trace, external=list(self.sandbox), mirror=mirror)
         self.mirrored = int((mirror >= 0).sum()) if mirror is not None else 0
+        warmup = warmup_of(trace.manifest)  # the calibration's: the replay's medians leave out as many
         if timing == "real":  # the calibration's durations (it solved this graph with the same rules)
             d = R.durations_for(
                 self.graph, R.measured(trace, self.graph.row), R.resolve_rule("auto", trace), R.slice_of_rank(trace)
@@ -207,7 +208,7 @@ class Assistant:
                 compute=d.compute_ns,
                 transfer=d.transfer_ns,
                 issue=d.issue_ns,
-                warmup=warmup_of(trace.manifest),
+                warmup=warmup,
             )
             # the planned end of each instance with the sandbox: where the solve of the whole
             # graph (sandbox ranks with their calibrated times) ends it
@@ -218,9 +219,7 @@ class Assistant:
             first = self.graph.inst_nodes[self.graph.inst_ptr[:-1]]
             self._planned_end = sol.result.instance_end_ns[full.inst_of[pos[self.graph.row[first]]]]
         else:
-            self.replay = Replay(
-                self.graph, compute="zero", transfer="zero", issue="zero", warmup=warmup_of(trace.manifest)
-            )
+            self.replay = Replay(self.graph, compute="zero", transfer="zero", issue="zero", warmup=warmup)
         # generated inputs: what each group's proxy keeps of its buffers (an eighth of the GPU)
         self._kept_limit = torch.cuda.get_device_properties(self.device).total_memory // 8 if self.device else 1 << 30
         # "real" timing: the schedule of the calls with the sandbox (made once they are planned)

@@ -53,7 +53,7 @@ from prismllm.outputs import (
     SUMMARY_FILE,
 )
 from prismllm.trace.graph import PrismTrace, group_desc, ranks_text, read_manifest, read_rows_of_ranks
-from prismllm.trace.summary import WARMUP, steady_iteration_time
+from prismllm.trace.summary import WARMUP, steady_iteration_time, steady_rows
 
 FORMAT = "prism-report"
 MAX_TIMELINE_RANKS = 8
@@ -442,11 +442,11 @@ def _reference(ref: Path, s: dict[str, Any], bare: dict[str, Any]) -> dict[str, 
         raise PrismError(f"--reference {ref}: a run of {real.world_size} ranks, the report's job has {world}")
     pr = s.get("per_rank") or {}
     span = dict(zip(pr.get("rank", []), pr.get("span_ns", [])))
-    it = real.iterations.to_pydict()
+    rank, k, a, b = (real.iterations.column(c).to_numpy() for c in ("rank", "iteration", "start_ns", "end_ns"))
+    ok = steady_rows(k, (a >= 0) & (b >= a), warmup)
     per: dict[int, list[int]] = {}
-    for r, k, a, b in zip(it["rank"], it["iteration"], it["start_ns"], it["end_ns"]):
-        if k >= warmup and a >= 0 and b >= a:
-            per.setdefault(int(r), []).append(int(b - a))
+    for r, span_ns in zip(rank[ok].tolist(), (b - a)[ok].tolist()):
+        per.setdefault(r, []).append(span_ns)
     real_peak = real.manifest.get("peak_memory_bytes") or {}
     pred_peak = bare.get("peak_memory_bytes") or {}
     rows = []
