@@ -55,6 +55,10 @@
 #   timestamps what a point of the recorder costs the device (benchmarks/programs/timestamp_cost.py: no point, a
 #              plain event, a timing event, a timing event on a side stream, a global-timer stamp kernel between
 #              tiny kernels); one GPU is enough; $OUT/timestamp_cost.json; ~1 min
+#   spans [CASES]  where an emulated sandbox's iteration goes against its prediction: the suite's CASES (default
+#              pipelining-pp2,gpt3d-pp2,fsdp2-2) with the real job recorded and the sandbox's spans timed on the device
+#              (PRISM_DEVICE_POINTS=1), benchmarks/sandbox_spans.py of each (real, slice and emulated compute; the
+#              schedule's drift), each GPU's clocks sampled; $OUT/fidelity_gpu_spans.json, spans.tgz; ~5 min a case
 #   gpu-pace   two GPUs: does the sandbox's GPU set a power-bound job's prediction? ddp-2 (ITERS 30, WARMUP 10) alone
 #              on each GPU (N = 1), real at N = 2 and under prism run with the sandbox on GPU 0 and on GPU 1, ROUNDS (2)
 #              rounds, each GPU's clocks and power sampled; ~9 min
@@ -93,7 +97,7 @@
 # command has a timeout below the call's limit, so a hang still leaves its logs in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|ddp-tail|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|channels|fidelity-gpu|gpu-pace|lanecost|scale|cpu-fid N [CASES]}
+PART=${1:?usage: device_suite.sh smoke|fid-a|fid-b|overhead|gpu1|native-cost|clock|kernels|ddp-tail|issue-thread|threads|ab-concurrent|numa|gil|hostprof|parts|headstart|hostcost|issue-ab|lane-ab|lane-tests|gpu-tests|timestamps|lane-memory|prune-all|channels|fidelity-gpu|spans|gpu-pace|lanecost|scale|cpu-fid N [CASES]}
 OUT=${OUT:-out/device}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -594,6 +598,17 @@ fidelity-gpu)
     tar czf "$OUT/fidelity-graphs.tgz" out/fidelity_gpu/*/prism/time/graph out/fidelity_gpu/*/prism/cal/summary.json \
         out/fidelity_gpu/*/record/*.parquet out/fidelity_gpu/*/record/manifest.json out/fidelity_gpu/*/record-cal/summary.json \
         out/fidelity_gpu/*/prism/emulate/ranklogs 2>/dev/null ;;
+spans)
+    # where the emulated sandbox's iteration goes against its prediction: the suite's CASES (default
+    # pipelining-pp2,gpt3d-pp2,fsdp2-2) with the real job recorded and the sandbox's spans on the device
+    # (fidelity_gpu.py --record --device-points: each row's prism.spans, per span in spans.json), each GPU's
+    # clocks and power sampled all along; the spans, the schedules and the samples in $OUT/spans.tgz
+    mkdir -p out/fidelity_gpu; smi out/fidelity_gpu/smi-spans.csv; s=$!
+    FID_NAME=${FID_NAME:-fidelity_gpu_spans} FID_ARGS="--record --device-points ${FID_ARGS:-}" \
+        bash "$0" fidelity-gpu "${2:-pipelining-pp2,gpt3d-pp2,fsdp2-2}"
+    kill $s
+    tar czf "$OUT/spans.tgz" out/fidelity_gpu/smi-spans.csv out/fidelity_gpu/*/spans.json out/fidelity_gpu/*/spans.log \
+        out/fidelity_gpu/*/prism/emulate/schedule.parquet 2>/dev/null ;;
 gpu-pace)
     # does the sandbox's GPU set a power-bound job's prediction? The suite's ddp-2 (it runs into the H200's power
     # limit) with ITERS (30) iterations, the first WARMUP (10) left out (its real periods rose 96 -> 100 ms over

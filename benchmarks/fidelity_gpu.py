@@ -48,6 +48,7 @@ device call of limited length ends cleanly and the next call goes on.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -62,6 +63,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import sandbox_spans  # noqa: E402
 from tracing_overhead import machine  # noqa: E402
 
 from prismllm.childenv import HEAD_START_CHOICES, head_start_for  # noqa: E402
@@ -395,6 +397,8 @@ class Suite:
         env = {**NVLS_OFF, **({"PRISM_ISSUE_THREAD": "0"} if self.a.no_issue_thread else {})}
         if self.a.python_path:
             env["PRISM_NATIVE_LANE"] = "0"
+        if self.a.device_points:
+            env["PRISM_DEVICE_POINTS"] = "1"
         rc, text, _ = run_streamed(cmd, env, self.a.timeout * 3, self.work(c) / "prism.log")
         wall = time.monotonic() - t0
         self._observed("prism", wall + 10)
@@ -407,6 +411,7 @@ class Suite:
             "head_start": head_start_for(self.a.head_start, native_lane=not self.a.python_path) or "off",
             "devices": self.a.prism_devices,
             "warmup": self.a.warmup,  # prism run --warmup: its prediction's and emulation's medians
+            "device_points": self.a.device_points,  # the emulated sandbox's spans timed on the device
             "host": self.doc["machine"].get("host"),  # the machine itself: leases of one kind differ by it
         }
         if rc != 0:
@@ -448,6 +453,23 @@ class Suite:
             f"[{c.name}] prism run: predicted {p['predicted_ms']} ms, emulated {p.get('emulated_ms')} ms, {wall:.0f} s",
             flush=True,
         )
+
+    def spans(self, c: Case) -> dict | None:
+        """benchmarks/sandbox_spans.py of the case's prism run (with its recording where there is one):
+        the sandbox rank's iteration and compute per source, and the schedule's drift."""
+        d = self.work(c)
+        args = [str(d / "prism"), "--json", str(d / "spans.json")]
+        if (d / "record" / "manifest.json").is_file():
+            args += ["--record", str(d / "record")]
+        try:
+            with open(d / "spans.log", "w") as log, contextlib.redirect_stdout(log):
+                sandbox_spans.main(args)
+        except (OSError, ValueError, KeyError) as e:
+            return {"error": str(e)}
+        doc = json.loads((d / "spans.json").read_text())
+        for s in doc["sources"].values():
+            s.pop("span_ms")  # per span: in spans.json, not the row
+        return doc
 
     def record(self, c: Case, r: dict) -> None:
         """The real job recorded (``prism record`` on N GPUs) and its own graph solved (``prism
@@ -510,6 +532,10 @@ class Suite:
                 self.prism(c, r)
         if self.a.record and "record" not in r and self.time_left("record", c, r):
             self.record(c, r)
+        p = r.get("prism") or {}
+        if self.a.device_points and p.get("rc") == 0 and "spans" not in p:
+            # the sandbox's spans beside its slice's, and the real run's where it was recorded
+            p["spans"] = self.spans(c)
         self.save()
 
 
@@ -662,6 +688,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="prism runs with PRISM_NATIVE_LANE=0 (the emulated sandbox's and the slices' pruned calls through the "
         "Python path, not the native lane, the default on GPUs); rows say which (prism.native_lane)",
+    )
+    ap.add_argument(
+        "--device-points",
+        action="store_true",
+        help="prism runs with PRISM_DEVICE_POINTS=1 (the emulated sandbox's spans timed on the device) and each row "
+        "gets benchmarks/sandbox_spans.py's figures (prism.spans; its per-span medians in WORK/CASE/spans.json); "
+        "with --record the real run's spans too",
     )
     ap.add_argument(
         "--head-start",

@@ -240,6 +240,9 @@ USER_SETTINGS: dict[str, str] = {
     "collective (default 120)",
     "PRISM_ISSUE_THREAD": "1 (the default): a GPU sandbox plans and issues its asynchronous pruned calls on a thread "
     "of its own, off the program's (docs/internals/pruning.md); 0: on the program's thread; all: a CPU sandbox's too",
+    "PRISM_DEVICE_POINTS": "1: an emulated GPU sandbox rank times every span of its rank log on the device, as a "
+    "slice does (its compute per iteration in emulate.json; each point costs the device ~3 µs between two kernels, "
+    "which the real run does not spend); default: only its iteration boundaries",
     "PRISM_NATIVE_LANE": "1: an emulated sandbox rank records natively and issues its pruned calls through the "
     "native lane, with no Python on the way once a call's signature was seen (docs/internals/pruning.md); "
     "0: the Python path; auto (the default): the lane on GPUs (NCCL), the Python path on the CPU (gloo)",

@@ -11,6 +11,8 @@ figures (``run.json``) and the report (``report.html``).
 LOGS_DIR = "logs"  # a stage's per-process logs of its launches (--tee); prism run's stage logs
 RANKLOGS_DIR = "ranklogs"  # a sandbox run's rank logs (prismllm.trace.ranklog)
 REPLAY_FILE = "replay.json"  # a sandbox run's first assistant's replay of the virtual ranks
+# ... and with real timing its schedule of the calls with the sandbox, call by call (assistant.clock)
+SCHEDULE_FILE = "schedule.parquet"
 GRAPH_DIR = "graph"  # the graph a stage writes in its directory (time; calibrate --write-graph)
 SLICE_FILE = "slice.json"  # in a slice's directory (prism time): how its run ended, what it measured
 LOAD_DIR = "load"  # prism time's compute-under-load pass (its own slices and graph)
@@ -33,6 +35,7 @@ __all__ = [
     "REPLAY_FILE",
     "REPORT_FILE",
     "RUN_FILE",
+    "SCHEDULE_FILE",
     "SLICE_FILE",
     "SUMMARY_FILE",
     "TIME_DIR",

@@ -26,6 +26,8 @@ from conftest import PRISM
 from test_emulate import GPT3D, LAYOUTS, SIZES, assert_all_ended, assert_check, assert_same_losses  # noqa: E402
 
 from prismllm.emulate import EmulateOptions, emulate  # noqa: E402
+from prismllm.outputs import RANKLOGS_DIR  # noqa: E402
+from prismllm.trace.ranklog import ranklog_path, read_ranklog  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -130,6 +132,18 @@ def test_the_native_lane_keeps_losses_and_peak_memory(layout, tmp_path, monkeypa
     assert lane["fast"] > 0, lane
     # device time at the iteration boundaries only: no timing event on the program's stream a call
     assert res.sandbox_results[1]["compute_ns"] is None and res.sandbox_results[1]["iteration_ns"]
+
+
+def test_device_points_time_the_sandbox_spans_on_the_device(tmp_path, monkeypatch):
+    """PRISM_DEVICE_POINTS=1: the emulated sandbox's rank log has every span on the device (clock
+    ``cuda``), so its compute per iteration is reported, below its iteration time."""
+    graph, real = record(tmp_path / "real", "pp2")
+    monkeypatch.setenv("PRISM_DEVICE_POINTS", "1")
+    res, emu = run_emulation(graph, tmp_path / "emu1", "pp2", "1", check=False)
+    assert_same_losses(real, emu)
+    m = res.sandbox_results[1]
+    assert m["compute_ns"] and all(0 < c <= t for c, t in zip(m["compute_ns"], m["iteration_ns"])), m
+    assert read_ranklog(ranklog_path(tmp_path / "emu1" / RANKLOGS_DIR, 1)).clock == "cuda"
 
 
 def assert_same_peak(res, rank: int, manifest: dict) -> None:

@@ -15,11 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from conftest import GPT3D
 
 from prismllm.emulate import EmulateOptions, emulate
 from prismllm.errors import PrismError
+from prismllm.outputs import SCHEDULE_FILE
 from prismllm.replay import solve
 from prismllm.trace.graph import PrismTrace
 
@@ -112,6 +114,15 @@ def test_real_timing_follows_the_graph_durations(recorded, slowed, tmp_path):
     assert arr["clock"] == "host" and arr["entered"] == arr["calls"] <= replay["answered"]  # a batch: one entry
     assert arr["at_once"] >= 1 and arr["timed"] == arr["calls"] - arr["at_once"]
     assert abs(arr["late"]["median_ns"]) < 0.1 * predicted  # the host clock enters early by a call's issue cost
+    # ... and call by call in schedule.parquet: each entered after the gates it waited behind
+    # completed, and completed after it was entered
+    sch = pq.read_table(tmp_path / "real" / SCHEDULE_FILE).to_pydict()
+    assert len(sch["slot"]) == arr["calls"] and set(sch["rank"]) == {0}
+    done = dict(zip(sch["slot"], sch["completed_ns"]))
+    for s, gates, entered, completed in zip(sch["slot"], sch["gates"], sch["entered_ns"], sch["completed_ns"]):
+        assert all(g < s and done[g] <= entered for g in gates), (s, gates)
+        assert completed >= entered
+    assert sum(1 for g in sch["gates"] if g) >= arr["timed"] // 2  # the pipeline's calls wait behind the sandbox's
 
     fast = run(graph, real / "tensors", tmp_path / "fast", "fast")
     assert fast.timing == "fast"

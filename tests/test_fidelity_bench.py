@@ -236,3 +236,17 @@ def test_the_gpu_suites_pipelining_program_emulates_with_its_real_losses(tmp_pat
 
     emulated = losses((out / "logs" / "emulate.log").read_text())
     assert len(emulated) == 3 and emulated == losses(real.stdout), (emulated, real.stdout)
+
+    # benchmarks/sandbox_spans.py sets the sandbox's spans (on the CPU, the host's clock is its
+    # device's) beside its slice's, and reads the proxy's calls from emulate/schedule.parquet
+    import sandbox_spans
+
+    assert sandbox_spans.main([str(out), "--warmup", "1", "--json", str(tmp_path / "spans.json")]) == 0
+    doc = json.loads((tmp_path / "spans.json").read_text())
+    assert doc["rank"] == 1 and doc["emulated_clock"] == "host"
+    for name in ("slice", "emulated"):
+        src = doc["sources"][name]
+        assert src["iterations"] == 2 and 0 < src["compute_ms"] <= src["iteration_ms"], (name, src)
+        assert src["span_ms"] and set(src["span_ms"]) <= set(doc["sources"]["slice"]["span_ms"])
+    sch = doc["schedule"]
+    assert sch["calls"] > 0 and sch["drift_ms_per_iteration"] is not None and sch["in_call_ms"] >= 0

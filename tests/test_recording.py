@@ -654,6 +654,20 @@ def test_an_emulation_records_device_points_only_at_iteration_boundaries():
     assert reads_transfer_durations("emulate", ChildEnv(mode="emulate", transfer_durations=True))
 
 
+def test_device_points_asks_an_emulation_for_every_span_on_the_device(monkeypatch):
+    """PRISM_DEVICE_POINTS=1: an emulated sandbox's spans timed on the device, as its slice's, to set
+    them side by side; a slice and a recording keep every point there regardless."""
+    from prismllm.childenv import ChildEnv
+    from prismllm.comm.install import all_points_on_device
+
+    monkeypatch.delenv("PRISM_DEVICE_POINTS", raising=False)
+    assert not all_points_on_device("emulate", ChildEnv(mode="emulate"))
+    assert all_points_on_device("record", ChildEnv(mode="record"))
+    assert all_points_on_device("emulate", ChildEnv(mode="emulate", transfer_durations=True))
+    monkeypatch.setenv("PRISM_DEVICE_POINTS", "1")
+    assert all_points_on_device("emulate", ChildEnv(mode="emulate"))
+
+
 def test_sandbox_ranks_record_nccl_timing_events_only_where_they_are_read():
     """NCCL's timing events cost the device time between two kernels, which the real job does
     not spend: a sandbox rank records them only where its transfers are read (prism time's GPU

@@ -5,8 +5,11 @@ Logical time 0 of the replay is pinned to the clock by the first call that compl
 (its planned end meets the moment it ended). Each call is due at its planned ready time (the
 moment its last virtual member arrives in the solve of the calibrated graph), moved by how late
 (or early) its *gates* completed against their planned ends: the sandbox's calls its virtual
-members last waited on before arriving (``prismllm.replay.gates``), and it is not entered before
-they completed. A sandbox slower than the calibrated graph so delays the virtual ranks that wait
+members last waited on before arriving (``prismllm.replay.gates``), each less the plan's waits
+after it, and it is not entered before they completed. A completion counts no earlier than the
+call's entry plus its planned transfer: the virtual ranks take the graph's time for a call, not
+this machine's link's (a CPU recording's transfers, waits included, ran ~15 ms over the emulation's
+own, and its virtual stage gained that on every call). A sandbox slower than the calibrated graph so delays the virtual ranks that wait
 on it, as a slow rank delays its real peers; a call that a virtual rank issued and went on from
 (DDP's bucket, FSDP's prefetch) delays only what waits on it. (One global shift, the earlier
 rule, moved every later call by the latest completion: a virtual replica then arrived ever later
@@ -39,6 +42,7 @@ import time
 from typing import Any
 
 import numpy as np
+import pyarrow as pa
 import torch
 
 from prismllm.comm.spin import compile_kernel
@@ -56,10 +60,11 @@ __device__ __forceinline__ long long prism_now() {
 // state[0]: device time at logical 0 (0 until a first completion pinned it).
 // rows[4 * j ...]: call j's [due, entered, completed, lateness of its completion].
 // Call j waits for its gates gate[gate_ptr[j] .. gate_ptr[j + 1]) to complete, then until it is due:
-// origin + ready + how late the latest of them completed against its planned end.
+// origin + ready + the most any of them completed late, less its offset (what the virtual rank
+// waited, by the plan, after it: the slack that absorbs its lateness).
 extern "C" __global__ void prism_enter_at(long long* state, long long* rows, const long long* gate_ptr,
-                                          const long long* gate, const long long* planned_end, int j,
-                                          double ready_ns) {
+                                          const long long* gate, const long long* gate_offset,
+                                          const long long* planned_end, int j, double ready_ns) {
     volatile long long* s = state;
     volatile long long* r = rows;
     long long late = 0;
@@ -68,7 +73,7 @@ extern "C" __global__ void prism_enter_at(long long* state, long long* rows, con
         long long i = gate[k];
         while (r[4 * i + 2] == UNSET) {
         }
-        long long l = r[4 * i + 2] - s[0] - planned_end[i];
+        long long l = r[4 * i + 3] - gate_offset[k];  // written before r[4 * i + 2]
         if (!gated || l > late) late = l;
         gated = true;
     }
@@ -84,14 +89,20 @@ extern "C" __global__ void prism_enter_at(long long* state, long long* rows, con
     r[4 * j + 1] = now;
 }
 
-extern "C" __global__ void prism_completed(long long* state, long long* rows, const long long* planned_end, int j) {
+// A call's lateness: its completion against its planned end, the completion taken no earlier than
+// its entry plus its planned transfer (what the graph says the call takes once all are in: the
+// virtual ranks do not gain where this machine's link is faster than the graph's).
+extern "C" __global__ void prism_completed(long long* state, long long* rows, const long long* planned_end,
+                                           const long long* transfer, int j) {
     long long now = prism_now();
     unsigned long long* s = (unsigned long long*)state;
     atomicCAS(&s[0], 0ULL, (unsigned long long)(now - planned_end[j]));  // the first completion pins
     __threadfence_system();
     long long origin = (long long)((volatile unsigned long long*)s)[0];
     volatile long long* r = rows;
-    r[4 * j + 3] = now - origin - planned_end[j];
+    long long seen = now, entered = r[4 * j + 1];
+    if (entered != UNSET && entered + transfer[j] > seen) seen = entered + transfer[j];
+    r[4 * j + 3] = seen - origin - planned_end[j];
     __threadfence_system();
     r[4 * j + 2] = now;
 }
@@ -102,14 +113,23 @@ extern "C" __global__ void prism_completed(long long* state, long long* rows, co
 class Schedule:
     """The calls with the sandbox as the clock keeps them, by slot (the order the proxy's workers are
     handed them): each call's planned ready time and planned end (logical ns), and its gates (CSR
-    of slots: ``gate[gate_ptr[j]:gate_ptr[j + 1]]``, earlier slots)."""
+    of slots: ``gate[gate_ptr[j]:gate_ptr[j + 1]]``, earlier slots) with each gate's offset (ns the
+    virtual rank waited by the plan after that gate: its lateness less that moves the call;
+    ``prismllm.replay.gates``; none given: 0), and each call's planned transfer (its completion
+    counts no earlier than its entry plus that)."""
 
     ready_ns: np.ndarray
     planned_end_ns: np.ndarray
     gate_ptr: np.ndarray
     gate: np.ndarray
+    gate_offset_ns: np.ndarray | None = None
+    transfer_ns: np.ndarray | None = None  # per slot: the call's planned time once all are in (none: 0)
 
     def __post_init__(self) -> None:
+        if self.gate_offset_ns is None:
+            self.gate_offset_ns = np.zeros(len(self.gate), dtype=np.int64)
+        if self.transfer_ns is None:
+            self.transfer_ns = np.zeros(len(self.ready_ns), dtype=np.int64)
         for f in dataclasses.fields(self):
             setattr(self, f.name, np.ascontiguousarray(getattr(self, f.name), dtype=np.int64))
 
@@ -119,6 +139,9 @@ class Schedule:
 
     def gates(self, j: int) -> np.ndarray:
         return self.gate[self.gate_ptr[j] : self.gate_ptr[j + 1]]
+
+    def offsets(self, j: int) -> np.ndarray:
+        return self.gate_offset_ns[self.gate_ptr[j] : self.gate_ptr[j + 1]]
 
 
 def arrival_report(rows: np.ndarray, ready_ns: np.ndarray, origin: int | None) -> dict[str, Any]:
@@ -158,6 +181,37 @@ def arrival_report(rows: np.ndarray, ready_ns: np.ndarray, origin: int | None) -
     return out
 
 
+def schedule_table(schedule: Schedule, rows: np.ndarray, origin: int | None, calls: dict[str, list]) -> pa.Table:
+    """The schedule as the clock kept it, one row a call (slot): ``calls``' columns (what each call
+    is), its planned ``ready_ns`` and ``planned_end_ns``, its ``gates`` (slots) and their
+    ``gate_offsets_ns``, and when it was
+    ``due``, ``entered`` and ``completed`` in the replay's logical ns (the clock's time less its
+    origin; null where not written or before the origin was pinned). What moved the virtual
+    ranks against the calibrated graph can be read from it call by call: a gap between a gate's
+    completion and the entry it let go that differs from the planned one, or a call that took
+    longer in the emulation than planned (its ``completed - entered`` against ``planned_end_ns -
+    ready_ns``)."""
+    n = schedule.calls
+
+    def logical(col: np.ndarray) -> pa.Array:
+        ok = (col != UNSET) & (origin is not None)
+        return pa.array(np.where(ok, col - (origin or 0), 0), mask=~ok, type=pa.int64())
+
+    gates = [schedule.gates(j).tolist() for j in range(n)]
+    cols = {
+        "slot": pa.array(np.arange(n), type=pa.int64()),
+        **{k: pa.array(v) for k, v in calls.items()},
+        "ready_ns": pa.array(schedule.ready_ns, type=pa.int64()),
+        "planned_end_ns": pa.array(schedule.planned_end_ns, type=pa.int64()),
+        "gates": pa.array(gates, type=pa.list_(pa.int64())),
+        "gate_offsets_ns": pa.array([schedule.offsets(j).tolist() for j in range(n)], type=pa.list_(pa.int64())),
+        "due_ns": logical(rows[:n, 0]),
+        "entered_ns": logical(rows[:n, 1]),
+        "completed_ns": logical(rows[:n, 2]),
+    }
+    return pa.table(cols)
+
+
 _BUILT: dict[int, tuple[Any, Any]] = {}
 
 
@@ -173,8 +227,8 @@ def _kernels(device: int) -> tuple[Any, Any]:
         state = torch.zeros(2, dtype=torch.int64, device=dev)
         rows = torch.full((4,), UNSET, dtype=torch.int64, device=dev)
         zeros = torch.zeros(2, dtype=torch.int64, device=dev)
-        enter(args=[state, rows, zeros, zeros, zeros, 0, 0.0])
-        done(args=[state, rows, zeros, 0])
+        enter(args=[state, rows, zeros, zeros, zeros, zeros, 0, 0.0])
+        done(args=[state, rows, zeros, zeros, 0])
         torch.cuda.synchronize(dev)
         _BUILT[device] = (enter, done)
     return _BUILT[device]
@@ -193,23 +247,31 @@ class DeviceClock:
         self.rows = torch.full((max(schedule.calls, 1), 4), UNSET, **on)
         self._gate_ptr = torch.as_tensor(schedule.gate_ptr, **on)
         self._gate = torch.as_tensor(schedule.gate if len(schedule.gate) else np.zeros(1, np.int64), **on)
+        offsets = schedule.gate_offset_ns
+        self._offset = torch.as_tensor(offsets if len(offsets) else np.zeros(1, np.int64), **on)
         self._end = torch.as_tensor(schedule.planned_end_ns if schedule.calls else np.zeros(1, np.int64), **on)
+        self._transfer = torch.as_tensor(schedule.transfer_ns if schedule.calls else np.zeros(1, np.int64), **on)
         self._enter, self._done = _kernels(idx)
 
     def enter(self, slot: int) -> None:
         """Enqueue, on the current stream, the wait until call ``slot`` is due."""
         ready = float(self.schedule.ready_ns[slot])
-        self._enter(args=[self.state, self.rows, self._gate_ptr, self._gate, self._end, slot, ready])
+        self._enter(args=[self.state, self.rows, self._gate_ptr, self._gate, self._offset, self._end, slot, ready])
 
     def completed(self, slot: int) -> None:
         """Enqueue, on the current stream (after the call's Works were waited on), its completion stamp."""
-        self._done(args=[self.state, self.rows, self._end, slot])
+        self._done(args=[self.state, self.rows, self._end, self._transfer, slot])
+
+    def log(self) -> tuple[np.ndarray, int | None]:
+        """Each call's [due, entered, completed, lateness of its completion] (the clock's ns, UNSET
+        where not written), and the clock's time at logical 0 (None until a completion pinned it)."""
+        torch.cuda.synchronize(self.device)
+        origin = int(self.state[0].item())
+        return self.rows.cpu().numpy()[: self.schedule.calls], origin or None
 
     def arrivals(self) -> dict[str, Any]:
-        torch.cuda.synchronize(self.device)
-        rows = self.rows.cpu().numpy()[: self.schedule.calls]
-        origin = int(self.state[0].item())
-        return {"clock": "device", **arrival_report(rows, self.schedule.ready_ns, origin or None)}
+        rows, origin = self.log()
+        return {"clock": "device", **arrival_report(rows, self.schedule.ready_ns, origin)}
 
 
 class HostClock:
@@ -237,7 +299,7 @@ class HostClock:
             self.rows[slot, 1] = time.perf_counter_ns()
             return
         self._pinned.wait()
-        late = int(max(self.rows[i, 3] for i in gates)) if len(gates) else 0
+        late = int(max(self.rows[i, 3] - o for i, o in zip(gates, sch.offsets(slot)))) if len(gates) else 0
         due = self._origin + int(sch.ready_ns[slot]) + late
         delay = due - self.issue_ns - time.perf_counter_ns()
         if delay > 0:
@@ -246,19 +308,26 @@ class HostClock:
         self.rows[slot, 1] = time.perf_counter_ns()
 
     def completed(self, slot: int) -> None:
-        """The call ``slot`` was seen complete now."""
+        """The call ``slot`` was seen complete now (its lateness as the device clock's)."""
         now = time.perf_counter_ns()
         end = int(self.schedule.planned_end_ns[slot])
         with self._lock:
             if not self._pinned.is_set():  # the first real completion: logical time meets the clock
                 self._origin = now - end
                 self._pinned.set()
+            entered = int(self.rows[slot, 1])
+            seen = max(now, entered + int(self.schedule.transfer_ns[slot])) if entered != UNSET else now
             self.rows[slot, 2] = now
-            self.rows[slot, 3] = now - self._origin - end
+            self.rows[slot, 3] = seen - self._origin - end
         self._done[slot].set()
 
+    def log(self) -> tuple[np.ndarray, int | None]:
+        """As :meth:`DeviceClock.log`, on the host's clock."""
+        return self.rows, self._origin
+
     def arrivals(self) -> dict[str, Any]:
-        return {"clock": "host", **arrival_report(self.rows, self.schedule.ready_ns, self._origin)}
+        rows, origin = self.log()
+        return {"clock": "host", **arrival_report(rows, self.schedule.ready_ns, origin)}
 
 
-__all__ = ["DeviceClock", "HostClock", "Schedule", "arrival_report"]
+__all__ = ["DeviceClock", "HostClock", "Schedule", "arrival_report", "schedule_table"]

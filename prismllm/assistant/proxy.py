@@ -76,15 +76,17 @@ from datetime import timedelta
 from typing import Any
 
 import numpy as np
+import pyarrow.parquet as pq
 import torch
 
 from prismllm import pruning as C, replay as R
-from prismllm.assistant.clock import DeviceClock, HostClock, Schedule
+from prismllm.assistant.clock import DeviceClock, HostClock, Schedule, schedule_table
 from prismllm.childenv import TIMINGS, user_setting
 from prismllm.errors import PrismError
 from prismllm.generate.store import TensorStore, dtype_from_name
+from prismllm.outputs import SCHEDULE_FILE
 from prismllm.replay import INST_COLLECTIVE, ExternalEvent, Replay, ReplayGraph
-from prismllm.replay.gates import external_gates
+from prismllm.replay.gates import external_gates, planned_idle
 from prismllm.replay.mirror import mirror_plan
 from prismllm.trace.edges import match_p2p
 from prismllm.trace.graph import PrismTrace
@@ -210,6 +212,7 @@ class Assistant:
                 issue=d.issue_ns,
                 warmup=warmup,
             )
+            self._transfer_ns = d.transfer_ns  # per instance: a blocking call's wait is the rest (gates)
             # the planned end of each instance with the sandbox: where the solve of the whole
             # graph (sandbox ranks with their calibrated times) ends it
             sol = R.solve(trace, validate_graph=False, mirror=mirror)
@@ -224,6 +227,7 @@ class Assistant:
         self._kept_limit = torch.cuda.get_device_properties(self.device).total_memory // 8 if self.device else 1 << 30
         # "real" timing: the schedule of the calls with the sandbox (made once they are planned)
         self.clock: DeviceClock | HostClock | None = None
+        self._plan: list[list[_Job]] = []  # the calls with the sandbox, one job list a slot (schedule)
         self._stores: dict[int, TensorStore] = {}
         self._done: queue.Queue[tuple[_Group, BaseException | None]] = queue.Queue()  # workers' ends
         self.groups: dict[int, _Group] = {}
@@ -695,7 +699,7 @@ class Assistant:
         and each worker enters its group's calls back to back (``fast``), or each at its time
         (``real``), where the sandbox's real completions move the calls that wait on them (``clock``)."""
         self.start()
-        plan = self.schedule()
+        plan = self._plan = self.schedule()
         if self.timing == "real":
             sch = self._clock_schedule(plan)
             self.clock = DeviceClock(self.device, sch) if self.device else HostClock(sch)
@@ -745,22 +749,31 @@ class Assistant:
 
     def _clock_schedule(self, plan: list[list[_Job]]) -> Schedule:
         """The real-time schedule of ``plan`` (one entry a slot): when each call is due, where it was
-        planned to end, and the earlier calls it waits behind (``replay.gates``: the sandbox's calls
-        its virtual members last waited on; those another assistant plays are not followed)."""
+        planned to end and its planned transfer, and the earlier calls it waits behind with their
+        offsets (``replay.gates``: the sandbox's calls its virtual members last waited on, less the
+        plan's waits since; those another assistant plays are not followed)."""
         slot_of = {j.event.instance: s for s, jobs in enumerate(plan) for j in jobs}
-        ptr, gates = external_gates(self.graph)
-        gate_ptr, gate = [0], []
+        ptr, gates, offsets = external_gates(self.graph, planned_idle(self.replay.result(), self._transfer_ns))
+        gate_ptr, gate, gate_offset = [0], [], []
         for s, jobs in enumerate(plan):
-            mine = {
-                slot_of.get(int(i), s) for j in jobs for i in gates[ptr[j.event.instance] : ptr[j.event.instance + 1]]
-            }
-            gate.extend(sorted(mine - {s}))
+            mine: dict[int, int] = {}  # gate slot -> the least offset any of the slot's calls has on it
+            for j in jobs:
+                a, b = ptr[j.event.instance], ptr[j.event.instance + 1]
+                for i, o in zip(gates[a:b].tolist(), offsets[a:b].tolist()):
+                    k = slot_of.get(i, s)
+                    if k != s:
+                        mine[k] = min(o, mine.get(k, o))
+            for k in sorted(mine):
+                gate.append(k)
+                gate_offset.append(mine[k])
             gate_ptr.append(len(gate))
         return Schedule(
             ready_ns=[jobs[0].event.ready_ns for jobs in plan],
             planned_end_ns=[max(j.end_ns for j in jobs) for jobs in plan],
             gate_ptr=gate_ptr,
             gate=gate,
+            gate_offset_ns=gate_offset,
+            transfer_ns=[max(int(self._transfer_ns[j.event.instance]) for j in jobs) for jobs in plan],
         )
 
     def write_result(self, path: str) -> None:
@@ -783,9 +796,27 @@ class Assistant:
         }
         if self.clock is not None:  # how late the virtual ranks' arrivals came against their schedule
             doc["arrivals"] = self.clock.arrivals()
+            self._write_schedule(os.path.join(os.path.dirname(path), SCHEDULE_FILE))
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+
+    def _write_schedule(self, path: str) -> None:
+        """The real-time schedule call by call (:func:`prismllm.assistant.clock.schedule_table`),
+        each call named by its first virtual member: rank, node index, iteration."""
+        g = self.graph
+        first = [jobs[0].event.nodes[0] for jobs in self._plan]
+        calls = {
+            "group": [jobs[0].event.group for jobs in self._plan],
+            "op": ["+".join(j.event.op for j in jobs) for jobs in self._plan],
+            "rank": [g.rank_of(p) for p in first],
+            "index": [int(g.index[p]) for p in first],
+            "iteration": [int(g.iteration[p]) for p in first],
+        }
+        rows, origin = self.clock.log()
+        tmp = f"{path}.tmp"
+        pq.write_table(schedule_table(self.clock.schedule, rows, origin, calls), tmp)
         os.replace(tmp, path)
 
 

@@ -47,7 +47,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-from prismllm.childenv import MODES, ChildEnv
+from prismllm.childenv import MODES, ChildEnv, user_setting
 from prismllm.comm import recorder as _recorder_mod, redops, sandbox, saving, scratch, solo, solo_objects, switch
 from prismllm.comm.recorder import Recorder
 from prismllm.comm.recording import RecordingProcessGroup
@@ -79,6 +79,15 @@ def reads_transfer_durations(mode: str, child: ChildEnv) -> bool:
     host runs ahead of its device, with a new output every call (DTensor's functional
     collectives), would peak higher than the real run."""
     return mode != "emulate" or bool(child.transfer_durations)
+
+
+def all_points_on_device(mode: str, child: ChildEnv) -> bool:
+    """Whether every point of the rank's log is a CUDA event (on a GPU), or only its iteration
+    boundaries: every point where transfers are read (a recording, a slice), and in an emulation
+    only when ``PRISM_DEVICE_POINTS=1`` asks for the sandbox's spans on the device (each point is a
+    timing event between two of the program's kernels, ~3 µs of an H200's time the real run does
+    not spend)."""
+    return reads_transfer_durations(mode, child) or user_setting("PRISM_DEVICE_POINTS") == "1"
 
 
 def _record_natively() -> None:
@@ -139,10 +148,11 @@ def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder 
         # an emulation's rank log is its measurement, not a timed graph: no transfer read, and
         # device time only at the iteration boundaries (Recorder.all_points_on_device)
         _REC.durations_ok = False
-        _REC.all_points_on_device = False
+        points = all_points_on_device(mode, child)
+        _REC.all_points_on_device = points
         if _NATIVE is not None:
             _NATIVE.set_durations(False)
-            _NATIVE.set_all_points_on_device(False)
+            _NATIVE.set_all_points_on_device(points)
 
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, _create_pg, extended_api=True, devices=["cpu", "cuda"])
