@@ -73,7 +73,8 @@ extern "C" __global__ void prism_enter_at(long long* state, long long* rows, con
         long long i = gate[k];
         while (r[4 * i + 2] == UNSET) {
         }
-        long long l = r[4 * i + 3] - gate_offset[k];  // written before r[4 * i + 2]
+        __threadfence();  // the lateness, written before the completion, read after it
+        long long l = r[4 * i + 3] - gate_offset[k];
         if (!gated || l > late) late = l;
         gated = true;
     }
