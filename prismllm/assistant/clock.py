@@ -6,10 +6,7 @@ Logical time 0 of the replay is pinned to the clock by the first call that compl
 moment its last virtual member arrives in the solve of the calibrated graph), moved by how late
 (or early) its *gates* completed against their planned ends: the sandbox's calls its virtual
 members last waited on before arriving (``prismllm.replay.gates``), each less the plan's waits
-after it, and it is not entered before they completed. A completion counts no earlier than the
-call's entry plus its planned transfer: the virtual ranks take the graph's time for a call, not
-this machine's link's (a CPU recording's transfers, waits included, ran ~15 ms over the emulation's
-own, and its virtual stage gained that on every call). A sandbox slower than the calibrated graph so delays the virtual ranks that wait
+after it, and it is not entered before they completed. A sandbox slower than the calibrated graph so delays the virtual ranks that wait
 on it, as a slow rank delays its real peers; a call that a virtual rank issued and went on from
 (DDP's bucket, FSDP's prefetch) delays only what waits on it. (One global shift, the earlier
 rule, moved every later call by the latest completion: a virtual replica then arrived ever later
@@ -90,20 +87,14 @@ extern "C" __global__ void prism_enter_at(long long* state, long long* rows, con
     r[4 * j + 1] = now;
 }
 
-// A call's lateness: its completion against its planned end, the completion taken no earlier than
-// its entry plus its planned transfer (what the graph says the call takes once all are in: the
-// virtual ranks do not gain where this machine's link is faster than the graph's).
-extern "C" __global__ void prism_completed(long long* state, long long* rows, const long long* planned_end,
-                                           const long long* transfer, int j) {
+extern "C" __global__ void prism_completed(long long* state, long long* rows, const long long* planned_end, int j) {
     long long now = prism_now();
     unsigned long long* s = (unsigned long long*)state;
     atomicCAS(&s[0], 0ULL, (unsigned long long)(now - planned_end[j]));  // the first completion pins
     __threadfence_system();
     long long origin = (long long)((volatile unsigned long long*)s)[0];
     volatile long long* r = rows;
-    long long seen = now, entered = r[4 * j + 1];
-    if (entered != UNSET && entered + transfer[j] > seen) seen = entered + transfer[j];
-    r[4 * j + 3] = seen - origin - planned_end[j];
+    r[4 * j + 3] = now - origin - planned_end[j];
     __threadfence_system();
     r[4 * j + 2] = now;
 }
@@ -116,21 +107,17 @@ class Schedule:
     handed them): each call's planned ready time and planned end (logical ns), and its gates (CSR
     of slots: ``gate[gate_ptr[j]:gate_ptr[j + 1]]``, earlier slots) with each gate's offset (ns the
     virtual rank waited by the plan after that gate: its lateness less that moves the call;
-    ``prismllm.replay.gates``; none given: 0), and each call's planned transfer (its completion
-    counts no earlier than its entry plus that)."""
+    ``prismllm.replay.gates``; none given: 0)."""
 
     ready_ns: np.ndarray
     planned_end_ns: np.ndarray
     gate_ptr: np.ndarray
     gate: np.ndarray
     gate_offset_ns: np.ndarray | None = None
-    transfer_ns: np.ndarray | None = None  # per slot: the call's planned time once all are in (none: 0)
 
     def __post_init__(self) -> None:
         if self.gate_offset_ns is None:
             self.gate_offset_ns = np.zeros(len(self.gate), dtype=np.int64)
-        if self.transfer_ns is None:
-            self.transfer_ns = np.zeros(len(self.ready_ns), dtype=np.int64)
         for f in dataclasses.fields(self):
             setattr(self, f.name, np.ascontiguousarray(getattr(self, f.name), dtype=np.int64))
 
@@ -229,7 +216,7 @@ def _kernels(device: int) -> tuple[Any, Any]:
         rows = torch.full((4,), UNSET, dtype=torch.int64, device=dev)
         zeros = torch.zeros(2, dtype=torch.int64, device=dev)
         enter(args=[state, rows, zeros, zeros, zeros, zeros, 0, 0.0])
-        done(args=[state, rows, zeros, zeros, 0])
+        done(args=[state, rows, zeros, 0])
         torch.cuda.synchronize(dev)
         _BUILT[device] = (enter, done)
     return _BUILT[device]
@@ -251,7 +238,6 @@ class DeviceClock:
         offsets = schedule.gate_offset_ns
         self._offset = torch.as_tensor(offsets if len(offsets) else np.zeros(1, np.int64), **on)
         self._end = torch.as_tensor(schedule.planned_end_ns if schedule.calls else np.zeros(1, np.int64), **on)
-        self._transfer = torch.as_tensor(schedule.transfer_ns if schedule.calls else np.zeros(1, np.int64), **on)
         self._enter, self._done = _kernels(idx)
 
     def enter(self, slot: int) -> None:
@@ -261,7 +247,7 @@ class DeviceClock:
 
     def completed(self, slot: int) -> None:
         """Enqueue, on the current stream (after the call's Works were waited on), its completion stamp."""
-        self._done(args=[self.state, self.rows, self._end, self._transfer, slot])
+        self._done(args=[self.state, self.rows, self._end, slot])
 
     def log(self) -> tuple[np.ndarray, int | None]:
         """Each call's [due, entered, completed, lateness of its completion] (the clock's ns, UNSET
@@ -309,17 +295,15 @@ class HostClock:
         self.rows[slot, 1] = time.perf_counter_ns()
 
     def completed(self, slot: int) -> None:
-        """The call ``slot`` was seen complete now (its lateness as the device clock's)."""
+        """The call ``slot`` was seen complete now."""
         now = time.perf_counter_ns()
         end = int(self.schedule.planned_end_ns[slot])
         with self._lock:
             if not self._pinned.is_set():  # the first real completion: logical time meets the clock
                 self._origin = now - end
                 self._pinned.set()
-            entered = int(self.rows[slot, 1])
-            seen = max(now, entered + int(self.schedule.transfer_ns[slot])) if entered != UNSET else now
             self.rows[slot, 2] = now
-            self.rows[slot, 3] = seen - self._origin - end
+            self.rows[slot, 3] = now - self._origin - end
         self._done[slot].set()
 
     def log(self) -> tuple[np.ndarray, int | None]:

@@ -749,7 +749,7 @@ class Assistant:
 
     def _clock_schedule(self, plan: list[list[_Job]]) -> Schedule:
         """The real-time schedule of ``plan`` (one entry a slot): when each call is due, where it was
-        planned to end and its planned transfer, and the earlier calls it waits behind with their
+        planned to end, and the earlier calls it waits behind with their
         offsets (``replay.gates``: the sandbox's calls its virtual members last waited on, less the
         plan's waits since; those another assistant plays are not followed)."""
         slot_of = {j.event.instance: s for s, jobs in enumerate(plan) for j in jobs}
@@ -773,7 +773,6 @@ class Assistant:
             gate_ptr=gate_ptr,
             gate=gate,
             gate_offset_ns=gate_offset,
-            transfer_ns=[max(int(self._transfer_ns[j.event.instance]) for j in jobs) for jobs in plan],
         )
 
     def write_result(self, path: str) -> None:
