@@ -454,7 +454,7 @@ class Suite:
             flush=True,
         )
 
-    def spans(self, c: Case) -> dict | None:
+    def spans(self, c: Case) -> dict:
         """benchmarks/sandbox_spans.py of the case's prism run (with its recording where there is one):
         the sandbox rank's iteration and compute per source, and the schedule's drift."""
         d = self.work(c)

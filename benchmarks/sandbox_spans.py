@@ -28,20 +28,19 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from prismllm.outputs import CAL_DIR, EMULATE_DIR, GRAPH_DIR, RANKLOGS_DIR, SCHEDULE_FILE, SUMMARY_FILE, TIME_DIR
+from prismllm.trace.graph import read_rows_of_ranks
 from prismllm.trace.ranklog import ranklog_path, read_ranklog
+from prismllm.trace.summary import WARMUP, steady
 
 MS = 1e6
 
 
 def graph_rank(graph: Path, rank: int) -> tuple[list[dict], dict[int, int]]:
     """A graph's nodes of ``rank`` (kind, iteration, index, duration_ns) and its iterations' lengths."""
-    cols = ["rank", "kind", "iteration", "index", "duration_ns"]
-    nodes = pq.read_table(graph / "nodes.parquet", columns=cols).to_pylist()
-    its = pq.read_table(graph / "iterations.parquet").to_pylist()
-    return (
-        [n for n in nodes if n["rank"] == rank],
-        {i["iteration"]: i["end_ns"] - i["start_ns"] for i in its if i["rank"] == rank},
-    )
+    cols = ["kind", "iteration", "index", "duration_ns"]
+    nodes = read_rows_of_ranks(graph / "nodes.parquet", [rank]).select(cols).to_pylist()
+    its = read_rows_of_ranks(graph / "iterations.parquet", [rank]).to_pylist()
+    return nodes, {i["iteration"]: i["end_ns"] - i["start_ns"] for i in its}
 
 
 def log_rank(run: Path, rank: int) -> tuple[list[dict], dict[int, int], str]:
@@ -52,22 +51,23 @@ def log_rank(run: Path, rank: int) -> tuple[list[dict], dict[int, int], str]:
 
 
 def spans(nodes: list[dict], its: dict[int, int], warmup: int) -> dict:
-    """Medians over the steady iterations: iteration, compute per iteration, and each compute span
-    by its place in the iteration (its index less the iteration's first)."""
+    """Medians over the steady iterations (all but the first ``warmup``, as prism's own medians):
+    iteration, compute per iteration, and each compute span by its place in the iteration (its
+    index less the iteration's first)."""
     first: dict[int, int] = {}
     for n in nodes:
         first[n["iteration"]] = min(first.get(n["iteration"], n["index"]), n["index"])
-    steady = sorted(k for k in its if k >= warmup)
+    kept = steady(sorted(its), warmup)
     compute: dict[int, int] = defaultdict(int)
     by_place: dict[int, list[int]] = defaultdict(list)
     for n in nodes:
-        if n["kind"] == "compute" and n["iteration"] >= warmup and n["duration_ns"] >= 0:
+        if n["kind"] == "compute" and n["iteration"] in kept and n["duration_ns"] >= 0:
             compute[n["iteration"]] += n["duration_ns"]
             by_place[n["index"] - first[n["iteration"]]].append(n["duration_ns"])
     return {
-        "iterations": len(steady),
-        "iteration_ms": statistics.median(its[k] for k in steady) / MS if steady else None,
-        "compute_ms": statistics.median(compute[k] for k in steady) / MS if steady else None,
+        "iterations": len(kept),
+        "iteration_ms": statistics.median(its[k] for k in kept) / MS if kept else None,
+        "compute_ms": statistics.median(compute[k] for k in kept) / MS if kept else None,
         "span_ms": {p: statistics.median(v) / MS for p, v in by_place.items()},
     }
 
@@ -105,14 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("run", type=Path, help="a prism run directory")
     ap.add_argument("--record", type=Path, help="a recorded graph of the real job")
     ap.add_argument("--rank", type=int, help="the sandbox rank (default: the emulation's first)")
-    ap.add_argument("--warmup", type=int, help="first steady iteration (default: the calibration's warm-up)")
+    ap.add_argument("--warmup", type=int, help="iterations left out (default: the calibration's)")
     ap.add_argument("--top", type=int, default=8, help="spans listed, by their difference from the slice's")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args(argv)
     emu = json.loads((a.run / EMULATE_DIR / "emulate.json").read_text())
     rank = a.rank if a.rank is not None else int(sorted(emu["sandbox_results"], key=int)[0])
     summary = json.loads((a.run / CAL_DIR / SUMMARY_FILE).read_text())
-    warmup = a.warmup if a.warmup is not None else min(summary["steady_iterations"])
+    warmup = a.warmup if a.warmup is not None else int(summary.get("warmup", WARMUP))
     sources = {"slice": spans(*graph_rank(a.run / TIME_DIR / GRAPH_DIR, rank), warmup)}
     if a.record is not None:
         sources["real"] = spans(*graph_rank(a.record, rank), warmup)

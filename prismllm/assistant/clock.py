@@ -6,8 +6,9 @@ Logical time 0 of the replay is pinned to the clock by the first call that compl
 moment its last virtual member arrives in the solve of the calibrated graph), moved by how late
 (or early) its *gates* completed against their planned ends: the sandbox's calls its virtual
 members last waited on before arriving (``prismllm.replay.gates``), each less the plan's waits
-after it, and it is not entered before they completed. A sandbox slower than the calibrated graph so delays the virtual ranks that wait
-on it, as a slow rank delays its real peers; a call that a virtual rank issued and went on from
+after it, and it is not entered before they completed. A sandbox slower than the calibrated
+graph so delays the virtual ranks that wait on it, as a slow rank delays its real peers; a call
+that a virtual rank issued and went on from
 (DDP's bucket, FSDP's prefetch) delays only what waits on it. (One global shift, the earlier
 rule, moved every later call by the latest completion: a virtual replica then arrived ever later
 than the sandbox at its asynchronous buckets, the sandbox's NCCL kernels waited on its GPU's
@@ -172,27 +173,28 @@ def arrival_report(rows: np.ndarray, ready_ns: np.ndarray, origin: int | None) -
 def schedule_table(schedule: Schedule, rows: np.ndarray, origin: int | None, calls: dict[str, list]) -> pa.Table:
     """The schedule as the clock kept it, one row a call (slot): ``calls``' columns (what each call
     is), its planned ``ready_ns`` and ``planned_end_ns``, its ``gates`` (slots) and their
-    ``gate_offsets_ns``, and when it was
-    ``due``, ``entered`` and ``completed`` in the replay's logical ns (the clock's time less its
-    origin; null where not written or before the origin was pinned). What moved the virtual
-    ranks against the calibrated graph can be read from it call by call: a gap between a gate's
-    completion and the entry it let go that differs from the planned one, or a call that took
-    longer in the emulation than planned (its ``completed - entered`` against ``planned_end_ns -
-    ready_ns``)."""
+    ``gate_offsets_ns``, and when it was ``due``, ``entered`` and ``completed`` in the replay's
+    logical ns (the clock's time less its origin; null where not written or before the origin was
+    pinned). What moved the virtual ranks against the calibrated graph can be read from it call
+    by call: a gap between a gate's completion and the entry it let go that differs from the
+    planned one, or a call that took longer in the emulation than planned (its ``completed -
+    entered`` against ``planned_end_ns - ready_ns``)."""
     n = schedule.calls
 
     def logical(col: np.ndarray) -> pa.Array:
         ok = (col != UNSET) & (origin is not None)
         return pa.array(np.where(ok, col - (origin or 0), 0), mask=~ok, type=pa.int64())
 
-    gates = [schedule.gates(j).tolist() for j in range(n)]
+    def per_call(values: np.ndarray) -> pa.Array:  # a gate column, one list a call (the schedule's CSR)
+        return pa.ListArray.from_arrays(pa.array(schedule.gate_ptr, type=pa.int32()), pa.array(values, pa.int64()))
+
     cols = {
         "slot": pa.array(np.arange(n), type=pa.int64()),
         **{k: pa.array(v) for k, v in calls.items()},
         "ready_ns": pa.array(schedule.ready_ns, type=pa.int64()),
         "planned_end_ns": pa.array(schedule.planned_end_ns, type=pa.int64()),
-        "gates": pa.array(gates, type=pa.list_(pa.int64())),
-        "gate_offsets_ns": pa.array([schedule.offsets(j).tolist() for j in range(n)], type=pa.list_(pa.int64())),
+        "gates": per_call(schedule.gate),
+        "gate_offsets_ns": per_call(schedule.gate_offset_ns),
         "due_ns": logical(rows[:n, 0]),
         "entered_ns": logical(rows[:n, 1]),
         "completed_ns": logical(rows[:n, 2]),

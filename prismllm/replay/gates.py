@@ -39,7 +39,7 @@ def _last_at_or_before(mask: np.ndarray, first_of_rank: np.ndarray) -> np.ndarra
     return np.where(last >= first_of_rank, last, -1)
 
 
-def planned_idle(result: ReplayResult, transfer_ns: np.ndarray | None = None) -> np.ndarray:
+def planned_idle(result: ReplayResult, transfer_ns: np.ndarray) -> np.ndarray:
     """Per node position of a finished replay, cumulative: the time its rank waited, by the plan,
     at or before it (for another rank or a call: the gap before a node starts, and inside a
     blocking call what is not the call's ``transfer_ns``, per instance). ``S[p] - S[q]`` on one
@@ -49,9 +49,7 @@ def planned_idle(result: ReplayResult, transfer_ns: np.ndarray | None = None) ->
     prev = np.r_[0, result.return_ns[:-1]]
     idle = np.where(np.arange(g.num_nodes) > g.off[g.rank_pos], np.maximum(result.start_ns - prev, 0), 0)
     blocking = np.flatnonzero(g.blocking & (g.inst_of >= 0))
-    inside = result.end_ns[blocking] - result.start_ns[blocking]
-    if transfer_ns is not None:
-        inside = inside - transfer_ns[g.inst_of[blocking]]
+    inside = result.end_ns[blocking] - result.start_ns[blocking] - transfer_ns[g.inst_of[blocking]]
     idle[blocking] += np.maximum(inside, 0)
     return np.cumsum(idle)  # across ranks: only differences within a rank are read
 
