@@ -13,9 +13,10 @@ Per case (a program, a layout, a world size N):
    wait for the device at the closing synchronize where the program prints it (a share of the
    iteration: high when the GPU is the bottleneck), and the GPU's busy share (NVML's utilisation,
    sampled every 50 ms over the steady iterations: coarse).
-2. **prism**: ``prism run --world N --layout ... --devices cuda:0,1 --sandbox R`` (GPU 0 the
-   sandbox, GPU 1 the assistant, whatever N; ``--prism-devices cuda:1,0`` the other way round, on
-   the GPU the real job's last rank ran on): the calibrated prediction (``predicted_ms``) and the
+2. **prism**: ``prism run --world N --layout ... --devices cuda:S,A --sandbox R`` (the sandbox on
+   GPU S, the one the real runs gave rank R, the assistant on A, the lowest other; two H200s at
+   their power limit run one program's kernels at clocks ~10 % apart, so the sandbox's GPU sets the
+   prediction; ``--prism-devices`` gives others): the calibrated prediction (``predicted_ms``) and the
    sandbox rank's iteration time as the program itself prints it in the emulation
    (``emulated_ms``); the sandbox rank R is the rank that prints (the last).
 
@@ -210,10 +211,14 @@ def steady(its: list[dict], warmup: int = WARMUP) -> dict:
 
 # ---------------------------------------------------------------------- running
 class Sampler:
-    """NVML utilisation of one GPU every 50 ms, with the time of each sample."""
+    """NVML's utilisation, SM clock and power of one GPU every 50 ms, with the time of each sample.
+    An H200 that reaches its power limit lowers its clock, and two of them do not lower it alike
+    (lease 57: the pipeline's last stage at 1,680-1,720 MHz on one GPU of a machine and at
+    1,840-1,910 MHz on the other at the same 685-690 W): a row's clocks show what its figures
+    were measured at."""
 
     def __init__(self, gpu: int):
-        self.samples: list[tuple[float, int]] = []
+        self.samples: list[tuple[float, int, int, float]] = []  # (time, utilisation %, SM MHz, W)
         self._stop = threading.Event()
         try:
             import pynvml
@@ -221,23 +226,58 @@ class Sampler:
             pynvml.nvmlInit()
             self._h = pynvml.nvmlDeviceGetHandleByIndex(gpu)
             self._nvml = pynvml
-        except Exception:  # noqa: BLE001 - no NVML: no busy share
+        except Exception:  # noqa: BLE001 - no NVML: no busy share, no clocks
             self._nvml = None
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
     def _run(self) -> None:
-        while self._nvml is not None and not self._stop.wait(0.05):
+        nv = self._nvml
+        while nv is not None and not self._stop.wait(0.05):
             try:
-                self.samples.append((time.monotonic(), self._nvml.nvmlDeviceGetUtilizationRates(self._h).gpu))
+                util = nv.nvmlDeviceGetUtilizationRates(self._h).gpu
+                clock = nv.nvmlDeviceGetClockInfo(self._h, nv.NVML_CLOCK_SM)
+                power = nv.nvmlDeviceGetPowerUsage(self._h) / 1000
             except Exception:  # noqa: BLE001
                 return
+            self.samples.append((time.monotonic(), util, clock, power))
 
-    def share(self, t0: float, t1: float) -> float | None:
+    def stop(self) -> None:
         self._stop.set()
         self._t.join(1)
-        got = [u for t, u in self.samples if t0 <= t <= t1]
+
+    def share(self, t0: float, t1: float) -> float | None:
+        """The mean utilisation between ``t0`` and ``t1`` (monotonic), as a fraction."""
+        self.stop()
+        got = [u for t, u, _, _ in self.samples if t0 <= t <= t1]
         return round(statistics.fmean(got) / 100, 3) if got else None
+
+    def clocks(self, t0: float, t1: float) -> dict | None:
+        """The median SM clock (MHz) and power (W) of the busy samples (utilisation >= 50 %) between
+        ``t0`` and ``t1``."""
+        self.stop()
+        busy = [(c, w) for t, u, c, w in self.samples if t0 <= t <= t1 and u >= 50]
+        if not busy:
+            return None
+        return {
+            "sm_clock_mhz": statistics.median(c for c, _ in busy),
+            "power_w": round(statistics.median(w for _, w in busy)),
+        }
+
+    def bursts(self, gap_s: float = 1.0, least_s: float = 0.5) -> list[dict]:
+        """The stretches the GPU was busy (utilisation >= 50 %, pauses under ``gap_s``), at least
+        ``least_s`` long, in order, each with its length and :meth:`clocks`: in a prism run on GPUs
+        the capture, each slice and, last, the emulation."""
+        self.stop()
+        spans: list[list[float]] = []
+        for t, u, _, _ in self.samples:
+            if u < 50:
+                continue
+            if spans and t - spans[-1][1] < gap_s:
+                spans[-1][1] = t
+            else:
+                spans.append([t, t])
+        return [{"s": round(b - a, 1), **(self.clocks(a, b) or {})} for a, b in spans if b - a >= least_s]
 
 
 def run_streamed(cmd: list[str], env: dict, timeout: float, log: Path) -> tuple[int, str, dict[int, float]]:
@@ -373,9 +413,11 @@ class Suite:
         if rc == 0 and its:
             run.update(steady(its, self.a.warmup))
             lo, hi = seen.get(self.a.warmup), seen.get(max(seen, default=0))
-            run["busy_share"] = sampler.share(lo, hi) if lo and hi and hi > lo else sampler.share(0, -1)
+            lo, hi = (lo, hi) if lo and hi and hi > lo else (0.0, -1.0)  # no window: none
+            run["busy_share"] = sampler.share(lo, hi)
+            run["gpu"] = sampler.clocks(lo, hi)  # the sandbox rank's GPU over the steady iterations
         else:
-            sampler.share(0, -1)
+            sampler.stop()
             run["error"] = text[-1500:]
         with self.lock:
             if "ms" in run:
@@ -384,12 +426,25 @@ class Suite:
         self._observed("real", wall + 5)
         print(f"[{c.name}] real run {k + 1}: exit {rc}, {run.get('ms', '-')} ms, {wall:.0f} s", flush=True)
 
-    def prism(self, c: Case, r: dict) -> None:
+    def devices(self, c: Case, concurrent: bool) -> str:
+        """prism run's --devices for case ``c``: ``--prism-devices`` as given, or (auto) the sandbox on the GPU
+        the real runs gave the sandbox rank and the assistant on the lowest other one -- two GPUs at their power
+        limit run one program's kernels at clocks ~10 % apart (lease 57), and the sandbox's GPU sets the
+        prediction; beside real runs on other GPUs (``--concurrent``), GPUs 0 and 1."""
+        if self.a.prism_devices != "auto":
+            return self.a.prism_devices
+        gpus = self.doc["machine"].get("gpus") or 2
+        sandbox = c.sandbox if not concurrent and c.sandbox < gpus else 0
+        other = 1 if sandbox == 0 else 0
+        return f"cuda:{sandbox},{other}"
+
+    def prism(self, c: Case, r: dict, concurrent: bool = False) -> None:
         out = self.work(c) / "prism"
+        devices = self.devices(c, concurrent)
         cmd = [sys.executable, "-m", "prismllm.cli.main", "run", "--world", str(c.world), "--layout", c.layout]
         # --force: a run of this lease starts over (a machine held across calls keeps the last one's outputs,
         # which prism run would resume from)
-        cmd += ["--devices", self.a.prism_devices, "--sandbox", str(c.sandbox), "--out", str(out), "--json", "--force"]
+        cmd += ["--devices", devices, "--sandbox", str(c.sandbox), "--out", str(out), "--json", "--force"]
         cmd += ["--head-start", self.a.head_start, "--warmup", str(self.a.warmup), "--timeout", str(self.a.timeout)]
         cmd += ["--", *c.command()]
         print(f"[{c.name}] prism run ...", flush=True)
@@ -399,8 +454,10 @@ class Suite:
             env["PRISM_NATIVE_LANE"] = "0"
         if self.a.device_points:
             env["PRISM_DEVICE_POINTS"] = "1"
+        sampler = Sampler(int(devices.split(":")[1].split(",")[0]))
         rc, text, _ = run_streamed(cmd, env, self.a.timeout * 3, self.work(c) / "prism.log")
         wall = time.monotonic() - t0
+        bursts = sampler.bursts()
         self._observed("prism", wall + 10)
         p: dict[str, Any] = {
             "rc": rc,
@@ -409,7 +466,9 @@ class Suite:
             "issue_thread": not self.a.no_issue_thread,
             "native_lane": not self.a.python_path,
             "head_start": head_start_for(self.a.head_start, native_lane=not self.a.python_path) or "off",
-            "devices": self.a.prism_devices,
+            "devices": devices,
+            # the sandbox GPU's busy stretches (capture, the slices, the emulation last) with their clocks
+            "gpu_bursts": bursts,
             "warmup": self.a.warmup,  # prism run --warmup: its prediction's and emulation's medians
             "device_points": self.a.device_points,  # the emulated sandbox's spans timed on the device
             "host": self.doc["machine"].get("host"),  # the machine itself: leases of one kind differ by it
@@ -521,7 +580,7 @@ class Suite:
                 return
             t = threading.Thread(target=self.reals, args=(c, r, 2), daemon=True)
             t.start()
-            self.prism(c, r)
+            self.prism(c, r, concurrent=True)
             t.join()
             r["concurrent"] = True
         else:
@@ -544,7 +603,7 @@ DERIVED = (
     "real_mean_ms", "real_spread", "real_host_wait", "busy_share", "real_peak_bytes", "predicted_ms",
     "predicted_error", "emulated_ms", "emulated_error", "recorded_ms", "recorded_error", "solved_ms", "solved_error",
     "captured_peak_bytes", "emulated_peak_bytes", "captured_peak_equal", "emulated_peak_equal", "basis",
-    "real_basis_ms", "emulated_iter_time_error", "emulated_vs_predicted",
+    "real_basis_ms", "emulated_iter_time_error", "emulated_vs_predicted", "sm_clock_mhz",
 )  # fmt: skip
 
 
@@ -583,6 +642,16 @@ def finish(r: dict) -> None:
         r["emulated_vs_predicted"] = round(r["emulated_ms"] / r["predicted_ms"] - 1, 5)
     if period:  # the emulated sandbox's iter time against the real runs': the program's own measure, like for like
         r["emulated_iter_time_error"] = error(p.get("emulated_ms"), statistics.fmean(x["ms"] for x in runs))
+    # the sandbox rank's GPU clock: in the real runs (median of theirs), in the last slice and in the emulation
+    # (the prism run's last two busy stretches of the sandbox's GPU: the slices run in rank order, the
+    # sandbox rank the last)
+    real_clocks = [x["gpu"]["sm_clock_mhz"] for x in runs if x.get("gpu")]
+    bursts = [b for b in p.get("gpu_bursts") or [] if "sm_clock_mhz" in b]
+    r["sm_clock_mhz"] = {
+        "real": statistics.median(real_clocks) if real_clocks else None,
+        "slice": bursts[-2]["sm_clock_mhz"] if len(bursts) >= 3 else None,
+        "emulated": bursts[-1]["sm_clock_mhz"] if len(bursts) >= 3 else None,
+    }
     r["captured_peak_bytes"] = p.get("captured_peak_bytes")
     r["emulated_peak_bytes"] = p.get("emulated_peak_memory_bytes")
     tol = 10_000 if "gpt3d" in r["stack"] else 0  # gpt3d prints MB to two decimals: equal to that precision
@@ -603,18 +672,25 @@ def leases(r: dict) -> str:
     return f"{real or '–'} / {p or '–'}"
 
 
+def clocks(r: dict) -> str:
+    """The sandbox rank's GPU clock in the real runs, its last slice and its emulation (MHz)."""
+    c = r.get("sm_clock_mhz") or {}
+    return " / ".join("–" if c.get(k) is None else f"{c[k]:.0f}" for k in ("real", "slice", "emulated"))
+
+
 def markdown(doc: dict) -> str:
     m = doc.get("machine") or {}
     lines = [
         f"Machine: {m.get('gpu')} ×{m.get('gpus')}, {m.get('cpus')} cores, torch {m.get('torch')}. Real: plain "
-        "torchrun on N GPUs; prism: `prism run` on two GPUs (sandbox, assistant). Medians of the steady iterations "
+        "torchrun on N GPUs; prism: `prism run` on two GPUs (sandbox, assistant). SM MHz: the median SM clock "
+        "of the sandbox rank's GPU while busy (NVML). Medians of the steady iterations "
         "as the program prints them: the period (one iteration's start to the next's) where it prints one (`p`), "
         "else its iter time; errors against the mean of the real runs.",
         "",
         "| case | N | stack | layout | iterations (left out) | real ms (runs) | real spread | host wait | GPU busy | predicted | "
-        "error | emulated | error | emulated vs predicted | real recording solved | error | peak memory | machine "
-        "| leases (real / prism) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "error | emulated | error | emulated vs predicted | real recording solved | error | peak memory | SM MHz (real / "
+        "slice / emulated) | machine | leases (real / prism) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     done = []
     for r in doc.get("rows", []):
@@ -633,7 +709,7 @@ def markdown(doc: dict) -> str:
             f"{r.get('predicted_ms') or '–'} | {_pct(r.get('predicted_error'))} | {r.get('emulated_ms') or '–'} | "
             f"{_pct(r.get('emulated_error'))} | {_pct(r.get('emulated_vs_predicted'))} | "
             f"{r.get('solved_ms') or '–'} | {_pct(r.get('solved_error'))} | "
-            f"{peak} | {r.get('machine') or '–'} | {leases(r)} |"
+            f"{peak} | {clocks(r)} | {r.get('machine') or '–'} | {leases(r)} |"
         )
         if r.get("predicted_error") is not None and r.get("emulated_error") is not None:
             done.append(r)
@@ -704,9 +780,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--prism-devices",
-        default="cuda:0,1",
-        help="prism run's --devices (the first the sandbox's GPU, the second the assistant's): cuda:1,0 puts the "
-        "sandbox on the GPU the real job's last rank ran on; rows say which (prism.devices)",
+        default="auto",
+        help="prism run's --devices (the first the sandbox's GPU, the second the assistant's); auto: the sandbox on "
+        "the GPU the real runs gave the sandbox rank, the assistant on the lowest other (with --concurrent: cuda:0,1); "
+        "rows say which (prism.devices) and each GPU's clock (real_runs[].gpu, prism.gpu_bursts)",
     )
     ap.add_argument(
         "--iters",

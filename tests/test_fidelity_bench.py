@@ -211,6 +211,51 @@ def test_gpu_suite_runs_longer_jobs_and_leaves_out_their_first_iterations():
     assert fg.steady(its, warmup=5)["period_ms"] == 99
 
 
+def test_gpu_suite_places_the_sandbox_on_the_real_ranks_gpu_and_reports_its_clocks():
+    """benchmarks/fidelity_gpu.py: prism's sandbox runs on the GPU the real runs gave the sandbox rank
+    (two H200s at their power limit clock one program ~10 % apart); each row carries the sandbox
+    GPU's SM clock in the real runs, in the last slice and in the emulation (the prism run's last two
+    busy stretches), and the table shows them."""
+    import argparse
+
+    import fidelity_gpu as fg
+
+    suite = fg.Suite.__new__(fg.Suite)
+    suite.doc = {"machine": {"gpus": 2}}
+    suite.a = argparse.Namespace(prism_devices="auto")
+    ddp = next(c for c in fg.cases() if c.name == "ddp-2")
+    assert ddp.sandbox == 1 and suite.devices(ddp, concurrent=False) == "cuda:1,0"
+    assert suite.devices(ddp, concurrent=True) == "cuda:0,1"  # the real runs hold GPUs 2-3
+    suite.a.prism_devices = "cuda:0,1"
+    assert suite.devices(ddp, concurrent=False) == "cuda:0,1"  # as given
+
+    sampler = fg.Sampler(0)  # no NVML here: no samples of its own
+    sampler.stop()
+    # (time, utilisation %, SM MHz, W) every 0.05 s: idle, capture 1 s, idle 2 s, slice 1 s, idle, emulation 1 s
+    busy = {(0.5, 1.5): 1980, (3.5, 4.5): 1850, (6.5, 7.5): 1890}
+    sampler.samples = []
+    for i in range(160):
+        t = i * 0.05
+        mhz = next((m for (a, b), m in busy.items() if a <= t <= b), None)
+        sampler.samples.append((t, 99 if mhz else 0, mhz or 1980, 690.0 if mhz else 120.0))
+    bursts = sampler.bursts()
+    assert [b["sm_clock_mhz"] for b in bursts] == [1980, 1850, 1890] and all(b["power_w"] == 690 for b in bursts)
+    assert sampler.clocks(3.0, 5.0) == {"sm_clock_mhz": 1850, "power_w": 690}
+    assert sampler.clocks(2.0, 3.0) is None  # no busy sample
+
+    runs = [{"ms": 97.0, "peak_bytes": 1, "gpu": {"sm_clock_mhz": m, "power_w": 690}} for m in (1700, 1720, 1690)]
+    row = {
+        "stack": "x",
+        "real_ms": [97.0] * 3,
+        "real_runs": runs,
+        "prism": {"predicted_ms": 99.0, "gpu_bursts": bursts},
+    }
+    fg.finish(row)
+    assert row["sm_clock_mhz"] == {"real": 1700, "slice": 1850, "emulated": 1890}
+    md = fg.markdown({"rows": [{**row, "case": "ddp-2", "world": 2, "layout": "tp=1"}]})
+    assert "| 1700 / 1850 / 1890 |" in md
+
+
 def test_the_gpu_suites_pipelining_program_emulates_with_its_real_losses(tmp_path):
     """benchmarks/programs/torch_parallel.py --mode pp (the GPU suite's pipelining-pp2: PyTorch's
     PipelineStage and Schedule1F1B) on the CPU: plain torchrun, then prism run with its first stage

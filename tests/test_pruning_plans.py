@@ -700,6 +700,33 @@ def test_naive_full_value_double_counts():
     torch.testing.assert_close(out[0], full + inputs[1] + inputs[3], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize(
+    "op,like_me,premul,template",
+    [
+        ("sum", False, False, True),  # gloo's sum of recorded gradients: the program's tensors alone
+        ("max", False, False, True),
+        ("avg", False, False, False),  # divided by n after the call
+        ("sum", True, False, False),  # scaled by n / k after the call
+        ("avg", False, True, True),  # NCCL: the division inside the call (PREMUL_SUM)
+        ("sum", True, True, True),
+    ],
+)
+def test_a_reduce_scatter_with_nothing_after_it_has_a_lane_template(op, like_me, premul, template):
+    """One virtual member, no padding: the small reduce-scatter reads the program's input and
+    writes its output in place. Where no step follows it, the native lane can issue it again from
+    a template (FSDP2's gradient reduce-scatters); where one does, it cannot."""
+    p = C.plan_reduce_scatter(2, (1,), (ROWS, COLS), op, dtype=F64)
+    inp, out = torch.zeros(2 * ROWS, COLS, dtype=F64), torch.zeros(ROWS, COLS, dtype=F64)
+    call = C.sandbox_call(p, 1, input=inp, output=out, like_me=like_me, premul=premul)
+    got = C.lane_template(call, [out, inp])
+    assert (got is not None) == template, (call.post, got)
+    if template:
+        kind, red, factor, _root, in_role, out_role, pad = got
+        assert kind == "reduce_scatter" and pad is None
+        assert in_role == (1, 0, inp.numel()) and out_role == (0, 0, out.numel())
+        assert (red == int(dist.ReduceOp.RedOpType.PREMUL_SUM.value)) == premul
+
+
 def test_naive_reduce_scatter_layout_is_wrong():
     """Naive layout: small rank j reduces logical chunk j (as if the small comm were the group)."""
     n, real = 4, (1, 3)
