@@ -13,6 +13,7 @@ real-time emulation) runs on the GPU(s) and must finish with the recorded number
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -249,6 +250,9 @@ def test_whole_pipeline_on_gpu(tmp_path):
     assert len(its) >= 2 and all(t > 0 for t in its), rec["sandbox_results"]
     assert rec["sandbox_results"]["1"]["compute_ns"] is None  # iterations timed on the device, not spans
     assert rec["prediction"]["predicted_iteration_ns"] > 0
+    if importlib.util.find_spec("pynvml"):  # NVML read the GPU's clock in the slice and in the emulation
+        res = rec["sandbox_results"]["1"]
+        assert res["gpu"].get("samples", 0) > 0 and res["slice_gpu"].get("samples", 0) > 0, res
 
 
 def test_a_virtual_roots_small_broadcast_on_nccl(tmp_path, capsys, monkeypatch):

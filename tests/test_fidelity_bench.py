@@ -254,6 +254,10 @@ def test_gpu_suite_places_the_sandbox_on_the_real_ranks_gpu_and_reports_its_cloc
     assert row["sm_clock_mhz"] == {"real": 1700, "slice": 1850, "emulated": 1890}
     md = fg.markdown({"rows": [{**row, "case": "ddp-2", "world": 2, "layout": "tp=1"}]})
     assert "| 1700 / 1850 / 1890 |" in md
+    # prism's own reading of its slice's and its emulation's GPU (emulate.json) before the stretches
+    row["prism"].update(slice_gpu={"sm_clock_mhz": 1860}, emulated_gpu={"sm_clock_mhz": 1870})
+    fg.finish(row)
+    assert row["sm_clock_mhz"] == {"real": 1700, "slice": 1860, "emulated": 1870}
 
 
 def test_the_gpu_suites_pipelining_program_emulates_with_its_real_losses(tmp_path):

@@ -24,7 +24,7 @@ from prismllm.childenv import TIMINGS
 from prismllm.cli import options
 from prismllm.cli.program import add_program_args, line_prefix, program_args
 from prismllm.cli.progress import Display
-from prismllm.emulate.run import EmulateOptions, SandboxOutOfMemory, emulate
+from prismllm.emulate.run import EmulateOptions, SandboxOutOfMemory, clock_note, emulate
 from prismllm.errors import ExitCode
 from prismllm.launch import LaunchInterrupted
 
@@ -113,6 +113,9 @@ def _print_figures(res) -> None:
         )
         if pred and med:
             line += f"; calibrated prediction {_ms(pred)} ({(med - pred) / pred * 100:+.2f} %)"
+            clocks = clock_note(m.get("gpu"), m.get("slice_gpu"))
+            if clocks:  # a GPU at its power limit: the time moves with the clock
+                line += f" -- {clocks}"
         if m.get("emulation_overhead_left_out_ns"):  # CPU: the pruned calls' own host time
             line += f"; left out of its clock: {_ms(m['emulation_overhead_left_out_ns'])} of emulation overhead"
         print(line, file=sys.stderr)

@@ -23,6 +23,7 @@ from rich.console import Console
 from prismllm.cli import options
 from prismllm.cli.program import add_program_args, program_args
 from prismllm.cli.progress import Display, fmt_seconds
+from prismllm.emulate.run import clock_note
 from prismllm.launch import LaunchInterrupted, RankOutOfMemory
 from prismllm.pipeline.run import RunOptions, run_pipeline
 from prismllm.report.html import iterations_text
@@ -94,6 +95,9 @@ def render(s: dict, console: Console) -> None:
             + (", a shared GPU: communication over sockets" if s.get("shared_gpu") else "")
             + ")",
         )
+        clocks = clock_note(m.get("gpu"), m.get("slice_gpu"))
+        if clocks:  # a GPU at its power limit: its time moves with the clock
+            t.add_row("", clocks)
     peak = s.get("peak_memory")
     if peak:
         t.add_row(

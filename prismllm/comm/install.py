@@ -48,7 +48,17 @@ from torch.optim.optimizer import (
 )
 
 from prismllm.childenv import MODES, ChildEnv, user_setting
-from prismllm.comm import recorder as _recorder_mod, redops, sandbox, saving, scratch, solo, solo_objects, switch
+from prismllm.comm import (
+    recorder as _recorder_mod,
+    redops,
+    sandbox,
+    saving,
+    scratch,
+    solo,
+    solo_objects,
+    switch,
+)
+from prismllm.comm.gpuclock import GpuClock
 from prismllm.comm.recorder import Recorder
 from prismllm.comm.recording import RecordingProcessGroup
 from prismllm.comm.rows import iteration_rows, node_rows
@@ -63,6 +73,7 @@ _REC: Recorder | None = None
 _MODE = ""
 _NATIVE: Any = None  # prismllm.comm.native's module when it records (record mode; emulate's native lane)
 _NATIVE_GROUPS: set[str] = set()  # names of the groups it records
+_GPU_CLOCK: GpuClock | None = None  # a slice's or an emulation's GPU rank: the clock it ran at
 
 
 def native_wanted(mode: str, child: ChildEnv) -> bool:
@@ -113,7 +124,7 @@ def installed() -> bool:
 def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder | None:
     """Install the interception for ``mode`` with the settings ``child`` (default: this
     process's ChildEnv and its mode). No-op without a mode."""
-    global _REC, _MODE
+    global _REC, _MODE, _GPU_CLOCK
     child = child if child is not None else ChildEnv.current()
     mode = mode if mode is not None else (child.mode or "")
     if not mode:
@@ -137,6 +148,8 @@ def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder 
         sandbox.prepare(rank, child)
         if sandbox.lane() is not None:
             _record_natively()
+        if child.emulate_backend == "nccl":
+            _GPU_CLOCK = GpuClock()
     else:
         saving.setup(rank, child)
         if child.spool:
@@ -585,6 +598,7 @@ def collect(rec: Recorder) -> RankLog:
         transfer_durations=rec.transfer_durations() if rec.cuda else {},
         head_start=rec.head_start_counts() if rec.head_start else {},
         native_lane=dict(sandbox.lane().lane_stats()) if sandbox.lane() is not None else {},
+        gpu=_GPU_CLOCK.summary() if _GPU_CLOCK is not None else {},
     )
 
 

@@ -184,6 +184,15 @@ def _endpoint(opts: EmulateOptions) -> tuple[str, int]:
     return host, int(port)
 
 
+def clock_note(emulated: dict[str, Any] | None, sliced: dict[str, Any] | None, at_least: float = 0.01) -> str | None:
+    """A line on the clocks of an emulated rank and of its slice where they differ by at least
+    ``at_least`` (a fraction): its time moves with the clock on a compute-bound GPU."""
+    e, s = (emulated or {}).get("sm_clock_mhz"), (sliced or {}).get("sm_clock_mhz")
+    if not e or not s or abs(e - s) < at_least * s:
+        return None
+    return f"its GPU ran at {e:,} MHz, its slice's at {s:,} MHz ({(e - s) / s * 100:+.1f} %)"
+
+
 def check_failure(checks: dict[int, dict]) -> str | None:
     """Why a --check fails, in one line: the first sandbox rank with a pruned call whose output
     differs from the recording by more than rounding, or that could not be compared; None when
@@ -263,6 +272,9 @@ def _emulate(opts: EmulateOptions) -> EmulateResult:
     local = sandbox if opts.role in ("all", "sandbox") else ()
     codes = {r: result.returncodes.get(r) for r in local}
     prediction = _calibration(graph)
+    sliced = (manifest.get("timing") or {}).get("gpu") or {}
+    for r, m in run.sandbox_results.items():  # beside the emulated rank's GPU clock, its slice's
+        m["slice_gpu"] = sliced.get(str(r), {})
     comms = communicators(graph, sandbox)
     checked = check_failure(run.checks) if opts.check and failure is None else None
     if failure is not None:

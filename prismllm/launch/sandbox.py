@@ -384,6 +384,7 @@ def measured(ranklogs: Path, sandbox: Sequence[int], warmup: int = WARMUP) -> di
             "emulation_native_lane": log.native_lane,
             "transfer_durations": log.transfer_durations,
             "head_start": log.head_start,
+            "gpu": log.gpu,
         }
     return out
 

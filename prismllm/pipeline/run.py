@@ -384,7 +384,7 @@ def _summary(out: Path, state: dict[str, Any], s: dict[str, Any] | None, emu: di
     if emu:
         emulated = {
             r: {"iteration_ns": m.get("median_steady_iteration_ns")}
-            | {k: m[k] for k in ("peak_memory_bytes", "peak_memory_reason") if k in m}
+            | {k: m[k] for k in ("peak_memory_bytes", "peak_memory_reason", "gpu", "slice_gpu") if k in m}
             for r, m in (emu.get("sandbox_results") or {}).items()
         }
     return {

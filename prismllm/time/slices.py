@@ -481,6 +481,7 @@ def _time_slices(
     transfer_durations = {}  # per timed rank on GPU: calls timed by NCCL's own events, and not
     head_starts = {}  # per timed rank on GPU: the host's head starts (comm.headstart)
     native_lane = {}  # per timed rank with PRISM_NATIVE_LANE=1: its calls from a template and through Python
+    gpu = {}  # per timed rank on GPU: the clock its GPU ran at (comm.gpuclock)
     for k, s in enumerate(slices):
         for r in s:
             name = f"rank-{r:06d}.msgpack"
@@ -489,7 +490,11 @@ def _time_slices(
         for r, m in sl.get("sandbox_results", {}).items():
             left_out[r] = int(m.get("emulation_overhead_left_out_ns", 0))
             emulation_host[r] = int(m.get("emulation_host_ns", 0))
-            for key, kept in (("emulation_host_parts", host_parts), ("emulation_native_lane", native_lane)):
+            for key, kept in (
+                ("emulation_host_parts", host_parts),
+                ("emulation_native_lane", native_lane),
+                ("gpu", gpu),
+            ):
                 if m.get(key):
                     kept[r] = m[key]
             for key, kept in (("transfer_durations", transfer_durations), ("head_start", head_starts)):
@@ -523,6 +528,7 @@ def _time_slices(
             "emulation_host_ns": emulation_host,
             "emulation_host_parts": host_parts,
             "emulation_native_lane": native_lane,
+            "gpu": gpu,
             "transfer_durations": transfer_durations,
             "head_start": head_starts,
             "compute_from": "load pass: every rank at once (DIR/load)" if load else "the slices",

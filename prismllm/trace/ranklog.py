@@ -67,6 +67,9 @@ class RankLog:
     # GPU slices (prism time): the host's head starts given, the points timed after the first and
     # those at which the device had caught up with the host anyway (Recorder.head_start_counts)
     head_start: dict[str, int] = dataclasses.field(default_factory=dict)
+    # GPU slices and emulations: the clock the rank's GPU ran at while busy (NVML's SM clock and
+    # power medians, the highest temperature; prismllm.comm.gpuclock); empty where not read
+    gpu: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
