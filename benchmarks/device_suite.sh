@@ -83,7 +83,7 @@
 #              from $OUT/fidelity_gpu.json or benchmarks/results/fidelity_gpu.json (carry the last one back);
 #              FID_ARGS: more options, e.g. --concurrent on four GPUs, --record (the real job recorded and solved),
 #              --no-issue-thread (prism with PRISM_ISSUE_THREAD=0: the A/B without the issue thread),
-#              --prism-devices cuda:1,0 (the sandbox on the GPU the real job's last rank ran on);
+#              --prism-devices cuda:0,1 (the sandbox on GPU 0 whatever rank; the default puts it on the GPU the real runs gave its rank);
 #              FID_NAME: the results' name (default fidelity_gpu; another keeps an A/B's rows apart);
 #              the logs and the graphs (slices', recordings') come back as two tarballs
 #   cpu-fid N [CASES]  CPU fidelity rows at N ranks on the host's cores (fair while N <= cores;

@@ -496,6 +496,7 @@ class Suite:
         res = (emu.get("sandbox_results") or {}).get(str(c.sandbox)) or {}
         p["emulated_recorded_ms"] = round((res.get("median_steady_iteration_ns") or 0) / 1e6, 3) or None
         p["emulated_peak_memory_bytes"] = res.get("peak_memory_bytes")
+        p["emulated_gpu"], p["slice_gpu"] = res.get("gpu"), res.get("slice_gpu")  # prism's own (comm.gpuclock)
         p["arrivals"] = (emu.get("replay") or {}).get("arrivals")
         # the emulation layer's host time by part ([calls, wall ns, CPU ns]), emulated and in the slices
         p["emulated_host_parts"] = res.get("emulation_host_parts")
@@ -642,15 +643,17 @@ def finish(r: dict) -> None:
         r["emulated_vs_predicted"] = round(r["emulated_ms"] / r["predicted_ms"] - 1, 5)
     if period:  # the emulated sandbox's iter time against the real runs': the program's own measure, like for like
         r["emulated_iter_time_error"] = error(p.get("emulated_ms"), statistics.fmean(x["ms"] for x in runs))
-    # the sandbox rank's GPU clock: in the real runs (median of theirs), in the last slice and in the emulation
-    # (the prism run's last two busy stretches of the sandbox's GPU: the slices run in rank order, the
-    # sandbox rank the last)
-    real_clocks = [x["gpu"]["sm_clock_mhz"] for x in runs if x.get("gpu")]
+    # the sandbox rank's GPU clock: in the real runs (median of theirs), in its slice and in the emulation, as
+    # prism read them (emulate.json), else the prism run's last two busy stretches of the sandbox's GPU (the
+    # slices run in rank order, the sandbox rank the last)
+    real_clocks = [x["gpu"]["sm_clock_mhz"] for x in runs if (x.get("gpu") or {}).get("sm_clock_mhz")]
     bursts = [b for b in p.get("gpu_bursts") or [] if "sm_clock_mhz" in b]
     r["sm_clock_mhz"] = {
         "real": statistics.median(real_clocks) if real_clocks else None,
-        "slice": bursts[-2]["sm_clock_mhz"] if len(bursts) >= 3 else None,
-        "emulated": bursts[-1]["sm_clock_mhz"] if len(bursts) >= 3 else None,
+        "slice": (p.get("slice_gpu") or {}).get("sm_clock_mhz")
+        or (bursts[-2]["sm_clock_mhz"] if len(bursts) >= 3 else None),
+        "emulated": (p.get("emulated_gpu") or {}).get("sm_clock_mhz")
+        or (bursts[-1]["sm_clock_mhz"] if len(bursts) >= 3 else None),
     }
     r["captured_peak_bytes"] = p.get("captured_peak_bytes")
     r["emulated_peak_bytes"] = p.get("emulated_peak_memory_bytes")
