@@ -227,8 +227,10 @@ kernels)
         "$W"/*/emu*/emulate.json 2>/dev/null
     ls -la "$OUT" ;;
 ddp-tail)
-    # TAIL_NAME/TAIL_PROGRAM/TAIL_ARGS/TAIL_LAYOUT: another job than the suite's ddp-2 (e.g. gpt3d-pp2)
+    # TAIL_NAME/TAIL_PROGRAM/TAIL_ARGS/TAIL_LAYOUT: another job than the suite's ddp-2 (e.g. gpt3d-pp2);
+    # TAIL_DEVICES: prism's (default cuda:0,1; cuda:1,0 puts the sandbox on the GPU the real rank 1 ran on)
     K=benchmarks/programs/profile_rank.py N=${TAIL_NAME:-ddp-2} PROG=${TAIL_PROGRAM:-$P} LAY=${TAIL_LAYOUT:-tp=1,pp=1}
+    TD=${TAIL_DEVICES:-cuda:0,1}
     B=${TAIL_ARGS:---mode ddp --batch 16 --layers 8 --hidden 2048 --heads 16 --seq 1024 --iters 10}
     D=out/ddp-tail/$N W=out/ddp-tail/$N/w
     mkdir -p "$D"
@@ -237,7 +239,7 @@ ddp-tail)
     smi "$D/smi-real.csv"; s=$!
     env PROFILE_WITH=kineto PROFILE_RANK=1 PROFILE_OUT="$D" PROFILE_TAG=real timeout 120 python3 -m torch.distributed.run \
         --standalone --nproc-per-node 2 $K $PROG $B >"$D/real.log" 2>&1; echo "real kineto: $?"; kill $s
-    timeout 200 prism run --world 2 --layout "$LAY" --devices cuda:0,1 --sandbox 1 --out "$W" --force -- $PROG $B \
+    timeout 200 prism run --world 2 --layout "$LAY" --devices "$TD" --sandbox 1 --out "$W" --force -- $PROG $B \
         >"$D/prism.log" 2>&1; echo "prism run: $?"
     # which processes hold which GPU while the slice and the emulation run (a second context on the
     # sandbox's GPU time-slices it: on one shared GPU the slice's AdamW kernels ran 15.2 ms against 6.8)
@@ -249,7 +251,7 @@ ddp-tail)
             cmd=(emulate --graph "$W/cal/graph" --sandbox 1 --out "$W/emu-k"); fi
         smi "$D/smi-$what.csv"; s=$!
         env PRISM_PROGRAM_CHECK=off PROFILE_WITH=kineto PROFILE_RANK=all PROFILE_OUT="$D" PROFILE_TAG=$what timeout 150 \
-            prism "${cmd[@]}" --devices cuda:0,1 --force -- $K $PROG $B >"$D/$what.log" 2>&1; echo "$what kineto: $?"
+            prism "${cmd[@]}" --devices "$TD" --force -- $K $PROG $B >"$D/$what.log" 2>&1; echo "$what kineto: $?"
         kill $s
     done
     kill $apps 2>/dev/null
