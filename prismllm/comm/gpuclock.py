@@ -1,9 +1,9 @@
 """The clock a GPU rank ran at: NVML's SM clock, power draw and temperature of the rank's GPU,
 sampled on a daemon thread while the program runs (a slice of `prism time`, an emulation).
 
-A GPU at its power limit lowers its SM clock, and not by the same amount from run to run: two
-H200s of one machine ran the same pipeline stage at 1,710 MHz in a real two-GPU job and at
-1,850-1,860 MHz in its slice and its emulation, all at 685-690 W (lease 57-58). A rank's
+A GPU at its power limit lowers its SM clock, and not by the same amount from run to run: one
+H200 ran a pipeline's last stage at 1,710 MHz in a real two-GPU job and at 1,850-1,860 MHz in its
+slice and its emulation, all at 681-692 W (nvidia-h200-x2, lease 58). A rank's
 iteration moves with that clock, so each rank log carries the clock it was measured at
 (:meth:`GpuClock.summary`), the timed graph's manifest its slice's (``timing.gpu``) and
 emulate.json the emulated sandbox's beside it: a gap between a prediction and its emulation, or
@@ -55,7 +55,7 @@ class GpuClock:
     def __init__(
         self,
         reader: Callable[[], Callable[[], Reading] | None] = nvml_reader,
-        interval_s: float = 0.1,
+        interval_s: float = 0.2,
         ready: Callable[[], bool] = torch.cuda.is_initialized,
     ):
         self.samples: list[Reading] = []
