@@ -83,6 +83,9 @@ class ChildEnv:
     # read NCCL's device time of each asynchronous call (prism time's slices: their timed graph's
     # transfers), which holds the call's Work, and its tensors, until its device completes
     transfer_durations: bool | None = None
+    # a CPU emulation with real timing in one invocation: the file where each sandbox rank shares the
+    # host time it leaves out of its clock, which the assistant's clock leaves out too (comm.leftout)
+    left_out_board: str | None = None
     # ---- assistants (``python -m prismllm.assistant``)
     inputs: Inputs | None = None  # virtual ranks' inputs: recorded | generated (the sandbox ranks read it too)
     replay_timing: Timing | None = None  # fast | real

@@ -13,6 +13,8 @@ RANKLOGS_DIR = "ranklogs"  # a sandbox run's rank logs (prismllm.trace.ranklog)
 REPLAY_FILE = "replay.json"  # a sandbox run's first assistant's replay of the virtual ranks
 # ... and with real timing its schedule of the calls with the sandbox, call by call (assistant.clock)
 SCHEDULE_FILE = "schedule.parquet"
+# ... and on the CPU the host time each sandbox rank left out of its clock, shared (comm.leftout)
+LEFT_OUT_FILE = "left_out.bin"
 GRAPH_DIR = "graph"  # the graph a stage writes in its directory (time; calibrate --write-graph)
 SLICE_FILE = "slice.json"  # in a slice's directory (prism time): how its run ended, what it measured
 LOAD_DIR = "load"  # prism time's compute-under-load pass (its own slices and graph)
@@ -29,6 +31,7 @@ __all__ = [
     "EMULATE_DIR",
     "EMULATE_FILE",
     "GRAPH_DIR",
+    "LEFT_OUT_FILE",
     "LOAD_DIR",
     "LOGS_DIR",
     "RANKLOGS_DIR",

@@ -92,6 +92,37 @@ def test_host_clock_a_gated_call_waits_for_its_gate():
     assert done.wait(5)
 
 
+def test_host_clock_keeps_the_sandbox_clock_that_leaves_the_emulation_out(tmp_path):
+    """A CPU emulation: the sandbox leaves 30 ms of emulation overhead out of its clock between
+    two calls (a board it shares with the assistant, prismllm.comm.leftout). The virtual rank's
+    second call, gated on the first and due 20 ms after it by the plan, is due 20 ms after on the
+    sandbox's clock: 50 ms after on the wall's, with no lateness counted for the overhead; a
+    completion that came those 30 ms later on the wall is on time."""
+    from prismllm.comm.leftout import LANE, PYTHON, LeftOutBoard
+
+    path = LeftOutBoard.create(tmp_path / "board", 1)
+    sandbox, assistant = LeftOutBoard(path), LeftOutBoard(path)  # two processes' maps of one file
+    sch = Schedule(
+        ready_ns=[0, 20 * MS, 40 * MS],
+        planned_end_ns=[0, 20 * MS, 40 * MS],
+        gate_ptr=[0, 0, 1, 2],
+        gate=[0, 1],
+    )
+    clock = HostClock(sch, assistant.mean_ns)
+    clock.enter(0, first_of_group=True)
+    clock.completed(0)
+    wall0 = time.perf_counter_ns()
+    sandbox.set(0, PYTHON, 20 * MS)  # the Python layer's part and the native lane's add up
+    sandbox.set(0, LANE, 10 * MS)
+    assert assistant.mean_ns() == 30 * MS
+    clock.enter(1, first_of_group=False)
+    assert time.perf_counter_ns() - wall0 >= 49 * MS  # 20 ms on the sandbox's clock, 50 on the wall's
+    clock.completed(1)
+    assert abs(int(clock.rows[1, 3])) < 5 * MS  # on time on the sandbox's clock
+    clock.enter(2, first_of_group=False)
+    assert clock.rows[2, 0] - clock._origin - 40 * MS == clock.rows[1, 3]  # moved by call 1's lateness alone
+
+
 def test_schedule_table_puts_each_call_in_logical_time():
     """The clock's log as a table: each call's plan and gates beside its due, entry and completion
     less the origin; a call entered at once has no due time, one never entered no times."""

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from prismllm.assistant.proxy import Assistant, AssistantError
 from prismllm.childenv import ChildEnv, report_error, user_setting, variable
+from prismllm.comm.leftout import LeftOutBoard
 from prismllm.errors import PrismError
 from prismllm.hostmem import peak_rss_bytes
 from prismllm.launch.status import reporter
@@ -70,10 +71,12 @@ def main() -> int:
             ) from None
         index, count = child.assistant_index or 0, child.assistants or 1
         args = (child.sandbox, store, connect, timeout, backend, child.replay_timing or "fast", ahead, index, count)
+        # a CPU emulation's virtual ranks keep the sandbox ranks' clock (comm.leftout)
+        left_out = LeftOutBoard(child.left_out_board).mean_ns if child.left_out_board else None
         try:
-            a = Assistant(trace, *args)
+            a = Assistant(trace, *args, left_out=left_out)
         except MirrorError:  # a pair of calls across DP replicas: every rank read and replayed
-            a = Assistant(PrismTrace.load(child.graph, verify=False), *args, copies=False)
+            a = Assistant(PrismTrace.load(child.graph, verify=False), *args, copies=False, left_out=left_out)
         if status is not None:
             status.add(a.status_lines, a.progress)
         a.run()

@@ -176,17 +176,21 @@ class Assistant:
         count: int = 1,
         sandbox_order: bool | None = None,
         copies: bool = True,
+        left_out: Callable[[], int] | None = None,
     ) -> None:
         """``sandbox_order``: launch every call in the sandbox ranks' program order (default: on
         NCCL, which needs it; see ``_turn`` below). ``copies``: leave the DP replicas' copies out
         of the replay where the graph allows it (:func:`prismllm.replay.mirror.mirror_plan`;
-        MirrorError where its point-to-point calls do not)."""
+        MirrorError where its point-to-point calls do not). ``left_out``: the host time the
+        sandbox ranks have left out of their clocks so far, which the host clock of ``real``
+        timing leaves out of its own (prismllm.comm.leftout)."""
         if timing not in TIMINGS:
             raise AssistantError(f"replay timing {timing!r}: expected one of {', '.join(TIMINGS)}")
         if stage_ahead < 0:
             raise AssistantError(f"stage ahead {stage_ahead}: expected 0 or more calls")
         self.trace = trace
         self.timing, self.stage_ahead = timing, stage_ahead
+        self.left_out = left_out
         self.in_flight = max(1, int(user_setting("PRISM_IN_FLIGHT", str(IN_FLIGHT))))
         # "nccl": small groups are NCCL, the proxy's buffers on this process's GPU
         self.backend = backend
@@ -702,7 +706,7 @@ class Assistant:
         plan = self._plan = self.schedule()
         if self.timing == "real":
             sch = self._clock_schedule(plan)
-            self.clock = DeviceClock(self.device, sch) if self.device else HostClock(sch)
+            self.clock = DeviceClock(self.device, sch) if self.device else HostClock(sch, self.left_out)
         for slot, jobs in enumerate(plan):
             self.groups[jobs[0].event.group].jobs.put((slot, jobs))
         for grp in self.groups.values():

@@ -59,6 +59,7 @@ from prismllm.comm import (
     switch,
 )
 from prismllm.comm.gpuclock import GpuClock
+from prismllm.comm.leftout import LANE, LeftOutBoard
 from prismllm.comm.recorder import Recorder
 from prismllm.comm.recording import RecordingProcessGroup
 from prismllm.comm.rows import iteration_rows, node_rows
@@ -150,6 +151,12 @@ def install(mode: str | None = None, child: ChildEnv | None = None) -> Recorder 
             _record_natively()
         if child.emulate_backend == "nccl":
             _GPU_CLOCK = GpuClock()
+        if child.left_out_board and child.sandbox and rank in child.sandbox:
+            # a CPU emulation: what this rank leaves out of its clock, its assistant's clock too
+            board, k = LeftOutBoard(child.left_out_board), child.sandbox.index(rank)
+            _REC.left_out_board = (board, k)
+            if _NATIVE is not None:
+                _NATIVE.set_left_out_board(board.address(k, LANE))
     else:
         saving.setup(rank, child)
         if child.spool:

@@ -54,6 +54,7 @@ import torch
 
 from prismllm.childenv import user_setting
 from prismllm.comm import headstart
+from prismllm.comm.leftout import PYTHON, LeftOutBoard
 
 _now = time.time_ns
 
@@ -220,6 +221,8 @@ class Recorder:
         # host time the emulation's own layer spent on this rank's calls (prism emulate's
         # pruned groups on CPU: planning, buffers, checks), left out of the host clock
         self.excluded_ns = 0
+        # (board, this rank's place) where a CPU emulation shares excluded_ns with its assistant
+        self.left_out_board: tuple[LeftOutBoard, int] | None = None
         # the same layer's host time on every backend (on GPU counted, not left out)
         self.emulation_host_ns = 0
         self.calls_off_thread = 0  # emulation: pruned calls the issue thread issued (comm.sandbox)
@@ -260,6 +263,9 @@ class Recorder:
         layer spent on a call that the program's real backend would not spend (CPU timing,
         where the host clock is the device clock; docs/commands/time.md, "Emulation overhead on the CPU")."""
         self.excluded_ns += ns
+        if self.left_out_board is not None:  # the CPU emulation's assistant keeps this clock too
+            board, k = self.left_out_board
+            board.set(k, PYTHON, self.excluded_ns)
 
     def _ret_point(self) -> int:
         """The host point where a backend call returned."""

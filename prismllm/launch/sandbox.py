@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from prismllm.childenv import ChildEnv, native_lane_setting
+from prismllm.comm.leftout import LeftOutBoard
 from prismllm.errors import InputError, PrismError, RequirementError
 from prismllm.fromfields import FromFields
 from prismllm.launch.environment import gpu_ids
@@ -50,7 +51,7 @@ from prismllm.launch.spec import (
     LineSink,
     RankOutOfMemory,
 )
-from prismllm.outputs import LOGS_DIR, RANKLOGS_DIR, REPLAY_FILE
+from prismllm.outputs import LEFT_OUT_FILE, LOGS_DIR, RANKLOGS_DIR, REPLAY_FILE
 from prismllm.routing.contract import child_fields
 from prismllm.specs import DeviceSpec, cuda_on_cpu_devices, format_ranks, parse_devices
 from prismllm.trace.graph import PrismTrace, read_manifest
@@ -143,6 +144,11 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
         from prismllm.comm import native
 
         native.load(without="PRISM_NATIVE_LANE=0 emulates through the Python path")
+    # a CPU emulation with real timing, sandbox and assistant in this invocation: the virtual ranks
+    # keep the sandbox's clock, which leaves the emulation layer's host time out (comm.leftout)
+    board = None
+    if not cuda and spec.timing == "real" and spec.role == "all":
+        board = str(LeftOutBoard.create(out / LEFT_OUT_FILE, len(spec.sandbox)).resolve())
     rank_env = ChildEnv(
         mode="emulate",
         sandbox=spec.sandbox,
@@ -157,6 +163,7 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
         head_start=spec.head_start,
         native_lane_on=lane,  # explicit either way: nothing inherited decides it
         transfer_durations=spec.transfer_durations or None,
+        left_out_board=board,
     ).to_env()
     env: dict[str, str | None] = {
         **rank_env,
@@ -179,6 +186,7 @@ def launch_sandbox(spec: SandboxSpec) -> SandboxRun:
             assistant_index=a,
             # every assistant replays the same plan: the first one writes it
             replay_out=str((out / REPLAY_FILE).resolve()) if a == 0 else None,
+            left_out_board=board,
         )
         gpu = {"CUDA_VISIBLE_DEVICES": gpu_ids([assistant_gpus[a]], os.environ)[0]} if cuda else {}
         assistants.append(

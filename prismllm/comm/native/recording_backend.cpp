@@ -222,8 +222,13 @@ class Log {
   // native lane left out on gloo (``exclude``), as the Python recorder's clock leaves out its
   // pruned backend's own work where the host clock is the device clock (docs/commands/time.md).
   int64_t host_ns() const { return wall_ns() - excluded_.load(std::memory_order_relaxed); }
-  void exclude(int64_t ns) { excluded_.fetch_add(ns, std::memory_order_relaxed); }
+  void exclude(int64_t ns) {
+    int64_t all = excluded_.fetch_add(ns, std::memory_order_relaxed) + ns;
+    // the CPU emulation's board (prismllm/comm/leftout.py): the assistant's clock leaves it out too
+    if (left_out_board_ != nullptr) reinterpret_cast<std::atomic<int64_t>*>(left_out_board_)->store(all);
+  }
   int64_t excluded_ns() const { return excluded_.load(std::memory_order_relaxed); }
+  void set_left_out_board(int64_t address) { left_out_board_ = reinterpret_cast<int64_t*>(address); }
 
   // NCCL's device duration of async Works, read by the resolver once they complete (so a
   // Work -- and its tensors -- is held only until shortly after it completes, as NCCL's own
@@ -537,6 +542,7 @@ class Log {
   std::vector<int64_t> ints_;
   std::vector<int64_t> p_host_, p_ns_;
   std::atomic<int64_t> excluded_{0};  // host time left out of the points (host_ns)
+  int64_t* left_out_board_ = nullptr;  // where this rank's excluded_ is shared (set_left_out_board)
   std::vector<int32_t> p_dev_, p_slot_;
   std::deque<int64_t> unresolved_;
   std::vector<std::unique_ptr<c10::Event>> events_;
@@ -1011,6 +1017,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       }))
       .def_property_readonly("backend", &PrunedLane::backend);
   m.def("exclude", [](int64_t ns) { the_log().exclude(ns); });
+  m.def("set_left_out_board", [](int64_t address) { the_log().set_left_out_board(address); });
   m.def("excluded_ns", [] { return the_log().excluded_ns(); });
   m.def("lane_stats", [] {
     auto& s = PrunedLane::stats();
