@@ -48,16 +48,7 @@ from torch.optim.optimizer import (
 )
 
 from prismllm.childenv import MODES, ChildEnv, user_setting
-from prismllm.comm import (
-    recorder as _recorder_mod,
-    redops,
-    sandbox,
-    saving,
-    scratch,
-    solo,
-    solo_objects,
-    switch,
-)
+from prismllm.comm import recorder as _recorder_mod, redops, sandbox, saving, scratch, solo, solo_objects, switch
 from prismllm.comm.gpuclock import GpuClock
 from prismllm.comm.leftout import LANE, LeftOutBoard
 from prismllm.comm.recorder import Recorder

@@ -353,6 +353,12 @@ def _scale(t: torch.Tensor, p: Plan, scale: float) -> None:
             t.div_(p.group.k, rounding_mode="trunc")
 
 
+def _reduces_after(p: Plan, scale: float, factors: tuple[float, float] | None) -> bool:
+    """Whether a sum-like result needs a pass after the small call: AVG's division by n or the
+    ``like_me`` scaling, unless the pre-multiplied ``factors`` do both inside the call."""
+    return factors is None and (p.reduce_op == "avg" or scale != 1.0)
+
+
 # ---- sandbox helpers
 def _sb_all_reduce(
     p: Plan,
@@ -372,11 +378,11 @@ def _sb_all_reduce(
         post = None
         if factors is None:  # else the factors do it inside the call
             pre_reduce(buf, p.reduce_op, p.factor)
-            if p.reduce_op == "avg" or scale != 1.0:  # else nothing to do after the call
+        if _reduces_after(p, scale, factors):  # else nothing to do after the call
 
-                def post() -> None:
-                    post_reduce(t, p.reduce_op, p.group.n)
-                    _scale(t, p, scale)
+            def post() -> None:
+                post_reduce(t, p.reduce_op, p.group.n)
+                _scale(t, p, scale)
 
         call = SmallCall("all_reduce", i, reduce_op=p.small_reduce_op, input=buf, output=buf, post=post)
         if p.pad:  # the padding apart, in the same batch: no copy of the program's tensor
@@ -438,7 +444,7 @@ def _sb_reduce_scatter(
     # a post step that would do nothing is none: the call is then the program's tensors alone, which
     # the native lane issues again from a template (FSDP2's gradient reduce-scatters went through
     # Python's plan every call, ~0.3 ms of the backward's host time each on an H200)
-    idle = direct is not None and (factors is not None or (p.reduce_op != "avg" and scale == 1.0))
+    idle = direct is not None and not _reduces_after(p, scale, factors)
     call = SmallCall(
         "reduce_scatter", i, reduce_op=p.small_reduce_op, input=buf, output=obuf, post=None if idle else post
     )
